@@ -1,0 +1,25 @@
+"""Surrogate objectives, each a pure function registered by name.
+
+    loss, metrics = registry()[name](policy: PolicyOutput, batch: TrajectoryBatch, cfg)
+
+`cfg` is the frozen config from `make_config` (hashable: pass it as a jit static argument).
+Importing this package registers the seven built-ins.
+"""
+
+from jaxrl_llm.objectives.registry import (  # noqa: F401
+    NEEDS,
+    default_config,
+    get,
+    make_config,
+    register,
+    registry,
+    unregister,
+)
+from jaxrl_llm.objectives import common  # noqa: F401
+from jaxrl_llm.objectives import ppo as _ppo  # noqa: F401  (registers ppo, decoupled_ppo, a3po)
+from jaxrl_llm.objectives import sequence as _sequence  # noqa: F401  (gspo, gepo)
+from jaxrl_llm.objectives import offpolicy_grpo as _offpolicy_grpo  # noqa: F401
+from jaxrl_llm.objectives import jackpot as _jackpot  # noqa: F401
+from jaxrl_llm.objectives.jackpot import actor_ppo_loss, distill_loss  # noqa: F401
+
+BUILTIN = ("ppo", "decoupled_ppo", "a3po", "gspo", "gepo", "offpolicy_grpo", "jackpot")

@@ -1,0 +1,97 @@
+"""Token-level clipped objectives: coupled PPO/GRPO, decoupled PPO and A-3PO."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch
+from jaxrl_llm.objectives import common
+from jaxrl_llm.objectives.common import sg
+from jaxrl_llm.objectives.registry import register
+
+
+def _bounds(cfg):
+    return 1.0 - cfg.clip.eps_low, 1.0 + cfg.clip.eps_high
+
+
+@register("ppo")
+def ppo(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
+    """Coupled clipped surrogate (PPO / GRPO), A-3PO paper Eq. 1:
+
+        L = -E_t min(r A, clip(r, 1 - eps_low, 1 + eps_high) A),  r = pi_theta / pi_behav,
+
+    with clip-higher (eps_low != eps_high) and optional dual clip c. The behaviour policy is
+    both the importance-sampling proposal and the trust-region anchor.
+    """
+    behav = sg(batch.behav_logp)  # data, never differentiated
+    ratio = common.safe_exp(policy.logp - behav, cfg.log_ratio_clamp)
+    lo, hi = _bounds(cfg)
+    tok_loss, clipped = common.clipped_surrogate(ratio, batch.advantages, lo, hi, cfg.clip.dual_clip)
+    return common.finish(
+        tok_loss, policy, batch, cfg,
+        ratio_BxL=ratio, is_weight_BxL=ratio, clipped_BxL=clipped, anchor_logp_BxL=behav,
+    )
+
+
+def decoupled_loss(policy: PolicyOutput, batch: TrajectoryBatch, cfg, prox_logp_BxL, extra=None):
+    """A-3PO paper Eq. 2 (decoupled PPO, Hilton et al.):
+
+        L = -E_t F(pi_prox / pi_behav) * min(r A, clip(r, 1-eps_low, 1+eps_high) A),
+        r = pi_theta / pi_prox.
+
+    The importance weight corrects for sampling from pi_behav (stop-gradient: it is a
+    constant reweighting of the data); the trust region is centred on pi_prox.
+    """
+    behav = sg(batch.behav_logp)
+    prox = sg(prox_logp_BxL)  # the anchor is a constant of the update
+    ic = cfg.is_correction
+    weight = common.is_correction(
+        common.safe_exp(prox - behav, cfg.log_ratio_clamp), ic.kind, ic.cap, ic.low, ic.high
+    )
+    ratio = common.safe_exp(policy.logp - prox, cfg.log_ratio_clamp)
+    lo, hi = _bounds(cfg)
+    surr, clipped = common.clipped_surrogate(ratio, batch.advantages, lo, hi, cfg.clip.dual_clip)
+    return common.finish(
+        weight * surr, policy, batch, cfg,
+        ratio_BxL=ratio, is_weight_BxL=weight, clipped_BxL=clipped, anchor_logp_BxL=prox,
+        extra=extra,
+    )
+
+
+@register("decoupled_ppo", needs=("prox_logp",))
+def decoupled_ppo(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
+    """Decoupled PPO with pi_prox from the learner's recompute pass (`batch.prox_logp`),
+    A-3PO paper Eq. 2; behaviour weight optionally truncated (tis) or masked (icepop)."""
+    if batch.prox_logp is None:
+        raise ValueError(
+            "decoupled_ppo needs TrajectoryBatch.prox_logp (the learner's proximal recompute "
+            "pass fills it); use objective 'a3po' to approximate pi_prox without that pass"
+        )
+    return decoupled_loss(policy, batch, cfg, batch.prox_logp)
+
+
+def a3po_prox_logp(policy: PolicyOutput, batch: TrajectoryBatch):
+    """A-3PO Eq. 3-5: log pi_prox = alpha log pi_behav + (1 - alpha) sg(log pi_theta),
+    alpha = 0 if d = 0 else 1/d, d = v(pi_theta) - v(pi_behav) per token.
+
+    Returns (prox_logp, alpha). Prompt/pad tokens (version -1) get alpha = 0 (and are off the
+    loss mask anyway). sg: pi_prox is an anchor, not a path for gradients.
+    """
+    d = common.staleness(policy, batch).astype(jnp.float32)
+    alpha = jnp.where(d >= 1.0, 1.0 / jnp.maximum(d, 1.0), 0.0)
+    prox = alpha * sg(batch.behav_logp) + (1.0 - alpha) * sg(policy.logp)
+    return prox, alpha
+
+
+@register("a3po")
+def a3po(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
+    """A-3PO: Eq. 2 with the interpolated proximal policy of Eq. 3-5 (no extra forward).
+
+    With that pi_prox the trust-region ratio is r = w^alpha (Eq. 7) with w = pi_theta/pi_behav,
+    and pi_prox lies between pi_behav and pi_theta (sandwich property, Eq. 6).
+    """
+    prox, alpha = a3po_prox_logp(policy, batch)
+    mask = batch.loss_mask
+    ntok = jnp.maximum(mask.sum(), 1.0)
+    extra = {"a3po/alpha_mean": (alpha * mask).sum() / ntok}
+    return decoupled_loss(policy, batch, cfg, prox, extra=extra)

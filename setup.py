@@ -1,0 +1,25 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="jaxrl_llm",
+    version="0.1.0",
+    description="Asynchronous RL post-training of language models in JAX/Flax",
+    packages=find_packages(include=["jaxrl_llm", "jaxrl_llm.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.4.35",
+        "flax>=0.10",
+        "optax>=0.2.3",
+        "orbax-checkpoint>=0.6",
+        "chex>=0.1.87",
+        "ml-collections>=0.1.1",
+        "numpy>=1.26",
+        "transformers>=4.45",
+        "datasets>=2.20",
+        "safetensors>=0.4",
+    ],
+    extras_require={
+        # CPU torch, used only for parity tests against HF transformers.
+        "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0"],
+    },
+)

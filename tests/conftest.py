@@ -1,0 +1,11 @@
+import os
+
+# Fake 8 CPU devices for sharding tests; must happen before jax is imported anywhere.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from hypothesis import settings  # noqa: E402
+
+# jit compilation makes first examples slow; correctness, not speed, is under test.
+settings.register_profile("ci", deadline=None, max_examples=40, derandomize=True)
+settings.load_profile("ci")
