@@ -77,3 +77,13 @@ def test_register_rejects_duplicates_and_unknown_needs():
         O.register("ppo")(lambda p, b, c: (0.0, {}))
     with pytest.raises(ValueError, match="unknown objective need 'values'"):
         O.register("x", needs=("values",))
+
+
+def test_config_file_for_every_objective():
+    from configs.objectives import get_config
+
+    for name in O.BUILTIN:
+        cfg = get_config(name)
+        assert O.make_config(cfg).name == name
+    with pytest.raises(ValueError, match="unknown objective 'nope'"):
+        get_config("nope")
