@@ -33,6 +33,7 @@ _BATCH_SPEC = {
     "prox_topk_logp": (("B", "L", "K"), "f"),
     "ref_logp": (("B", "L"), "f"),
     "truncated": (("B",), "b"),
+    "input_mask": (("B", "L"), "f"),
 }
 
 _POLICY_SPEC = {
@@ -67,6 +68,9 @@ class TrajectoryBatch:
       prox_topk_logp  f32[B, L, K]  pi_prox at the behaviour top-K ids (Jackpot, p_target=ref).
       ref_logp        f32[B, L]     frozen reference policy, for the KL penalty.
       truncated       bool[B]       completion hit the length limit without EOS.
+      input_mask      f32[B, L]     1 on real tokens (prompt + generated), 0 on padding; the
+                                    learner rebuilds RoPE positions and attention from it.
+                                    None means every position is a real token.
     """
 
     tokens: Array
@@ -82,6 +86,7 @@ class TrajectoryBatch:
     prox_topk_logp: Optional[Array] = None
     ref_logp: Optional[Array] = None
     truncated: Optional[Array] = None
+    input_mask: Optional[Array] = None
 
     @property
     def shape(self) -> tuple[int, int]:

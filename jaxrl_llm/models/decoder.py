@@ -1,0 +1,198 @@
+"""Flax decoder for Qwen2 / Qwen3 / Llama: GQA, RoPE (+ Llama-3 scaling), RMSNorm, SwiGLU.
+
+Parameters carry logical axis names (embed, heads, kv, mlp, vocab) for sharding rules.
+The model returns final hidden states; logits are formed by the chunked log-prob heads
+(`heads.py`) so the full [B, L, V] tensor is never built for a batch.
+
+KV cache: a list (one per layer) of {"k", "v"} arrays [B, S, KVH, hd]. A call with a cache
+writes its T new keys/values at buffer index `cache_index` (the same for every row: prompts
+are left-padded to a bucket) and attends over the whole buffer through `mask_BxTxS`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.models.config import ModelConfig
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+def _part(init, axes):
+    return nn.with_logical_partitioning(init, axes)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies, with the Llama-3 smooth low/high-frequency rescaling if configured."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    if cfg.rope_llama3:
+        factor, lo_f, hi_f, orig = cfg.rope_llama3
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = orig / lo_f, orig / hi_f
+        scaled = np.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (orig / wavelen - lo_f) / (hi_f - lo_f)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def rope_tables(positions_BxT, cfg: ModelConfig):
+    angles = positions_BxT.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
+    angles = jnp.concatenate([angles, angles], -1)  # HF rotate_half layout
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rope(x_BxTxHxD, sin_BxTxD, cos_BxTxD):
+    x = x_BxTxHxD.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+    out = x * cos_BxTxD[:, :, None, :] + rotated * sin_BxTxD[:, :, None, :]
+    return out.astype(x_BxTxHxD.dtype)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    axis: str = "embed"
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", _part(nn.initializers.ones, (self.axis,)), (x.shape[-1],), self.param_dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), -1, keepdims=True) + self.eps)
+        return (xf.astype(x.dtype) * scale.astype(x.dtype)).astype(x.dtype)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxD, sin, cos, mask_BxTxS, cache=None, cache_index=0):
+        c = self.cfg
+        def proj(name, heads):
+            return nn.DenseGeneral(
+                (heads, c.head_dim), use_bias=c.qkv_bias, name=name, dtype=c.dtype, param_dtype=c.param_dtype,
+                kernel_init=_part(_init, ("embed", "heads", "kv")),
+                bias_init=_part(nn.initializers.zeros, ("heads", "kv")),
+            )(x_BxTxD)
+
+        q, k, v = proj("q", c.num_heads), proj("k", c.num_kv_heads), proj("v", c.num_kv_heads)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, "kv", c.param_dtype, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, "kv", c.param_dtype, name="k_norm")(k)
+        q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+        new_cache = None
+        if cache is not None:
+            k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, cache_index, 0, 0))
+            v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, cache_index, 0, 0))
+            new_cache = {"k": k, "v": v}
+        b, t = q.shape[:2]
+        groups = c.num_heads // c.num_kv_heads
+        q = q.reshape(b, t, c.num_kv_heads, groups, c.head_dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(c.head_dim)
+        scores = jnp.where(mask_BxTxS[:, None, None], scores, -1e30)
+        probs = jax.nn.softmax(scores, -1).astype(c.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(c.dtype)).reshape(b, t, c.num_heads, c.head_dim)
+        out = nn.DenseGeneral(
+            c.hidden_size, axis=(-2, -1), use_bias=False, name="o", dtype=c.dtype, param_dtype=c.param_dtype,
+            kernel_init=_part(_init, ("heads", "kv", "embed")),
+        )(out)
+        return out, new_cache
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+
+        def dense(name, feats, axes):
+            return nn.Dense(feats, use_bias=False, name=name, dtype=c.dtype, param_dtype=c.param_dtype,
+                            kernel_init=_part(_init, axes))
+
+        h = nn.silu(dense("gate", c.intermediate_size, ("embed", "mlp"))(x)) * dense(
+            "up", c.intermediate_size, ("embed", "mlp"))(x)
+        return dense("down", c.hidden_size, ("mlp", "embed"))(h)
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, sin, cos, mask, cache=None, cache_index=0):
+        c = self.cfg
+        h, new_cache = Attention(c, name="attn")(
+            RMSNorm(c.rms_norm_eps, param_dtype=c.param_dtype, name="input_norm")(x), sin, cos, mask, cache, cache_index)
+        x = x + h
+        x = x + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, param_dtype=c.param_dtype, name="post_norm")(x))
+        return x, new_cache
+
+
+class Decoder(nn.Module):
+    """tokens [B, T] -> final hidden states [B, T, D] (and the updated cache)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=0):
+        c = self.cfg
+        embed = self.param("embed", _part(_init, ("vocab", "embed")), (c.vocab_size, c.hidden_size), c.param_dtype)
+        if not c.tie_word_embeddings:
+            self.param("lm_head", _part(_init, ("embed", "vocab")), (c.hidden_size, c.vocab_size), c.param_dtype)
+        x = jnp.take(embed, tokens_BxT, axis=0).astype(c.dtype)
+        sin, cos = rope_tables(positions_BxT, c)
+        new_cache = []
+        for i in range(c.num_layers):
+            x, layer_cache = Block(c, name=f"layers_{i}")(
+                x, sin, cos, mask_BxTxS, None if cache is None else cache[i], cache_index)
+            new_cache.append(layer_cache)
+        x = RMSNorm(c.rms_norm_eps, param_dtype=c.param_dtype, name="final_norm")(x)
+        return x, (new_cache if cache is not None else None)
+
+
+def unembed_matrix(params, cfg: ModelConfig):
+    """[D, V] output projection (the transposed embedding when tied)."""
+    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
+def init_params(cfg: ModelConfig, key):
+    """Random parameters (plain arrays) for `cfg`."""
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    boxed = Decoder(cfg).init(key, tokens, jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2, 2), bool))
+    return nn.meta.unbox(boxed)["params"]
+
+
+def logical_axes(cfg: ModelConfig):
+    """PartitionSpec tree of logical axis names matching `init_params`."""
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    shapes = jax.eval_shape(
+        lambda: Decoder(cfg).init(jax.random.key(0), tokens, tokens, jnp.ones((1, 2, 2), bool)))
+    return nn.get_partition_spec(shapes)["params"]
+
+
+def padding_positions(input_mask_BxL):
+    """RoPE positions that skip left padding: 0 at each row's first real token."""
+    return jnp.maximum(jnp.cumsum(input_mask_BxL.astype(jnp.int32), -1) - 1, 0)
+
+
+def causal_mask(input_mask_BxL):
+    """[B, L, L] attention mask: causal and only onto real (non-pad) keys."""
+    length = input_mask_BxL.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    return causal[None] & (input_mask_BxL[:, None, :] > 0)
+
+
+def forward(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL):
+    """Full-sequence forward (learner / teacher forcing): hidden states [B, L, D]."""
+    hidden, _ = Decoder(cfg).apply(
+        {"params": params}, tokens_BxL, padding_positions(input_mask_BxL), causal_mask(input_mask_BxL))
+    return hidden

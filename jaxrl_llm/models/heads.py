@@ -1,0 +1,80 @@
+"""Float32, temperature-aware log-prob heads, chunked over the sequence.
+
+The sampler and the learner both go through `logprob_stats`, so a token's log-prob is the same
+function of (hidden state, unembedding, temperature) on both sides. Logits exist one chunk at a
+time ([B, C, V]); under `jax.grad` each chunk is rematerialised rather than stored.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.models import decoder
+from jaxrl_llm.models.config import ModelConfig
+
+
+def logprob_stats(hidden_BxLxD, unembed_DxV, targets_BxL, *, temperature: float = 1.0, topk: int = 0,
+                  gather_ids_BxLxK=None, entropy: bool = True, chunk: int = 128):
+    """Per position t, with logits = hidden[:, t] @ W / temperature (float32):
+
+      logp        log softmax(logits)[targets[:, t]]              f32[B, L]
+      entropy     -sum p log p                                    f32[B, L]   (if entropy)
+      topk_ids    / topk_logp: lax.top_k of the log-softmax       [B, L, topk] (if topk)
+      logp_at_ids log softmax(logits) at gather_ids               f32[B, L, K] (if given)
+    """
+    b, length, _ = hidden_BxLxD.shape
+    c = max(1, min(chunk, length))
+    n = -(-length // c)
+    pad = n * c - length
+
+    def split(x):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
+
+    xs = {"h": split(hidden_BxLxD), "t": split(targets_BxL)}
+    if gather_ids_BxLxK is not None:
+        xs["g"] = split(gather_ids_BxLxK)
+    w = unembed_DxV.astype(jnp.float32)
+
+    @jax.checkpoint
+    def one(x):
+        logits = jnp.einsum("bcd,dv->bcv", x["h"].astype(jnp.float32), w) / temperature
+        logp_all = jax.nn.log_softmax(logits, -1)
+        out = {"logp": jnp.take_along_axis(logp_all, x["t"][..., None], -1)[..., 0]}
+        if entropy:
+            out["entropy"] = -(jnp.exp(logp_all) * logp_all).sum(-1)
+        if topk:
+            out["topk_logp"], out["topk_ids"] = jax.lax.top_k(logp_all, topk)
+        if "g" in x:
+            out["logp_at_ids"] = jnp.take_along_axis(logp_all, x["g"], -1)
+        return out
+
+    ys = jax.lax.map(one, xs)
+
+    def merge(y):
+        y = jnp.moveaxis(y, 0, 1)
+        return y.reshape(b, n * c, *y.shape[3:])[:, :length]
+
+    return jax.tree_util.tree_map(merge, ys)
+
+
+def sequence_logprobs(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL=None, *, temperature: float = 1.0,
+                      topk: int = 0, gather_ids_BxLxK=None, entropy: bool = True, chunk: int = 128):
+    """Teacher-forced stats aligned with `tokens` (the batch contract): index t describes token
+    t given tokens[:, :t]; column 0 has no context and is 0 (it is always a prompt position)."""
+    if input_mask_BxL is None:
+        input_mask_BxL = jnp.ones(tokens_BxL.shape, jnp.int32)
+    hidden = decoder.forward(params, cfg, tokens_BxL, input_mask_BxL)
+    gather = None if gather_ids_BxLxK is None else gather_ids_BxLxK[:, 1:]
+    stats = logprob_stats(hidden[:, :-1], decoder.unembed_matrix(params, cfg), tokens_BxL[:, 1:],
+                          temperature=temperature, topk=topk, gather_ids_BxLxK=gather, entropy=entropy, chunk=chunk)
+    return jax.tree_util.tree_map(lambda y: jnp.pad(y, [(0, 0), (1, 0)] + [(0, 0)] * (y.ndim - 2)), stats)
+
+
+def full_logits(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL=None):
+    """[B, L, V] float32 logits. For tests and small inputs only (materialises the vocab)."""
+    if input_mask_BxL is None:
+        input_mask_BxL = jnp.ones(tokens_BxL.shape, jnp.int32)
+    hidden = decoder.forward(params, cfg, tokens_BxL, input_mask_BxL)
+    return hidden.astype(jnp.float32) @ decoder.unembed_matrix(params, cfg).astype(jnp.float32)

@@ -1,0 +1,138 @@
+"""Hugging Face checkpoints in and out: config.json + safetensors (single or sharded index).
+
+Safetensors only, never pickle. Local directories only: nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxrl_llm.models.config import ModelConfig
+
+_SINGLE = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+
+
+def load_config(path: str, **overrides) -> ModelConfig:
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"no config.json in {path!r} (expected a local Hugging Face model directory)")
+    with open(cfg_file) as f:
+        return ModelConfig.from_hf(json.load(f), **overrides)
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, _INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [n for n in files if not os.path.isfile(os.path.join(path, n))]
+        if missing:
+            raise FileNotFoundError(f"{_INDEX} in {path!r} names missing shard(s): {', '.join(missing)}")
+        return [os.path.join(path, n) for n in files]
+    single = os.path.join(path, _SINGLE)
+    if os.path.isfile(single):
+        return [single]
+    if any(n.endswith((".bin", ".pt", ".pth")) for n in os.listdir(path)):
+        raise FileNotFoundError(
+            f"{path!r} holds only pickle weights (.bin/.pt); jaxrl_llm loads safetensors only. Convert "
+            "with transformers: AutoModelForCausalLM.from_pretrained(p).save_pretrained(p, safe_serialization=True)"
+        )
+    raise FileNotFoundError(f"no {_SINGLE} or {_INDEX} in {path!r}")
+
+
+def _hf_names(cfg: ModelConfig):
+    """(our param path, HF tensor name, HF->ours, ours->HF) for every parameter."""
+    d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    same = (lambda w: w, lambda w: w)
+    transpose = (lambda w: w.T, lambda w: w.T)
+    out = [(("embed",), "model.embed_tokens.weight", *same),
+           (("final_norm", "scale"), "model.norm.weight", *same)]
+    if not cfg.tie_word_embeddings:
+        out.append((("lm_head",), "lm_head.weight", *transpose))
+    for i in range(cfg.num_layers):
+        pre, lay = f"model.layers.{i}.", f"layers_{i}"
+        for ours, n in (("q", h), ("k", kvh), ("v", kvh)):
+            # HF Linear stores [out, in]; ours is [in, heads, head_dim].
+            out.append(((lay, "attn", ours, "kernel"), f"{pre}self_attn.{ours}_proj.weight",
+                        lambda w, n=n: w.T.reshape(d, n, hd), lambda w: w.reshape(d, -1).T))
+            if cfg.qkv_bias:
+                out.append(((lay, "attn", ours, "bias"), f"{pre}self_attn.{ours}_proj.bias",
+                            lambda w, n=n: w.reshape(n, hd), lambda w: w.reshape(-1)))
+        out.append(((lay, "attn", "o", "kernel"), f"{pre}self_attn.o_proj.weight",
+                    lambda w: w.T.reshape(h, hd, d), lambda w: w.reshape(h * hd, d).T))
+        if cfg.qk_norm:
+            out.append(((lay, "attn", "q_norm", "scale"), f"{pre}self_attn.q_norm.weight", *same))
+            out.append(((lay, "attn", "k_norm", "scale"), f"{pre}self_attn.k_norm.weight", *same))
+        for ours in ("gate", "up", "down"):
+            out.append(((lay, "mlp", ours, "kernel"), f"{pre}mlp.{ours}_proj.weight", *transpose))
+        out.append(((lay, "input_norm", "scale"), f"{pre}input_layernorm.weight", *same))
+        out.append(((lay, "post_norm", "scale"), f"{pre}post_attention_layernorm.weight", *same))
+    return out
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def load_params(path: str, cfg: Optional[ModelConfig] = None, place: Optional[Callable] = None):
+    """Read a local HF directory into (params, cfg).
+
+    `place(our_path, array) -> jax.Array` puts each tensor where it belongs (e.g. straight into
+    its NamedSharding with `jax.device_put`); default: default device, cast to param_dtype.
+    Tensors are read one at a time, so no full host copy of the model is built first.
+    """
+    cfg = cfg or load_config(path)
+    dtype = jnp.dtype(cfg.param_dtype)
+    place = place or (lambda _, a: jnp.asarray(a, dtype))
+    wanted = {name: (ours, conv) for ours, name, conv, _ in _hf_names(cfg)}
+    params: dict = {}
+    for file in _weight_files(path):
+        with safe_open(file, framework="flax") as f:
+            for name in f.keys():
+                if name in wanted:
+                    ours, conv = wanted.pop(name)
+                    _set(params, ours, place(ours, conv(np.asarray(f.get_tensor(name), np.float32))))
+    if cfg.tie_word_embeddings:
+        wanted.pop("lm_head.weight", None)
+    if wanted:
+        missing = sorted(wanted)
+        raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:5])}")
+    return params, cfg
+
+
+def save_params(path: str, params, cfg: ModelConfig, tokenizer=None) -> None:
+    """Write config.json + model.safetensors that `transformers` loads."""
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for ours, name, _, to_hf in _hf_names(cfg):
+        value = params
+        for key in ours:
+            value = value[key]
+        tensors[name] = np.ascontiguousarray(to_hf(np.asarray(jax.device_get(value), np.float32)))
+    if cfg.param_dtype == "bfloat16":
+        import ml_dtypes
+
+        tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    save_file(tensors, os.path.join(path, _SINGLE), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf(), f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+def load_tokenizer(path: str):
+    """The tokenizer saved beside the weights (transformers.AutoTokenizer, local files only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,0 +1,182 @@
+"""Jitted sampler: one prefill, then a `lax.while_loop` decode over a KV cache.
+
+Prompts are left-padded to a fixed bucket length P, so every row writes its t-th new token at
+buffer index P + t (one `dynamic_update_slice` for the batch) and RoPE positions skip the pad.
+The cache lives inside the jitted function and is carried through the loop, so XLA updates it
+in place. Each generated token records its log-prob under the distribution it was actually
+drawn from (temperature, then top-k / top-p truncation, renormalised), that distribution's
+top-K, and the version of the params that produced it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.batch import TrajectoryBatch
+from jaxrl_llm.models import decoder
+from jaxrl_llm.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    max_new_tokens: int = 96
+    temperature: float = 1.0  # 0 -> greedy (recorded log-prob 0: a point mass)
+    top_k: int = 0  # 0: no top-k truncation
+    top_p: float = 1.0  # 1: no nucleus truncation
+    capture_topk: int = 0  # K of the recorded behaviour top-K (0 allowed)
+    num_samples: int = 1  # G completions per prompt
+    prompt_buckets: tuple = (16, 32, 64, 128, 256, 512, 1024, 2048)
+    eos_token_id: Optional[int] = None
+    pad_token_id: int = 0
+    cache_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.capture_topk < 0:
+            raise ValueError(f"invalid sampling options: {self}")
+        if self.max_new_tokens < 1 or self.num_samples < 1:
+            raise ValueError("max_new_tokens and num_samples must be >= 1")
+
+
+def sampling_logprobs(logits_BxV, cfg: SamplerConfig):
+    """log-probs of the distribution actually sampled from: softmax(logits / T) restricted to
+    the top-k and then to the smallest nucleus with mass >= top_p, renormalised."""
+    scaled = logits_BxV.astype(jnp.float32) / (cfg.temperature if cfg.temperature > 0 else 1.0)
+    if cfg.top_k:
+        kth = jax.lax.top_k(scaled, cfg.top_k)[0][..., -1:]
+        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+    if cfg.top_p < 1.0:
+        sorted_desc = -jnp.sort(-scaled, axis=-1)
+        probs = jax.nn.softmax(sorted_desc, -1)
+        mass_before = jnp.cumsum(probs, -1) - probs  # keep a token if the mass before it < top_p
+        keep = mass_before < cfg.top_p
+        cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), -1, keepdims=True)
+        scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+    return jax.nn.log_softmax(scaled, -1)
+
+
+def _sample(logits_BxV, key, cfg: SamplerConfig):
+    if cfg.temperature == 0:
+        tok = jnp.argmax(logits_BxV, -1).astype(jnp.int32)
+        logp_all = jnp.where(jnp.arange(logits_BxV.shape[-1]) == tok[:, None], 0.0, -jnp.inf)
+    else:
+        logp_all = sampling_logprobs(logits_BxV, cfg)
+        tok = jax.random.categorical(key, logp_all, -1).astype(jnp.int32)
+    logp = jnp.take_along_axis(logp_all, tok[:, None], -1)[:, 0]
+    if cfg.capture_topk:
+        top_logp, top_ids = jax.lax.top_k(logp_all, cfg.capture_topk)
+    else:
+        b = logits_BxV.shape[0]
+        top_logp, top_ids = jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32)
+    return tok, logp, top_ids.astype(jnp.int32), top_logp
+
+
+def _generate(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfig, scfg: SamplerConfig):
+    b, p = prompt_BxP.shape
+    n, s = scfg.max_new_tokens, prompt_BxP.shape[1] + scfg.max_new_tokens
+    model = decoder.Decoder(mcfg)
+    unembed = decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
+    cache = [{"k": jnp.zeros((b, s, mcfg.num_kv_heads, mcfg.head_dim), scfg.cache_dtype),
+              "v": jnp.zeros((b, s, mcfg.num_kv_heads, mcfg.head_dim), scfg.cache_dtype)}
+             for _ in range(mcfg.num_layers)]
+    key_valid = jnp.concatenate([prompt_mask_BxP > 0, jnp.zeros((b, n), bool)], 1)
+    positions = decoder.padding_positions(prompt_mask_BxP)
+    causal = jnp.arange(s)[None, :] <= jnp.arange(p)[:, None]
+    hidden, cache = model.apply({"params": params}, prompt_BxP, positions,
+                                causal[None] & key_valid[:, None, :], cache, 0)
+    logits = hidden[:, -1].astype(jnp.float32) @ unembed
+    k = scfg.capture_topk
+    state = dict(
+        i=jnp.int32(0), cache=cache, logits=logits, key_valid=key_valid, pos=positions[:, -1] + 1,
+        done=jnp.zeros((b,), bool), tokens=jnp.full((b, n), scfg.pad_token_id, jnp.int32),
+        valid=jnp.zeros((b, n), bool), logp=jnp.zeros((b, n), jnp.float32),
+        topk_ids=jnp.zeros((b, n, k), jnp.int32), topk_logp=jnp.zeros((b, n, k), jnp.float32),
+    )
+
+    def cond(st):
+        return (st["i"] < n) & ~jnp.all(st["done"])
+
+    def body(st):
+        i = st["i"]
+        tok, logp, top_ids, top_logp = _sample(st["logits"], jax.random.fold_in(key, i), scfg)
+        live = ~st["done"]
+        tok = jnp.where(live, tok, scfg.pad_token_id)
+        done = st["done"] | ((tok == scfg.eos_token_id) if scfg.eos_token_id is not None else False)
+        key_valid = st["key_valid"].at[:, p + i].set(live)
+        mask = (jnp.arange(s)[None, None, :] <= p + i) & key_valid[:, None, :]
+        h, cache = model.apply({"params": params}, tok[:, None], st["pos"][:, None], mask, st["cache"], p + i)
+        col = (slice(None), i)
+        return dict(
+            i=i + 1, cache=cache, logits=h[:, 0].astype(jnp.float32) @ unembed, key_valid=key_valid,
+            pos=st["pos"] + 1, done=done,
+            tokens=st["tokens"].at[col].set(tok), valid=st["valid"].at[col].set(live),
+            logp=st["logp"].at[col].set(jnp.where(live, logp, 0.0)),
+            topk_ids=st["topk_ids"].at[col].set(top_ids), topk_logp=st["topk_logp"].at[col].set(top_logp),
+        )
+
+    st = jax.lax.while_loop(cond, body, state)
+    return {k: st[k] for k in ("tokens", "valid", "logp", "topk_ids", "topk_logp", "done")}
+
+
+class Sampler:
+    """`Sampler(model_cfg, sampler_cfg).generate(params, prompts, key, version)` -> TrajectoryBatch.
+
+    One compiled program per (prompt bucket, batch size); batches of the same bucket and size
+    never retrace.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig):
+        self.model_cfg, self.cfg = model_cfg, cfg
+        self._fn = jax.jit(_generate, static_argnames=("mcfg", "scfg"))
+
+    def bucket(self, length: int) -> int:
+        for b in self.cfg.prompt_buckets:
+            if length <= b:
+                return b
+        raise ValueError(f"prompt of {length} tokens exceeds the largest bucket {self.cfg.prompt_buckets[-1]}; "
+                         "add a bucket to SamplerConfig.prompt_buckets")
+
+    def pad_prompts(self, prompts: Sequence[Sequence[int]]):
+        """Left-pad to the bucket and repeat each prompt G times -> (tokens, mask, group_ids)."""
+        if not len(prompts) or min(len(x) for x in prompts) == 0:
+            raise ValueError("prompts must be a non-empty list of non-empty token lists")
+        p = self.bucket(max(len(x) for x in prompts))
+        g = self.cfg.num_samples
+        toks = np.full((len(prompts), p), self.cfg.pad_token_id, np.int32)
+        mask = np.zeros((len(prompts), p), np.int32)
+        for i, x in enumerate(prompts):
+            toks[i, p - len(x):] = x
+            mask[i, p - len(x):] = 1
+        return np.repeat(toks, g, 0), np.repeat(mask, g, 0), np.repeat(np.arange(len(prompts), dtype=np.int32), g)
+
+    def generate(self, params, prompts, key, version: int = 0) -> TrajectoryBatch:
+        toks, mask, group_ids = self.pad_prompts(prompts)
+        out = self._fn(params, jnp.asarray(toks), jnp.asarray(mask), key, version,
+                       mcfg=self.model_cfg, scfg=self.cfg)
+        return to_batch(toks, mask, group_ids, out, version)
+
+
+def to_batch(prompt_BxP, prompt_mask_BxP, group_ids_B, out, version) -> TrajectoryBatch:
+    """Sampler output -> the batch contract (prompt positions: mask 0, version -1)."""
+    b, p = prompt_BxP.shape
+    valid = out["valid"]
+    k = out["topk_ids"].shape[-1]
+    gen_mask = valid.astype(jnp.float32)
+    return TrajectoryBatch(
+        tokens=jnp.concatenate([jnp.asarray(prompt_BxP), out["tokens"]], 1),
+        loss_mask=jnp.concatenate([jnp.zeros((b, p)), gen_mask], 1),
+        behav_logp=jnp.concatenate([jnp.zeros((b, p)), out["logp"]], 1),
+        versions=jnp.concatenate([jnp.full((b, p), -1, jnp.int32),
+                                  jnp.where(valid, jnp.asarray(version, jnp.int32), -1)], 1),
+        topk_ids=jnp.concatenate([jnp.zeros((b, p, k), jnp.int32), out["topk_ids"]], 1),
+        topk_logp=jnp.concatenate([jnp.zeros((b, p, k)), out["topk_logp"]], 1),
+        rewards=jnp.zeros((b,)),
+        group_ids=jnp.asarray(group_ids_B),
+        advantages=jnp.zeros((b, p + valid.shape[1])),
+        input_mask=jnp.concatenate([jnp.asarray(prompt_mask_BxP, jnp.float32), gen_mask], 1),
+        truncated=~out["done"],
+    )
