@@ -34,6 +34,7 @@ class SamplerConfig:
     eos_token_id: Optional[int] = None
     pad_token_id: int = 0
     cache_dtype: str = "float32"
+    decode_segment: int = 32  # decode steps per attention-window growth (0: one window)
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.capture_topk < 0:
@@ -59,13 +60,22 @@ def sampling_logprobs(logits_BxV, cfg: SamplerConfig):
     return jax.nn.log_softmax(scaled, -1)
 
 
+def _inverse_cdf(logp_BxV, key):
+    """Exact categorical draw with one uniform per row (the Gumbel trick needs V of them,
+    which dominates decode time at large vocabularies on CPU)."""
+    cdf = jnp.cumsum(jnp.exp(logp_BxV), -1)
+    # u strictly below the total mass, so the first index with cdf > u exists and has p > 0.
+    u = jax.random.uniform(key, (logp_BxV.shape[0], 1)) * cdf[:, -1:] * (1.0 - 1e-6)
+    return jnp.sum(cdf <= u, -1).astype(jnp.int32)
+
+
 def _sample(logits_BxV, key, cfg: SamplerConfig):
     if cfg.temperature == 0:
         tok = jnp.argmax(logits_BxV, -1).astype(jnp.int32)
         logp_all = jnp.where(jnp.arange(logits_BxV.shape[-1]) == tok[:, None], 0.0, -jnp.inf)
     else:
         logp_all = sampling_logprobs(logits_BxV, cfg)
-        tok = jax.random.categorical(key, logp_all, -1).astype(jnp.int32)
+        tok = _inverse_cdf(logp_all, key)
     logp = jnp.take_along_axis(logp_all, tok[:, None], -1)[:, 0]
     if cfg.capture_topk:
         top_logp, top_ids = jax.lax.top_k(logp_all, cfg.capture_topk)
@@ -75,39 +85,50 @@ def _sample(logits_BxV, key, cfg: SamplerConfig):
     return tok, logp, top_ids.astype(jnp.int32), top_logp
 
 
+def _pad_cache(cache, key_valid, width):
+    """Grow the cache and key mask to `width` positions (a copy once per segment)."""
+    extra = width - key_valid.shape[1]
+    grown = [{"k": jnp.pad(c["k"], [(0, 0)] * 3 + [(0, extra)]),
+              "v": jnp.pad(c["v"], [(0, 0), (0, 0), (0, extra), (0, 0)])} for c in cache]
+    return grown, jnp.pad(key_valid, [(0, 0), (0, extra)])
+
+
 def _generate(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfig, scfg: SamplerConfig):
     b, p = prompt_BxP.shape
-    n, s = scfg.max_new_tokens, prompt_BxP.shape[1] + scfg.max_new_tokens
+    n = scfg.max_new_tokens
     model = decoder.Decoder(mcfg)
     unembed = decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
-    cache = [{"k": jnp.zeros((b, s, mcfg.num_kv_heads, mcfg.head_dim), scfg.cache_dtype),
-              "v": jnp.zeros((b, s, mcfg.num_kv_heads, mcfg.head_dim), scfg.cache_dtype)}
+    # Decode runs in segments of `decode_segment` steps; segment j attends over a cache of
+    # p + (j+1) * seg positions, not the full p + n: decode is memory-bound on the cache reads.
+    seg = min(scfg.decode_segment or n, n)
+    ends = list(range(seg, n, seg)) + [n]
+    width = p + ends[0]
+    cache = [{"k": jnp.zeros((b, mcfg.num_kv_heads, mcfg.head_dim, width), scfg.cache_dtype),
+              "v": jnp.zeros((b, mcfg.num_kv_heads, width, mcfg.head_dim), scfg.cache_dtype)}
              for _ in range(mcfg.num_layers)]
-    key_valid = jnp.concatenate([prompt_mask_BxP > 0, jnp.zeros((b, n), bool)], 1)
+    key_valid = jnp.concatenate([prompt_mask_BxP > 0, jnp.zeros((b, width - p), bool)], 1)
     positions = decoder.padding_positions(prompt_mask_BxP)
-    causal = jnp.arange(s)[None, :] <= jnp.arange(p)[:, None]
+    causal = jnp.arange(width)[None, :] <= jnp.arange(p)[:, None]
     hidden, cache = model.apply({"params": params}, prompt_BxP, positions,
                                 causal[None] & key_valid[:, None, :], cache, 0)
-    logits = hidden[:, -1].astype(jnp.float32) @ unembed
     k = scfg.capture_topk
-    state = dict(
-        i=jnp.int32(0), cache=cache, logits=logits, key_valid=key_valid, pos=positions[:, -1] + 1,
-        done=jnp.zeros((b,), bool), tokens=jnp.full((b, n), scfg.pad_token_id, jnp.int32),
-        valid=jnp.zeros((b, n), bool), logp=jnp.zeros((b, n), jnp.float32),
+    st = dict(
+        i=jnp.int32(0), cache=cache, logits=hidden[:, -1].astype(jnp.float32) @ unembed, key_valid=key_valid,
+        pos=positions[:, -1] + 1, done=jnp.zeros((b,), bool),
+        tokens=jnp.full((b, n), scfg.pad_token_id, jnp.int32), valid=jnp.zeros((b, n), bool),
+        logp=jnp.zeros((b, n), jnp.float32),
         topk_ids=jnp.zeros((b, n, k), jnp.int32), topk_logp=jnp.zeros((b, n, k), jnp.float32),
     )
 
-    def cond(st):
-        return (st["i"] < n) & ~jnp.all(st["done"])
-
     def body(st):
         i = st["i"]
+        width = st["key_valid"].shape[1]
         tok, logp, top_ids, top_logp = _sample(st["logits"], jax.random.fold_in(key, i), scfg)
         live = ~st["done"]
         tok = jnp.where(live, tok, scfg.pad_token_id)
         done = st["done"] | ((tok == scfg.eos_token_id) if scfg.eos_token_id is not None else False)
         key_valid = st["key_valid"].at[:, p + i].set(live)
-        mask = (jnp.arange(s)[None, None, :] <= p + i) & key_valid[:, None, :]
+        mask = (jnp.arange(width)[None, None, :] <= p + i) & key_valid[:, None, :]
         h, cache = model.apply({"params": params}, tok[:, None], st["pos"][:, None], mask, st["cache"], p + i)
         col = (slice(None), i)
         return dict(
@@ -118,7 +139,10 @@ def _generate(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConf
             topk_ids=st["topk_ids"].at[col].set(top_ids), topk_logp=st["topk_logp"].at[col].set(top_logp),
         )
 
-    st = jax.lax.while_loop(cond, body, state)
+    for j, end in enumerate(ends):
+        if j:
+            st["cache"], st["key_valid"] = _pad_cache(st["cache"], st["key_valid"], p + end)
+        st = jax.lax.while_loop(lambda st, end=end: (st["i"] < end) & ~jnp.all(st["done"]), body, st)
     return {k: st[k] for k in ("tokens", "valid", "logp", "topk_ids", "topk_logp", "done")}
 
 
