@@ -155,7 +155,13 @@ class Sampler:
 
     def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig):
         self.model_cfg, self.cfg = model_cfg, cfg
-        self._fn = jax.jit(_generate, static_argnames=("mcfg", "scfg"))
+        self.traces = 0  # how often the program was traced (tests assert no retrace per bucket)
+
+        def generate(*args, **kw):
+            self.traces += 1
+            return _generate(*args, **kw)
+
+        self._fn = jax.jit(generate, static_argnames=("mcfg", "scfg"))
 
     def bucket(self, length: int) -> int:
         for b in self.cfg.prompt_buckets:

@@ -1,0 +1,128 @@
+"""The jitted sampler against transformers, the learner-side head, and the softmax it claims."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from jaxrl_llm import models
+from jaxrl_llm.rollout import Sampler, SamplerConfig, sampling_logprobs
+from tests import hf_fixtures as F
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    model = F.make_hf_model("qwen2_tied", vocab=61)
+    params, cfg = models.load_params(F.save(model, str(tmp_path_factory.mktemp("q"))))
+    return model, params, cfg
+
+
+PROMPTS = [[5, 9, 2, 33, 4], [7] * 9, [1, 2, 3], [60, 0, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
+
+
+def test_greedy_matches_transformers_generate(qwen):
+    model, params, cfg = qwen
+    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=14, temperature=0.0, prompt_buckets=(16,), decode_segment=5))
+    batch = sampler.generate(params, PROMPTS, jax.random.key(0)).validate()
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])  # explicit mask: the prompt may contain the pad id
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=14, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+        np.testing.assert_array_equal(np.asarray(batch.tokens[i, 16:]), out[0, len(prompt):].numpy())
+
+
+def test_behaviour_logprobs_and_topk_match_learner_head(qwen):
+    _, params, cfg = qwen
+    scfg = SamplerConfig(max_new_tokens=20, temperature=0.8, capture_topk=5, num_samples=3, prompt_buckets=(16,))
+    batch = Sampler(cfg, scfg).generate(params, PROMPTS, jax.random.key(1), version=7).validate()
+    assert batch.shape == (12, 36) and batch.topk == 5
+    np.testing.assert_array_equal(batch.group_ids, np.repeat(np.arange(4), 3))
+    gen = np.asarray(batch.loss_mask) > 0
+    assert gen[:, 16:].all() and not gen[:, :16].any()
+    assert set(np.asarray(batch.versions)[gen].tolist()) == {7} and (np.asarray(batch.versions)[~gen] == -1).all()
+    learner = models.sequence_logprobs(params, cfg, batch.tokens, batch.input_mask, temperature=0.8, topk=5,
+                                       gather_ids_BxLxK=batch.topk_ids)
+    np.testing.assert_allclose(np.asarray(learner["logp"])[gen], np.asarray(batch.behav_logp)[gen], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(learner["topk_ids"])[gen], np.asarray(batch.topk_ids)[gen])
+    np.testing.assert_allclose(np.asarray(learner["topk_logp"])[gen], np.asarray(batch.topk_logp)[gen], atol=1e-5)
+    # sanity: the rows of one group differ (they are samples, not copies)
+    assert len({tuple(r) for r in np.asarray(batch.tokens[:3])}) > 1
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.3, 0, 1.0), (1.0, 6, 1.0), (0.9, 0, 0.7), (1.0, 8, 0.8)])
+def test_empirical_frequencies_match_sampling_distribution(qwen, temperature, top_k, top_p):
+    _, params, cfg = qwen
+    prompt, n = [3, 14, 15, 9, 26], 4000
+    scfg = SamplerConfig(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, num_samples=n,
+                         prompt_buckets=(8,))
+    batch = Sampler(cfg, scfg).generate(params, [prompt], jax.random.key(2))
+    first = np.asarray(batch.tokens[:, 8])
+    logits = models.full_logits(params, cfg, jnp.asarray([prompt]))[:, -1]
+    logp = np.asarray(sampling_logprobs(logits, scfg)[0], np.float64)
+    p = np.exp(logp)
+    support = p > 0
+    if top_k or top_p < 1:
+        assert support.sum() < cfg.vocab_size
+    assert support[first].all(), "sampled a token outside the truncated support"
+    np.testing.assert_allclose(np.asarray(batch.behav_logp[:, 8]), logp[first], atol=1e-5)
+    counts = np.bincount(first, minlength=cfg.vocab_size)
+    big = support & (p * n >= 5)  # chi-square needs expected counts >= 5; pool the tail
+    obs = np.append(counts[big], counts[support & ~big].sum())
+    exp = np.append(p[big] * n, p[support & ~big].sum() * n)
+    keep = exp > 0
+    pvalue = stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+    assert pvalue > 1e-3, pvalue
+
+
+def test_eos_stops_rows_and_truncation_flags(tmp_path):
+    model = F.make_hf_model("llama3", vocab=7)
+    params, cfg = models.load_params(F.save(model, str(tmp_path)))
+    eos = 3
+    scfg = SamplerConfig(max_new_tokens=12, temperature=1.5, eos_token_id=eos, pad_token_id=0, num_samples=16,
+                         prompt_buckets=(4,), decode_segment=4)
+    batch = Sampler(cfg, scfg).generate(params, [[1, 2]], jax.random.key(3))
+    tokens, mask = np.asarray(batch.tokens[:, 4:]), np.asarray(batch.loss_mask[:, 4:])
+    ended = 0
+    for row, m, trunc in zip(tokens, mask, np.asarray(batch.truncated)):
+        hits = np.flatnonzero(row == eos)
+        if len(hits):
+            end = hits[0]
+            ended += 1
+            assert not trunc
+            assert m[: end + 1].all() and not m[end + 1:].any()  # EOS itself is trained on
+            assert (row[end + 1:] == 0).all()
+        else:
+            assert trunc and m.all()
+    assert 0 < ended < 16
+    assert (np.asarray(batch.versions[:, 4:])[mask == 0] == -1).all()
+    assert (np.asarray(batch.behav_logp[:, 4:])[mask == 0] == 0).all()
+    np.testing.assert_array_equal(batch.input_mask[:, 4:], batch.loss_mask[:, 4:])
+
+
+def test_reproducible_and_no_retrace_within_a_bucket(qwen):
+    _, params, cfg = qwen
+    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=6, prompt_buckets=(8, 16), capture_topk=2))
+    a = sampler.generate(params, PROMPTS[:3], jax.random.key(4))
+    b = sampler.generate(params, PROMPTS[:3], jax.random.key(4))
+    # other prompts, lengths and version, same bucket (longest prompt in (8, 16]) and batch size
+    c = sampler.generate(params, [[1] * 12, [3], [4, 5, 6, 7]], jax.random.key(5), version=3)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(sampler.generate(params, PROMPTS[:3], jax.random.key(6)).tokens))
+    assert a.tokens.shape == c.tokens.shape == (3, 22)
+    assert sampler.traces == 1  # one compiled program for the bucket
+
+
+def test_bucket_selection_and_errors(qwen):
+    _, params, cfg = qwen
+    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=2, prompt_buckets=(4, 8)))
+    assert sampler.generate(params, [[1, 2, 3]], jax.random.key(0)).tokens.shape == (1, 6)
+    assert sampler.generate(params, [[1, 2, 3, 4, 5]], jax.random.key(0)).tokens.shape == (1, 10)
+    with pytest.raises(ValueError, match="exceeds the largest bucket 8"):
+        sampler.generate(params, [list(range(9))], jax.random.key(0))
+    with pytest.raises(ValueError, match="non-empty"):
+        sampler.generate(params, [[]], jax.random.key(0))
+    with pytest.raises(ValueError, match="invalid sampling options"):
+        SamplerConfig(top_p=0.0)
