@@ -34,3 +34,8 @@ def test_write_your_own_objective_example(capsys):
         np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5, atol=1e-8)
     finally:
         objectives.unregister("truncated_pg")
+
+
+def test_sampling_example(capsys):
+    exec(compile(_example("sample"), "README.md", "exec"), {})
+    assert "(4, 24) (4, 24, 4) [0 0 1 1]" in capsys.readouterr().out
