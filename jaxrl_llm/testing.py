@@ -104,3 +104,34 @@ def random_batch(
         rng=jax.random.key(seed),
     )
     return Synthetic(policy, batch.validate(), behav, pol, prox)
+
+
+def model_batch(params, cfg, seed: int = 0, num_prompts: int = 2, group_size: int = 4, length: int = 16,
+                prompt: int = 5, topk: int = 4, version: int = 3, max_staleness: int = 2, drift: float = 0.1,
+                temperature: float = 1.0) -> TrajectoryBatch:
+    """A batch for `params`/`cfg`: random tokens, behaviour log-probs = the model's own plus
+    drift (a stale policy), the model's top-k, mixed versions, GRPO advantages. For learner
+    tests and benchmarks that need no sampler."""
+    from jaxrl_llm.models import heads
+
+    rng = np.random.default_rng(seed)
+    b = num_prompts * group_size
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, length)), jnp.int32)
+    stats = heads.sequence_logprobs(params, cfg, tokens, temperature=temperature, topk=topk, entropy=False)
+    mask = np.zeros((b, length), np.float32)
+    mask[:, prompt:] = 1.0
+    for i in range(b):  # ragged completions: some end early (right padding)
+        mask[i, length - rng.integers(0, length - prompt):] = 0.0
+    noise = drift * rng.normal(size=(b, length))
+    versions = np.where(mask > 0, version - rng.integers(0, max_staleness + 1, (b, 1)), -1).astype(np.int32)
+    group_ids = np.repeat(np.arange(num_prompts), group_size).astype(np.int32)
+    rewards = (rng.random(b) < 0.5).astype(np.float32)
+    return TrajectoryBatch(
+        tokens=tokens, loss_mask=jnp.asarray(mask),
+        behav_logp=jnp.asarray(np.minimum(np.asarray(stats["logp"]) + noise, -1e-4) * mask, jnp.float32),
+        versions=jnp.asarray(versions), topk_ids=stats["topk_ids"].astype(jnp.int32),
+        topk_logp=stats["topk_logp"] + jnp.asarray(drift * rng.normal(size=(b, length, 1)), jnp.float32),
+        rewards=jnp.asarray(rewards), group_ids=jnp.asarray(group_ids),
+        advantages=advantages.compute("grpo", jnp.asarray(rewards), jnp.asarray(group_ids), jnp.asarray(mask)),
+        input_mask=jnp.asarray(np.maximum(mask, (np.arange(length) < prompt)[None].astype(np.float32))),
+    ).validate()

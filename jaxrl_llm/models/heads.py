@@ -78,3 +78,31 @@ def full_logits(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL=None):
         input_mask_BxL = jnp.ones(tokens_BxL.shape, jnp.int32)
     hidden = decoder.forward(params, cfg, tokens_BxL, input_mask_BxL)
     return hidden.astype(jnp.float32) @ decoder.unembed_matrix(params, cfg).astype(jnp.float32)
+
+
+def distill_kl(hidden_new_BxLxD, unembed_new_DxV, hidden_actor_BxLxD, unembed_actor_DxV, *,
+               temperature: float = 1.0, chunk: int = 128):
+    """Per-position KL(sg(p_new) || p_actor) over the full vocabulary (Jackpot Eq. 7), chunked
+    over the sequence like `logprob_stats`; gradients reach only the actor's inputs."""
+    from jaxrl_llm.objectives.jackpot import distill_kl_per_token
+
+    b, length, _ = hidden_new_BxLxD.shape
+    c = max(1, min(chunk, length))
+    n = -(-length // c)
+    pad = n * c - length
+
+    def split(x):
+        x = jnp.pad(x, [(0, 0), (0, pad), (0, 0)])
+        return jnp.moveaxis(x.reshape(b, n, c, x.shape[-1]), 1, 0)
+
+    w_new = jax.lax.stop_gradient(unembed_new_DxV.astype(jnp.float32))
+    w_act = unembed_actor_DxV.astype(jnp.float32)
+
+    @jax.checkpoint
+    def one(x):
+        new = jax.nn.log_softmax(jnp.einsum("bcd,dv->bcv", x[0].astype(jnp.float32), w_new) / temperature, -1)
+        act = jax.nn.log_softmax(jnp.einsum("bcd,dv->bcv", x[1].astype(jnp.float32), w_act) / temperature, -1)
+        return distill_kl_per_token(new, act)
+
+    kl = jax.lax.map(one, (split(jax.lax.stop_gradient(hidden_new_BxLxD)), split(hidden_actor_BxLxD)))
+    return jnp.moveaxis(kl, 0, 1).reshape(b, n * c)[:, :length]

@@ -1,0 +1,83 @@
+"""Device mesh (data, fsdp, tensor) and logical-axis rules -> NamedShardings.
+
+Parameters carry logical axis names (models/decoder.py); the rules below map them onto mesh
+axes, big_vision / MaxText style. Batches shard their leading (sequence) dimension over
+data x fsdp; parameters shard `embed` over fsdp (ZeRO-3 style) and heads / mlp / vocab over
+tensor (Megatron style). Everything is overridable from the config.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# logical axis -> mesh axis (or None: replicated)
+DEFAULT_RULES = (
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+)
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """mesh sizes (-1: take the remaining devices) and the logical rules."""
+    return ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, rules=DEFAULT_RULES))
+
+
+def make_mesh(cfg=None, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all); one size may be -1."""
+    cfg = cfg or default_config()
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = [int(cfg[a]) for a in MESH_AXES]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1; got {dict(zip(MESH_AXES, sizes))}")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices do not divide into mesh {dict(zip(MESH_AXES, sizes))}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices; {len(devices)} given"
+        )
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def _rules(cfg):
+    rules = tuple((str(k), v if v is None or isinstance(v, str) else tuple(v)) for k, v in (cfg.rules if cfg else DEFAULT_RULES))
+    for _, axis in rules:
+        for a in (axis,) if isinstance(axis, str) or axis is None else axis:
+            if a is not None and a not in MESH_AXES:
+                raise ValueError(f"sharding rule names unknown mesh axis {a!r}; valid: {', '.join(MESH_AXES)}")
+    return rules
+
+
+def param_shardings(logical_axes, mesh: Mesh, cfg=None):
+    """NamedSharding tree from a tree of logical PartitionSpecs (models.logical_axes)."""
+    return nn.logical_to_mesh_sharding(logical_axes, mesh, _rules(cfg))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (sequence) dim over data x fsdp; every other dim replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def shard_batch(batch, mesh: Mesh):
+    """Put every batch leaf on the mesh: [B, ...] arrays split over data x fsdp."""
+    spec = batch_sharding(mesh)
+    rep = replicated(mesh)
+    return jax.tree_util.tree_map(lambda x: jax.device_put(x, spec if np.ndim(x) >= 1 else rep), batch)
