@@ -24,7 +24,8 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, state: TrainState, force: bool = False) -> bool:
-        """Save if the version is on the save interval (or `force`). Returns whether it saved."""
+        """Save if the version is on the save interval, or nothing is saved yet, or `force`.
+        Returns whether it saved."""
         return self.manager.save(int(state.version), args=ocp.args.StandardSave(state), force=force)
 
     def latest_version(self) -> Optional[int]:

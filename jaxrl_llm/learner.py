@@ -125,7 +125,7 @@ class Learner:
             params = jax.jit(lambda k: decoder.init_params(mc, k), out_shardings=self.param_sh)(key)
         else:
             params = jax.device_put(params, self.param_sh)
-        opt_state = jax.jit(self.opt.init)(params)  # shardings follow the params
+        opt_state = self._opt_init(params, self.param_sh)
         kw = {}
         if self.actor_cfg is not None:
             if actor_params is None:
@@ -133,7 +133,7 @@ class Learner:
                                        out_shardings=self.actor_sh)(jax.random.fold_in(key, 1))
             else:
                 actor_params = jax.device_put(actor_params, self.actor_sh)
-            kw = dict(actor_params=actor_params, actor_opt_state=jax.jit(self.opt.init)(actor_params),
+            kw = dict(actor_params=actor_params, actor_opt_state=self._opt_init(actor_params, self.actor_sh),
                       actor_version=jnp.zeros((), jnp.int32))
         if "ref_logp" in self.needs:
             kw["ref_params"] = jax.tree_util.tree_map(jnp.copy, params)
@@ -141,6 +141,14 @@ class Learner:
                            version=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(self.cfg.seed),
                            skipped=jnp.zeros((), jnp.int32), **kw)
         return self.place(state)
+
+    def _opt_init(self, params, param_sh):
+        """Optimizer state created in place: moments sharded like their params, counters replicated."""
+        abstract = jax.eval_shape(self.opt.init, params)
+        rep = sharding.replicated(self.mesh)
+        out_sh = optax.tree_map_params(self.opt, lambda _, sh: sh, abstract, param_sh,
+                                       transform_non_params=lambda _: rep)
+        return jax.jit(self.opt.init, out_shardings=out_sh)(params)
 
     def place(self, state: TrainState) -> TrainState:
         """Commit every leaf to the mesh (params/optimizer keep their shardings, the rest is

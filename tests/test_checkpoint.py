@@ -1,0 +1,48 @@
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+from jaxrl_llm import checkpoint, testing
+from jaxrl_llm import learner as L
+from jaxrl_llm.models.config import ModelConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device per worker
+    subprocess.run([sys.executable, "-m", "tests.resume_worker", *args], cwd=ROOT, env=env, check=True, timeout=600)
+
+
+def test_six_steps_equal_three_plus_restore_in_fresh_process_plus_three(tmp_path):
+    _run("straight", str(tmp_path / "unused"), str(tmp_path / "straight.npz"))
+    _run("first", str(tmp_path / "ckpt"), "-")
+    _run("second", str(tmp_path / "ckpt"), str(tmp_path / "resumed.npz"))
+    a, b = np.load(tmp_path / "straight.npz"), np.load(tmp_path / "resumed.npz")
+    assert set(a.files) == set(b.files) and any("actor_params" in k for k in a.files)
+    assert any("ref_params" in k for k in a.files)
+    for k in a.files:
+        np.testing.assert_allclose(a[k], b[k], atol=1e-6, rtol=0, err_msg=k)
+    assert int(a[".version"]) == 6 and int(a[".actor_version"]) == 6
+
+
+def test_keeps_the_newest_k_and_saves_on_interval(tmp_path):
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8)
+    c = L.default_config()
+    c.num_minibatches = 1
+    lrn = L.Learner(cfg, {"name": "ppo"}, c)
+    st = lrn.init(jax.random.key(0))
+    ck = checkpoint.Checkpointer(str(tmp_path), save_every=2, keep=2)
+    batch = testing.model_batch(st.params, cfg)
+    saved = []
+    for _ in range(6):
+        st, _ = lrn.train_step(st, batch)
+        saved.append(ck.save(st))
+    ck.wait()
+    assert saved == [True, True, False, True, False, True]  # first save always, then every 2nd version
+    assert sorted(ck.manager.all_steps()) == [4, 6] and ck.latest_version() == 6
+    ck.close()
