@@ -23,40 +23,9 @@ import numpy as np
 from jaxrl_llm import models
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 
+from common import flops_per_token, hf_model, matmul_peak_flops  # noqa: E402  (experiments/ is on sys.path when run as a script)
+
 B, PROMPT, NEW, K = 64, 32, 96, 8
-
-
-def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
-    """Best float32 GEMM rate XLA reaches on this machine (FLOP/s)."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
-
-
-def flops_per_token(cfg: models.ModelConfig, context: float) -> float:
-    """Forward FLOPs of one decoded token: matmuls (incl. unembedding) + attention over context."""
-    d, hd = cfg.hidden_size, cfg.head_dim
-    per_layer = 2 * d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 6 * d * cfg.intermediate_size
-    attn = 4 * context * cfg.num_heads * hd
-    return cfg.num_layers * (per_layer + attn) + 2 * d * cfg.vocab_size
-
-
-def hf_model(vocab: int, path: str):
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    hc = transformers.Qwen2Config(vocab_size=vocab, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                                  num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
-    model = transformers.AutoModelForCausalLM.from_config(hc).eval()
-    model.save_pretrained(path)
-    return model
 
 
 def time_ours(params, cfg, topk: int, repeats: int) -> float:

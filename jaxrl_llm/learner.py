@@ -124,7 +124,7 @@ class Learner:
         if params is None:
             params = jax.jit(lambda k: decoder.init_params(mc, k), out_shardings=self.param_sh)(key)
         else:
-            params = jax.device_put(params, self.param_sh)
+            params = self._own(params, self.param_sh)
         opt_state = self._opt_init(params, self.param_sh)
         kw = {}
         if self.actor_cfg is not None:
@@ -132,7 +132,7 @@ class Learner:
                 actor_params = jax.jit(lambda k: decoder.init_params(self.actor_cfg, k),
                                        out_shardings=self.actor_sh)(jax.random.fold_in(key, 1))
             else:
-                actor_params = jax.device_put(actor_params, self.actor_sh)
+                actor_params = self._own(actor_params, self.actor_sh)
             kw = dict(actor_params=actor_params, actor_opt_state=self._opt_init(actor_params, self.actor_sh),
                       actor_version=jnp.zeros((), jnp.int32))
         if "ref_logp" in self.needs:
@@ -141,6 +141,12 @@ class Learner:
                            version=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(self.cfg.seed),
                            skipped=jnp.zeros((), jnp.int32), **kw)
         return self.place(state)
+
+    @staticmethod
+    def _own(params, shardings):
+        """A private copy in `shardings`: the step donates its state, so the caller's arrays
+        (e.g. the sampler's published params) must not be aliased."""
+        return jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p), out_shardings=shardings)(params)
 
     def _opt_init(self, params, param_sh):
         """Optimizer state created in place: moments sharded like their params, counters replicated."""

@@ -129,8 +129,10 @@ def model_batch(params, cfg, seed: int = 0, num_prompts: int = 2, group_size: in
     return TrajectoryBatch(
         tokens=tokens, loss_mask=jnp.asarray(mask),
         behav_logp=jnp.asarray(np.minimum(np.asarray(stats["logp"]) + noise, -1e-4) * mask, jnp.float32),
-        versions=jnp.asarray(versions), topk_ids=stats["topk_ids"].astype(jnp.int32),
-        topk_logp=stats["topk_logp"] + jnp.asarray(drift * rng.normal(size=(b, length, 1)), jnp.float32),
+        versions=jnp.asarray(versions),
+        topk_ids=stats["topk_ids"].astype(jnp.int32) if topk else jnp.zeros((b, length, 0), jnp.int32),
+        topk_logp=(stats["topk_logp"] + jnp.asarray(drift * rng.normal(size=(b, length, 1)), jnp.float32)
+                   if topk else jnp.zeros((b, length, 0), jnp.float32)),
         rewards=jnp.asarray(rewards), group_ids=jnp.asarray(group_ids),
         advantages=advantages.compute("grpo", jnp.asarray(rewards), jnp.asarray(group_ids), jnp.asarray(mask)),
         input_mask=jnp.asarray(np.maximum(mask, (np.arange(length) < prompt)[None].astype(np.float32))),
