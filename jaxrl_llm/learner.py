@@ -90,6 +90,20 @@ def _reduce_metrics(ms):
     return out
 
 
+def required_passes(objective, cfg) -> frozenset:
+    """What the learner must compute for `objective` under `cfg`: its registered needs,
+    refined by options (Jackpot's p_ref / p_target, a KL reference)."""
+    needs = set(objective.needs)
+    if cfg.name == "jackpot":
+        if cfg.jackpot.p_ref == "current":
+            needs.discard("prox_logp")  # p_ref = sg(pi_theta): no recompute pass
+        elif cfg.jackpot.p_target == "ref":
+            needs.add("prox_topk_logp")  # Z_approx needs p_ref on the behaviour top-K
+    if cfg.kl.coef > 0:
+        needs.add("ref_logp")
+    return frozenset(needs)
+
+
 class Learner:
     """Builds the jitted passes for one (model, objective, mesh) and runs training steps."""
 
@@ -99,13 +113,7 @@ class Learner:
         self.cfg = learner_cfg or default_config()
         self.obj_cfg = objectives.make_config(objective_cfg)
         self.objective = objectives.get(self.obj_cfg.name)
-        self.needs = self.objective.needs
-        if self.needs & {"prox_topk_logp"} or (self.obj_cfg.name == "jackpot" and self.obj_cfg.jackpot.p_target == "ref"):
-            self.needs = self.needs | {"prox_topk_logp"}
-        if self.obj_cfg.name == "jackpot" and self.obj_cfg.jackpot.p_ref == "current":
-            self.needs = self.needs - {"prox_logp"}
-        if self.obj_cfg.kl.coef > 0:
-            self.needs = self.needs | {"ref_logp"}
+        self.needs = required_passes(self.objective, self.obj_cfg)
         self.opt = make_optimizer(self.cfg)
         self.mesh = mesh or sharding.make_mesh(mesh_cfg)
         self.param_sh = sharding.param_shardings(decoder.logical_axes(model_cfg), self.mesh, mesh_cfg)

@@ -81,3 +81,16 @@ def shard_batch(batch, mesh: Mesh):
     spec = batch_sharding(mesh)
     rep = replicated(mesh)
     return jax.tree_util.tree_map(lambda x: jax.device_put(x, spec if np.ndim(x) >= 1 else rep), batch)
+
+
+def placer(shardings):
+    """A `place(path, array)` for `models.load_params`: each tensor goes straight from the
+    safetensors file into its NamedSharding (no full copy of the model on one device)."""
+
+    def place(path, array):
+        node = shardings
+        for key in path:
+            node = node[key]
+        return jax.device_put(array, node)
+
+    return place

@@ -134,3 +134,21 @@ def test_jackpot_joint_step_lowers_policy_actor_kl():
         st, m = lrn.train_step(st, batch)
     assert kl(st) < 0.7 * first
     assert int(st.actor_version) == 5 and "actor/distill_kl" in m and "jackpot/kappa" in m
+
+
+def test_hf_checkpoint_loads_straight_into_shardings(tmp_path):
+    from tests import hf_fixtures as F
+
+    F.save(F.make_hf_model("qwen2_tied", vocab=64), str(tmp_path))
+    cfg = models.load_config(str(tmp_path))
+    mesh = sharding.make_mesh(dict(data=2, fsdp=2, tensor=2, rules=sharding.DEFAULT_RULES))
+    shardings = sharding.param_shardings(models.logical_axes(cfg), mesh)
+    params, _ = models.load_params(str(tmp_path), cfg, place=sharding.placer(shardings))
+    gate = params["layers_1"]["mlp"]["gate"]["kernel"]
+    assert gate.sharding == shardings["layers_1"]["mlp"]["gate"]["kernel"] and gate.sharding.spec == P("fsdp", "tensor")
+    plain, _ = models.load_params(str(tmp_path))
+    _params_close(params, plain, 0)
+    lrn = L.Learner(cfg, {"name": "a3po"}, mesh=mesh)
+    st = lrn.init(jax.random.key(0), params=params)
+    st, m = lrn.train_step(st, testing.model_batch(plain, cfg, seed=1))
+    assert np.isfinite(m["loss"]) and lrn.step_traces == 1

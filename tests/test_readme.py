@@ -39,3 +39,8 @@ def test_write_your_own_objective_example(capsys):
 def test_sampling_example(capsys):
     exec(compile(_example("sample"), "README.md", "exec"), {})
     assert "(4, 24) (4, 24, 4) [0 0 1 1]" in capsys.readouterr().out
+
+
+def test_learner_example(capsys):
+    exec(compile(_example("learner"), "README.md", "exec"), {})
+    assert "1 ['staleness/max', 'staleness/mean']" in capsys.readouterr().out
