@@ -10,8 +10,6 @@ Also: A-3PO vs decoupled PPO (recompute), prox computation time and whole-step t
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import tempfile
 import time
@@ -23,7 +21,7 @@ from jaxrl_llm import learner as L
 from jaxrl_llm import models, testing
 from jaxrl_llm.objectives.ppo import a3po_prox_logp
 
-from common import flops_per_token, hf_model, matmul_peak_flops  # noqa: E402
+from common import flops_per_token, hf_model, matmul_peak_flops, parse_args, report  # noqa: E402
 
 B, LEN, PROMPT, MINIBATCHES = 32, 128, 32, 4
 
@@ -102,10 +100,7 @@ def time_torch(model, batch, repeats):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    args = parse_args(__doc__)
     peak = matmul_peak_flops()
     with tempfile.TemporaryDirectory() as d:
         hf = hf_model(512, d)
@@ -135,11 +130,7 @@ def main():
         "a3po_prox_speedup": prox_dec / prox_a3po,
         "a3po_step_speedup": t_dec / t_a3po,
     }
-    for k, v in res.items():
-        print(f"{k:24s} {v:.4g}" if isinstance(v, float) else f"{k:24s} {v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+    report(res, args.json)
 
 
 if __name__ == "__main__":

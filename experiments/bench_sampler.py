@@ -10,8 +10,6 @@ fraction of the measured float32 matmul peak, and the cost of top-k capture at v
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import tempfile
 import time
@@ -23,7 +21,7 @@ import numpy as np
 from jaxrl_llm import models
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 
-from common import flops_per_token, hf_model, matmul_peak_flops  # noqa: E402  (experiments/ is on sys.path when run as a script)
+from common import flops_per_token, hf_model, matmul_peak_flops, parse_args, report  # noqa: E402  (experiments/ is on sys.path when run as a script)
 
 B, PROMPT, NEW, K = 64, 32, 96, 8
 
@@ -59,10 +57,7 @@ def time_hf(model, vocab: int, repeats: int) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    args = parse_args(__doc__)
     peak = matmul_peak_flops()
     res = {"device": jax.devices()[0].device_kind, "matmul_peak_gflops": peak / 1e9}
     with tempfile.TemporaryDirectory() as d:
@@ -82,11 +77,7 @@ def main():
     res.update(ours_tokens_per_s_v32k=with_k, ours_tokens_per_s_v32k_no_topk=without_k,
                hf_tokens_per_s_v32k=theirs, ratio_vs_hf_v32k=with_k / theirs,
                topk_cost_fraction_v32k=1.0 - with_k / without_k)
-    for k, v in res.items():
-        print(f"{k:32s} {v:.4g}" if isinstance(v, float) else f"{k:32s} {v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+    report(res, args.json)
 
 
 if __name__ == "__main__":

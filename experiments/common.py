@@ -43,3 +43,25 @@ def hf_model(vocab: int, path: str):
     model = transformers.AutoModelForCausalLM.from_config(hc).eval()
     model.save_pretrained(path)
     return model
+
+
+def report(results: dict, json_path=None) -> None:
+    """Print the figures one per line and, with `json_path`, write them as one flat object."""
+    import json
+
+    width = max(len(k) for k in results) + 2
+    for k, v in results.items():
+        print(f"{k:{width}s} {v:.4g}" if isinstance(v, float) else f"{k:{width}s} {v}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def parse_args(description: str):
+    """The flags every benchmark takes: --json PATH, --repeats N (best of N is reported)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--json", default=None, help="write the figures as one flat JSON object")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repetitions (best is kept)")
+    return ap.parse_args()
