@@ -1,0 +1,1 @@
+"""Asynchronous runtime pieces: version-aware queue, delay models (orchestrator: issue #5)."""
