@@ -1,0 +1,144 @@
+"""Each runtime mode realises the staleness it promises; async runs finish and fail loudly."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxrl_llm import learner as L
+from jaxrl_llm import sharding
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.rollout import Sampler, SamplerConfig
+from jaxrl_llm.runtime import orchestrator as O
+
+CFG = ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                  head_dim=8)
+
+
+class TargetTask:
+    """Reward: fraction of completion tokens equal to `target`."""
+
+    def __init__(self, target=5, fail_prompts_after=None, fail_reward_every=0):
+        self.target, self.calls = target, 0
+        self.fail_prompts_after, self.fail_reward_every = fail_prompts_after, fail_reward_every
+
+    def prompts(self, rng, n):
+        self.calls += 1
+        if self.fail_prompts_after is not None and self.calls > self.fail_prompts_after:
+            raise OSError("prompt source went away")
+        return [rng.integers(1, 16, rng.integers(1, 4)).tolist() for _ in range(n)]
+
+    def reward(self, prompt, completion):
+        if self.fail_reward_every and sum(completion) % self.fail_reward_every == 0:
+            raise ValueError("unparseable answer")
+        return float(np.mean(np.asarray(completion) == self.target)) if completion else 0.0
+
+
+def _orch(mode, task=None, mesh=None, placement=None, **rc):
+    c = L.default_config()
+    c.lr, c.num_minibatches = 1e-3, 2
+    lrn = L.Learner(CFG, {"name": "a3po"}, c, mesh=mesh)
+    sampler = Sampler(CFG, SamplerConfig(max_new_tokens=4, num_samples=4, prompt_buckets=(4,)))
+    cfg = O.default_config()
+    cfg.mode, cfg.prompts_per_batch = mode, 2
+    cfg.update(rc)
+    orch = O.Orchestrator(lrn, sampler, task or TargetTask(), cfg, placement=placement)
+    return orch, lrn.init(jax.random.key(0))
+
+
+def _staleness(history):
+    return [m["staleness/mean"] for m in history]
+
+
+def test_sync_is_on_policy():
+    orch, st = _orch("sync")
+    st, hist = orch.run(st, 3)
+    assert _staleness(hist) == [0.0] * 3 and int(st.version) == 3
+    assert hist[-1]["staleness/hist"] == [sum(hist[-1]["staleness/hist"])]
+
+
+def test_iterative_reuses_each_batch():
+    orch, st = _orch("iterative", reuse=3)
+    st, hist = orch.run(st, 6)
+    assert _staleness(hist) == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
+
+
+def test_offpolicy_refresh_every_v_cycles_staleness():
+    orch, st = _orch("offpolicy", refresh_every=4)
+    st, hist = orch.run(st, 8)
+    assert _staleness(hist) == [0.0, 1.0, 2.0, 3.0] * 2
+    assert all(m["staleness/max"] == m["staleness/mean"] for m in hist)
+
+
+def test_simulated_matches_schedule_and_is_bit_reproducible():
+    kw = dict(max_staleness=3, step_seconds=1.0, delay=dict(kind="lognormal", min=0.5, max=6.0, value=1.0,
+                                                            weibull_shape=1.5))
+    runs = []
+    for _ in range(2):
+        orch, st = _orch("simulated", **kw)
+        st, hist = orch.run(st, 7)
+        expected = [min(d, k) for k, d in enumerate(orch.schedule)]
+        assert orch.schedule == expected  # never older than version 0
+        assert _staleness(hist) == [float(d) for d in orch.schedule]
+        assert max(orch.schedule) <= 3 and len(set(orch.schedule)) > 1
+        runs.append((orch.schedule, jax.tree_util.tree_map(np.asarray, st.params)))
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(jax.tree_util.tree_leaves(runs[0][1]), jax.tree_util.tree_leaves(runs[1][1])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_async_two_samplers_finish_and_shut_down():
+    before = threading.active_count()
+    orch, st = _orch("async", num_samplers=2, queue_size=2, max_staleness=4)
+    t = time.perf_counter()
+    st, hist = orch.run(st, 5)
+    assert time.perf_counter() - t < 120 and len(hist) == 5 and int(st.version) == 5
+    assert all(0.0 <= m["staleness/max"] <= 4.0 for m in hist)
+    assert all(0.0 <= m["runtime/learner_idle"] <= 1.0 for m in hist)
+    time.sleep(0.5)
+    assert threading.active_count() <= before  # sampler threads are gone
+
+
+def test_sampler_exception_surfaces_quickly():
+    orch, st = _orch("async", task=TargetTask(fail_prompts_after=1))
+    t = time.perf_counter()
+    with pytest.raises(RuntimeError, match="sampler 0 failed: OSError: prompt source went away"):
+        orch.run(st, 50)
+    assert time.perf_counter() - t < 60
+
+
+def test_failing_rewards_are_counted_not_fatal():
+    orch, st = _orch("sync", task=TargetTask(fail_reward_every=3))
+    st, hist = orch.run(st, 2)
+    assert hist[-1]["reward/failures"] > 0 and int(st.version) == 2
+
+
+def test_sampler_and_learner_on_disjoint_devices():
+    devices = jax.devices()
+    assert len(devices) == 8
+    learner_mesh = sharding.make_mesh(dict(data=4, fsdp=1, tensor=1, rules=sharding.DEFAULT_RULES), devices[:4])
+    placement = NamedSharding(Mesh(np.asarray(devices[4:]), ("replica",)), P())
+    orch, st = _orch("sync", mesh=learner_mesh, placement=placement)
+    st, hist = orch.run(st, 2)
+    _, params = orch.store.latest()
+    assert set(jax.tree_util.tree_leaves(params)[0].devices()) == set(devices[4:])
+    assert set(jax.tree_util.tree_leaves(st.params)[0].devices()) == set(devices[:4])
+    assert len(hist) == 2
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(mode="hogwild"), "valid: sync, iterative, offpolicy, simulated, async"),
+    (dict(mode="sync", reuse=2), "reuse=2 needs mode='iterative'"),
+    (dict(mode="sync", refresh_every=3), "refresh_every=3 needs mode='offpolicy'"),
+    (dict(mode="simulated", max_staleness=-1), "finite runtime.max_staleness"),
+    (dict(delay=dict(kind="gamma")), "valid: none, fixed, lognormal"),
+    (dict(advantage="gae"), "valid: grpo, dr_grpo, rloo"),
+])
+def test_incompatible_runtime_options_fail_at_startup(over, match):
+    cfg = O.default_config()
+    cfg.update(over)
+    with pytest.raises(ValueError, match=match):
+        O.validate(cfg)
