@@ -1,0 +1,1 @@
+"""Tasks: prompts + verifiable rewards. Embedded: arithmetic (no download)."""
