@@ -1,0 +1,23 @@
+"""CLI: python -m jaxrl_llm.main --config=configs/default.py --workdir=runs/x [--config.a.b=v ...]
+
+Logic lives in jaxrl_llm/experiment.py; this file only parses flags.
+"""
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from jaxrl_llm import experiment
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "experiment config file")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/default", "metrics, checkpoints; resumed if present")
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+    summary = experiment.run(_CONFIG.value, _WORKDIR.value)
+    print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
+
+
+if __name__ == "__main__":
+    app.run(main)
