@@ -124,7 +124,8 @@ def run(config, workdir: str, log=print) -> dict:
                 log(f"step {int(state.version)} eval/reward={r:.3f}")
                 summary["eval/reward"] = r
     except KeyboardInterrupt:
-        log("interrupted: saving a checkpoint")
+        state = orch.state or state  # `state` itself may have been donated mid-chunk
+        log(f"interrupted at version {int(state.version)}: saving a checkpoint")
         ckpt.save(state, force=True)
     finally:
         ckpt.close()

@@ -61,3 +61,26 @@ def test_jackpot_without_topk_capture_is_rejected():
     c.sampler.capture_topk = 0
     with pytest.raises(ValueError, match="set --config.sampler.capture_topk"):
         experiment.validate(c)
+
+
+def test_ctrl_c_saves_the_live_state(tmp_path, monkeypatch):
+    from jaxrl_llm.runtime import orchestrator
+
+    c = _tiny()
+    c.train.update(dict(steps=6, eval_every=6, save_every=100))
+    real = orchestrator.Orchestrator._train
+    calls = []
+
+    def interrupted(self, state, batch, extra):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(self, state, batch, extra)
+
+    monkeypatch.setattr(orchestrator.Orchestrator, "_train", interrupted)
+    summary = experiment.run(c, str(tmp_path), log=lambda *_: None)
+    assert summary["version"] == 3
+    monkeypatch.setattr(orchestrator.Orchestrator, "_train", real)
+    lines = []
+    assert experiment.run(c, str(tmp_path), log=lines.append)["version"] == 6
+    assert any("resumed" in line and "version 3" in line for line in lines)

@@ -82,6 +82,7 @@ class Orchestrator:
         self.store = WeightStore(keep=keep, placement=placement)
         self.reward_failures = 0
         self.schedule: list[int] = []  # simulated: the staleness drawn for each step
+        self.state = None
         self._key = jax.random.key(self.cfg.seed)
 
     # ------------------------------------------------------------------ one batch
@@ -105,6 +106,7 @@ class Orchestrator:
 
     def _train(self, state, batch, extra):
         state, m = self.learner.train_step(state, batch)
+        self.state = state  # newest live state (the previous one was donated), e.g. for Ctrl-C saves
         self.store.publish(int(state.version), state.params)
         d = np.asarray(int(state.version) - 1 - np.asarray(batch.versions))[np.asarray(batch.loss_mask) > 0]
         m.update(extra)
