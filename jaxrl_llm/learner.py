@@ -28,6 +28,7 @@ from jaxrl_llm import objectives, sharding
 from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch
 from jaxrl_llm.models import decoder, heads
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.objectives.common import masked_mean
 from jaxrl_llm.objectives.jackpot import actor_ppo_loss
 
 
@@ -64,8 +65,7 @@ def default_config() -> ml_collections.ConfigDict:
 
 def make_optimizer(c) -> optax.GradientTransformation:
     if c.schedule == "constant":
-        lr = optax.join_schedules([optax.linear_schedule(0.0, c.lr, max(c.warmup_steps, 1)), optax.constant_schedule(c.lr)],
-                                  [max(c.warmup_steps, 1)]) if c.warmup_steps else c.lr
+        lr = optax.warmup_constant_schedule(0.0, c.lr, c.warmup_steps) if c.warmup_steps else c.lr
     elif c.schedule == "cosine":
         lr = optax.warmup_cosine_decay_schedule(0.0, c.lr, c.warmup_steps, max(c.total_steps, c.warmup_steps + 1))
     else:
@@ -179,12 +179,12 @@ class Learner:
         return jax.device_put(state, shardings)
 
     # ------------------------------------------------------------------ passes
-    def _stats(self, params, batch, topk=0, gather=True):
+    def _stats(self, params, batch, topk=0, gather=True, return_hidden=False):
         self.forward_traces += 1
         gather_ids = batch.topk_ids if gather and batch.topk > 0 else None
         return heads.sequence_logprobs(params, self.model_cfg, batch.tokens, batch.input_mask,
                                        temperature=self.cfg.temperature, topk=topk, gather_ids_BxLxK=gather_ids,
-                                       chunk=self.cfg.logprob_chunk)
+                                       chunk=self.cfg.logprob_chunk, return_hidden=return_hidden)
 
     def _prox_pass(self, params, batch):
         """pi_prox = the policy at the start of the step (decoupled PPO's recompute pass)."""
@@ -195,24 +195,26 @@ class Learner:
         return self._stats(ref_params, batch, gather=False)["logp"]
 
     def _loss(self, params, batch, version, rng):
+        """Objective loss; aux = (metrics, sg(final hidden states)), the latter reused by the
+        Jackpot actor's distillation instead of a second policy forward."""
         topk = batch.topk if "topk" in self.needs else 0
-        s = self._stats(params, batch, topk=topk)
+        s = self._stats(params, batch, topk=topk, return_hidden=self.actor_cfg is not None)
         policy = PolicyOutput(logp=s["logp"], version=version, entropy=s["entropy"],
                               logp_at_behav_topk=s.get("logp_at_ids"), topk_ids=s.get("topk_ids"),
                               topk_logp=s.get("topk_logp"), rng=rng)
         loss, metrics = self.objective(policy, batch, self.obj_cfg)
         mask = batch.loss_mask
-        ntok = jnp.maximum(mask.sum(), 1.0)
         lp = jax.lax.stop_gradient(s["logp"])
-        metrics["kl_behav/sampled"] = ((batch.behav_logp - lp) * mask).sum() / ntok  # E_behav[log b - log theta]
+        metrics["kl_behav/sampled"] = masked_mean(batch.behav_logp - lp, mask)  # E_behav[log b - log theta]
         if "logp_at_ids" in s:
             pb = jnp.exp(batch.topk_logp)
             kl = (pb * (batch.topk_logp - jax.lax.stop_gradient(s["logp_at_ids"]))).sum(-1)
-            metrics["kl_behav/topk"] = (kl * mask).sum() / ntok
-        return loss, metrics
+            metrics["kl_behav/topk"] = masked_mean(kl, mask)
+        return loss, (metrics, jax.lax.stop_gradient(s.get("hidden")))
 
-    def _actor_loss(self, actor_params, params, batch):
-        """Jackpot Eq. 6 + lambda_distill * Eq. 7 for the rollout model."""
+    def _actor_loss(self, actor_params, params, hidden_new, batch):
+        """Jackpot Eq. 6 + lambda_distill * Eq. 7 for the rollout model; `hidden_new` are the
+        policy's final hidden states from this update's forward (no second policy pass)."""
         a = self.actor_cfg
         h_act = decoder.forward(actor_params, a, batch.tokens, batch.input_mask)[:, :-1]
         w_act = decoder.unembed_matrix(actor_params, a)
@@ -220,12 +222,10 @@ class Learner:
                                     entropy=False, chunk=self.cfg.logprob_chunk)
         logp = jnp.pad(stats["logp"], [(0, 0), (1, 0)])
         ppo, m = actor_ppo_loss(logp, batch, self.obj_cfg)
-        h_new = decoder.forward(params, self.model_cfg, batch.tokens, batch.input_mask)[:, :-1]
-        kl = heads.distill_kl(h_new, decoder.unembed_matrix(params, self.model_cfg), h_act, w_act,
+        kl = heads.distill_kl(hidden_new[:, :-1], decoder.unembed_matrix(params, self.model_cfg), h_act, w_act,
                               temperature=self.cfg.temperature, chunk=self.cfg.logprob_chunk)
         kl = jnp.pad(kl, [(0, 0), (1, 0)])
-        mask = batch.loss_mask
-        distill = (kl * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        distill = masked_mean(kl, batch.loss_mask)
         m["actor/distill_kl"] = distill
         return ppo + self.cfg.distill_coef * distill, m
 
@@ -243,12 +243,14 @@ class Learner:
         def one(carry, mb):
             st = carry
             rng = jax.random.fold_in(st.rng, st.step)
-            (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(st.params, mb, st.version, rng)
+            (loss, (metrics, hidden)), grads = jax.value_and_grad(self._loss, has_aux=True)(
+                st.params, mb, st.version, rng)
             params, opt_state, ok, updates = update(st.params, st.opt_state, grads, loss)
             metrics.update({"grad_norm": optax.global_norm(grads), "update_norm": optax.global_norm(updates)})
             kw = {}
             if self.actor_cfg is not None:
-                (aloss, am), agrads = jax.value_and_grad(self._actor_loss, has_aux=True)(st.actor_params, st.params, mb)
+                (aloss, am), agrads = jax.value_and_grad(self._actor_loss, has_aux=True)(
+                    st.actor_params, st.params, hidden, mb)
                 aparams, aopt, aok, _ = update(st.actor_params, st.actor_opt_state, agrads, aloss)
                 kw = dict(actor_params=aparams, actor_opt_state=aopt)
                 metrics.update(am)

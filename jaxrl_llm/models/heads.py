@@ -23,21 +23,11 @@ def logprob_stats(hidden_BxLxD, unembed_DxV, targets_BxL, *, temperature: float 
       topk_ids    / topk_logp: lax.top_k of the log-softmax       [B, L, topk] (if topk)
       logp_at_ids log softmax(logits) at gather_ids               f32[B, L, K] (if given)
     """
-    b, length, _ = hidden_BxLxD.shape
-    c = max(1, min(chunk, length))
-    n = -(-length // c)
-    pad = n * c - length
-
-    def split(x):
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
-
-    xs = {"h": split(hidden_BxLxD), "t": split(targets_BxL)}
+    xs = {"h": hidden_BxLxD, "t": targets_BxL}
     if gather_ids_BxLxK is not None:
-        xs["g"] = split(gather_ids_BxLxK)
+        xs["g"] = gather_ids_BxLxK
     w = unembed_DxV.astype(jnp.float32)
 
-    @jax.checkpoint
     def one(x):
         logits = jnp.einsum("bcd,dv->bcv", x["h"].astype(jnp.float32), w) / temperature
         logp_all = jax.nn.log_softmax(logits, -1)
@@ -50,26 +40,43 @@ def logprob_stats(hidden_BxLxD, unembed_DxV, targets_BxL, *, temperature: float 
             out["logp_at_ids"] = jnp.take_along_axis(logp_all, x["g"], -1)
         return out
 
-    ys = jax.lax.map(one, xs)
+    return map_chunks(one, xs, chunk)
+
+
+def map_chunks(fn, xs, chunk: int):
+    """Apply `fn` (rematerialised) to sequence chunks of the [B, L, ...] arrays in `xs` and
+    stitch its [B, C, ...] outputs back to [B, L, ...]: logits exist one chunk at a time."""
+    b, length = jax.tree_util.tree_leaves(xs)[0].shape[:2]
+    c = max(1, min(chunk, length))
+    n = -(-length // c)
+
+    def split(x):
+        x = jnp.pad(x, [(0, 0), (0, n * c - length)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
 
     def merge(y):
-        y = jnp.moveaxis(y, 0, 1)
-        return y.reshape(b, n * c, *y.shape[3:])[:, :length]
+        return jnp.moveaxis(y, 0, 1).reshape(b, n * c, *y.shape[3:])[:, :length]
 
+    ys = jax.lax.map(jax.checkpoint(fn), jax.tree_util.tree_map(split, xs))
     return jax.tree_util.tree_map(merge, ys)
 
 
 def sequence_logprobs(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL=None, *, temperature: float = 1.0,
-                      topk: int = 0, gather_ids_BxLxK=None, entropy: bool = True, chunk: int = 128):
+                      topk: int = 0, gather_ids_BxLxK=None, entropy: bool = True, chunk: int = 128,
+                      return_hidden: bool = False):
     """Teacher-forced stats aligned with `tokens` (the batch contract): index t describes token
-    t given tokens[:, :t]; column 0 has no context and is 0 (it is always a prompt position)."""
+    t given tokens[:, :t]; column 0 has no context and is 0 (it is always a prompt position).
+    `return_hidden` adds the final hidden states [B, L, D] (for callers reusing the forward)."""
     if input_mask_BxL is None:
         input_mask_BxL = jnp.ones(tokens_BxL.shape, jnp.int32)
     hidden = decoder.forward(params, cfg, tokens_BxL, input_mask_BxL)
     gather = None if gather_ids_BxLxK is None else gather_ids_BxLxK[:, 1:]
     stats = logprob_stats(hidden[:, :-1], decoder.unembed_matrix(params, cfg), tokens_BxL[:, 1:],
                           temperature=temperature, topk=topk, gather_ids_BxLxK=gather, entropy=entropy, chunk=chunk)
-    return jax.tree_util.tree_map(lambda y: jnp.pad(y, [(0, 0), (1, 0)] + [(0, 0)] * (y.ndim - 2)), stats)
+    stats = jax.tree_util.tree_map(lambda y: jnp.pad(y, [(0, 0), (1, 0)] + [(0, 0)] * (y.ndim - 2)), stats)
+    if return_hidden:
+        stats["hidden"] = hidden
+    return stats
 
 
 def full_logits(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL=None):
@@ -86,23 +93,13 @@ def distill_kl(hidden_new_BxLxD, unembed_new_DxV, hidden_actor_BxLxD, unembed_ac
     over the sequence like `logprob_stats`; gradients reach only the actor's inputs."""
     from jaxrl_llm.objectives.jackpot import distill_kl_per_token
 
-    b, length, _ = hidden_new_BxLxD.shape
-    c = max(1, min(chunk, length))
-    n = -(-length // c)
-    pad = n * c - length
-
-    def split(x):
-        x = jnp.pad(x, [(0, 0), (0, pad), (0, 0)])
-        return jnp.moveaxis(x.reshape(b, n, c, x.shape[-1]), 1, 0)
-
     w_new = jax.lax.stop_gradient(unembed_new_DxV.astype(jnp.float32))
     w_act = unembed_actor_DxV.astype(jnp.float32)
 
-    @jax.checkpoint
     def one(x):
-        new = jax.nn.log_softmax(jnp.einsum("bcd,dv->bcv", x[0].astype(jnp.float32), w_new) / temperature, -1)
-        act = jax.nn.log_softmax(jnp.einsum("bcd,dv->bcv", x[1].astype(jnp.float32), w_act) / temperature, -1)
+        new = jax.nn.log_softmax(jnp.einsum("bcd,dv->bcv", x["new"].astype(jnp.float32), w_new) / temperature, -1)
+        act = jax.nn.log_softmax(jnp.einsum("bcd,dv->bcv", x["act"].astype(jnp.float32), w_act) / temperature, -1)
         return distill_kl_per_token(new, act)
 
-    kl = jax.lax.map(one, (split(jax.lax.stop_gradient(hidden_new_BxLxD)), split(hidden_actor_BxLxD)))
-    return jnp.moveaxis(kl, 0, 1).reshape(b, n * c)[:, :length]
+    return map_chunks(one, {"new": jax.lax.stop_gradient(hidden_new_BxLxD), "act": hidden_actor_BxLxD}, chunk)
+

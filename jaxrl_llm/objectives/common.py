@@ -32,6 +32,11 @@ def _safe_div(num, den):
     return num / jnp.maximum(den, 1.0)
 
 
+def masked_mean(x, mask):
+    """Mean of x over mask > 0 positions (0 when the mask is empty)."""
+    return _safe_div((x * mask).sum(), mask.sum())
+
+
 def aggregate(loss_BxL, mask_BxL, mode: str, norm_len: int = 0):
     """Reduce per-token losses to a scalar.
 
@@ -44,7 +49,7 @@ def aggregate(loss_BxL, mask_BxL, mode: str, norm_len: int = 0):
     check_choice("loss aggregation", mode, AGGREGATIONS)
     masked = loss_BxL * mask_BxL
     if mode == "token_mean":
-        return _safe_div(masked.sum(), mask_BxL.sum())
+        return masked_mean(loss_BxL, mask_BxL)
     if mode == "seq_mean_token_sum_norm":
         n = norm_len or loss_BxL.shape[1]
         return masked.sum() / (loss_BxL.shape[0] * n)
@@ -104,20 +109,16 @@ def clipped_surrogate(ratio, adv, lo, hi, dual_clip: float = 0.0):
 def masked_stats(prefix: str, x, mask):
     """{prefix/mean, /max, /min} of x over mask (mask all zero -> 0s)."""
     m = mask > 0
-    n = jnp.maximum(mask.sum(), 1.0)
-    mean = jnp.where(m, x, 0.0).sum() / n
     any_m = m.any()
     return {
-        f"{prefix}/mean": mean,
+        f"{prefix}/mean": masked_mean(jnp.where(m, x, 0.0), mask),
         f"{prefix}/max": jnp.where(any_m, jnp.where(m, x, -jnp.inf).max(), 0.0),
         f"{prefix}/min": jnp.where(any_m, jnp.where(m, x, jnp.inf).min(), 0.0),
     }
 
 
 def masked_var(x, mask):
-    n = jnp.maximum(mask.sum(), 1.0)
-    mean = (x * mask).sum() / n
-    return (jnp.square(x - mean) * mask).sum() / n
+    return masked_mean(jnp.square(x - masked_mean(x, mask)), mask)
 
 
 def staleness(policy: PolicyOutput, batch: TrajectoryBatch):
@@ -158,29 +159,28 @@ def finish(
                 "kl.coef=0 or let the learner compute ref_logp"
             )
         kl_BxL = kl_penalty(policy.logp, sg(batch.ref_logp), cfg.kl.estimator, cfg.log_ratio_clamp)
-        metrics["kl_ref"] = _safe_div((kl_BxL * mask).sum(), mask.sum())
+        metrics["kl_ref"] = masked_mean(kl_BxL, mask)
         tok_loss_BxL = tok_loss_BxL + cfg.kl.coef * kl_BxL * kl_weight
     loss = aggregate(tok_loss_BxL, mask, cfg.loss_agg, cfg.loss_agg_norm_len)
 
     log_r = sg(policy.logp) - sg(anchor_logp_BxL)
-    ntok = jnp.maximum(mask.sum(), 1.0)
     clipped = clipped_BxL.astype(jnp.float32) * mask
     metrics.update(
         {
             "loss": loss,
             "clipped_tokens": clipped.sum(),
-            "clip_frac": clipped.sum() / ntok,
+            "clip_frac": masked_mean(clipped, mask),
             # k3 estimate of KL(anchor || theta) on tokens drawn from the anchor side.
-            "approx_kl": ((jnp.expm1(log_r) - log_r) * mask).sum() / ntok,
+            "approx_kl": masked_mean(jnp.expm1(log_r) - log_r, mask),
             "is_weight/var": masked_var(sg(is_weight_BxL), mask),
         }
     )
     metrics.update(masked_stats("is_weight", sg(is_weight_BxL), mask))
     metrics.update(masked_stats("ratio", sg(ratio_BxL), mask))
     if policy.entropy is not None:
-        metrics["entropy"] = (sg(policy.entropy) * mask).sum() / ntok
+        metrics["entropy"] = masked_mean(sg(policy.entropy), mask)
     d = staleness(policy, batch).astype(jnp.float32)
-    metrics["staleness/mean"] = (d * mask).sum() / ntok
+    metrics["staleness/mean"] = masked_mean(d, mask)
     metrics["staleness/max"] = jnp.where(mask > 0, d, 0.0).max()
     for k, v in (extra or {}).items():
         metrics[k] = v

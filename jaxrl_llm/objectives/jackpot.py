@@ -113,13 +113,13 @@ def jackpot(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
             log_tgt_topk = sg(_require(policy.logp_at_behav_topk, "PolicyOutput.logp_at_behav_topk"))
 
     mask = batch.loss_mask.astype(jnp.float32)
-    ntok = jnp.maximum(mask.sum(), 1.0)
     log_a = obrs_log_accept(log_tgt, log_inf, jc.lam)
     u = jax.random.uniform(rng, log_a.shape)
     accepted = (u < jnp.exp(log_a)).astype(jnp.float32)
     z = z_approx(sg(batch.topk_logp), log_tgt_topk, jc.lam, union)
-    accept_rate = (accepted * mask).sum() / ntok
-    kappa = accept_rate / jnp.maximum((z * mask).sum() / ntok, 1e-30)
+    accept_rate = common.masked_mean(accepted, mask)
+    z_mean = common.masked_mean(z, mask)
+    kappa = accept_rate / jnp.maximum(z_mean, 1e-30)
     clamp = cfg.log_ratio_clamp
     log_w = jnp.log(jnp.maximum(kappa * z, 1e-30)) + jnp.maximum(jnp.log(jc.lam), log_tgt - log_inf)
     w_obrs = common.safe_exp(log_w, clamp)
@@ -133,7 +133,7 @@ def jackpot(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
     extra = {
         "jackpot/accept_rate": accept_rate,
         "jackpot/kappa": kappa,
-        "jackpot/z_approx_mean": (z * mask).sum() / ntok,
+        "jackpot/z_approx_mean": z_mean,
         "jackpot/w_obrs_max": jnp.where(mask > 0, w_obrs, 0.0).max(),
     }
     return common.finish(
@@ -162,8 +162,7 @@ def actor_ppo_loss(actor_logp_BxL, batch: TrajectoryBatch, cfg, actor_old_logp_B
     )
     mask = batch.loss_mask.astype(jnp.float32)
     loss = common.aggregate(weight * surr, mask, cfg.loss_agg, cfg.loss_agg_norm_len)
-    ntok = jnp.maximum(mask.sum(), 1.0)
-    return loss, {"actor/loss": loss, "actor/clip_frac": (clipped * mask).sum() / ntok}
+    return loss, {"actor/loss": loss, "actor/clip_frac": common.masked_mean(clipped, mask)}
 
 
 def distill_kl_per_token(new_logp_NxV, actor_logp_NxV):

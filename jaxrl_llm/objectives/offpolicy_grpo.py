@@ -43,11 +43,9 @@ def offpolicy_grpo(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
         keep_B = nonzero_variance(batch.rewards, batch.group_ids)
     keep = keep_B[:, None]
     mask = batch.loss_mask
-    kept_tokens = (keep * mask).sum() / jnp.maximum(mask.sum(), 1.0)
     return common.finish(
         tok_loss * keep, policy, batch, cfg,
         ratio_BxL=r, is_weight_BxL=r, clipped_BxL=clipped & (keep > 0), anchor_logp_BxL=alpha,
-        kl_weight=keep, extra={"offpolicy_grpo/kept_frac": kept_tokens,
-                               "offpolicy_grpo/r_prime_mean": (r_prime * mask).sum()
-                               / jnp.maximum(mask.sum(), 1.0)},
+        kl_weight=keep, extra={"offpolicy_grpo/kept_frac": common.masked_mean(jnp.broadcast_to(keep, mask.shape), mask),
+                               "offpolicy_grpo/r_prime_mean": common.masked_mean(r_prime, mask)},
     )

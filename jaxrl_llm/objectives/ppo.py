@@ -91,7 +91,5 @@ def a3po(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
     and pi_prox lies between pi_behav and pi_theta (sandwich property, Eq. 6).
     """
     prox, alpha = a3po_prox_logp(policy, batch)
-    mask = batch.loss_mask
-    ntok = jnp.maximum(mask.sum(), 1.0)
-    extra = {"a3po/alpha_mean": (alpha * mask).sum() / ntok}
+    extra = {"a3po/alpha_mean": common.masked_mean(alpha, batch.loss_mask)}
     return decoupled_loss(policy, batch, cfg, prox, extra=extra)
