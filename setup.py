@@ -17,6 +17,10 @@ setup(
         "transformers>=4.45",
         "datasets>=2.20",
         "safetensors>=0.4",
+        "math-verify>=0.7",  # math-dataset rewards
+        "tensorboardX>=2.6",  # TensorBoard event files
+        "matplotlib>=3.7",  # jaxrl_llm.report
+        "tqdm>=4.60",  # progress bar
     ],
     extras_require={
         # CPU torch, used only for parity tests against HF transformers.

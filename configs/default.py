@@ -9,19 +9,24 @@ task, asynchronous sampling, A-3PO. Runs on a 2-core CPU with no downloads.
 
 import ml_collections
 
-from jaxrl_llm import learner, objectives, sharding
+from jaxrl_llm import learner, objectives, sharding, tasks
 from jaxrl_llm.runtime import orchestrator
 
 
 def get_config(arg: str = "a3po"):
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.task = ml_collections.ConfigDict(dict(name="arithmetic", digits=2, ops="+", eval_size=128))
+    c.task = tasks.default_config()  # arithmetic, 2-digit addition, 128 held-out problems
     # hf_path: a local Hugging Face directory (config.json + safetensors); empty -> the tiny
     # random model below, warm-started on the task.
     c.model = ml_collections.ConfigDict(dict(
         hf_path="", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=16, dtype="float32"))
+    # Jackpot's separate rollout model (hf_path, or a random model of hidden_size > 0 warm-started
+    # like the policy); off by default. See configs/jackpot_small_actor.py.
+    c.actor = ml_collections.ConfigDict(dict(
+        hf_path="", hidden_size=0, intermediate_size=0, num_layers=0, num_heads=0, num_kv_heads=0, head_dim=0,
+        dtype="float32"))
     # ~750 supervised steps give ~40% held-out accuracy: partial, so RL has room and signal.
     c.warm_start = ml_collections.ConfigDict(dict(steps=750, batch_size=64, lr=1e-3))
     c.sampler = ml_collections.ConfigDict(dict(
@@ -35,5 +40,6 @@ def get_config(arg: str = "a3po"):
     c.runtime.prompts_per_batch = 32
     c.runtime.max_staleness = 4
     c.mesh = sharding.default_config()
-    c.train = ml_collections.ConfigDict(dict(steps=300, eval_every=50, save_every=50, keep=2))
+    c.train = ml_collections.ConfigDict(dict(steps=300, eval_every=50, save_every=50, keep=2,
+                                             tensorboard=True, progress=True))
     return c

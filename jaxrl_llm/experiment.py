@@ -3,114 +3,137 @@ evaluation, metrics, checkpoints (resumed automatically from the workdir)."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import jax
-import numpy as np
 
 from jaxrl_llm import learner as learner_lib
-from jaxrl_llm import models, objectives
+from jaxrl_llm import models, objectives, tasks
 from jaxrl_llm.checkpoint import Checkpointer
+from jaxrl_llm.metrics import MetricsWriter, Progress
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 from jaxrl_llm.runtime import orchestrator
-from jaxrl_llm.tasks import arithmetic, warmstart
+from jaxrl_llm.tasks import warmstart
 
-TASKS = ("arithmetic",)
+_MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 
 
 def validate(config) -> None:
     """Fail at startup, naming what to change."""
-    if config.task.name not in TASKS:
-        raise ValueError(f"unknown task {config.task.name!r}; valid: {', '.join(TASKS)}")
+    tasks.validate(config.task, config.model.hf_path)
     obj = objectives.make_config(config.objective)
     orchestrator.validate(config.runtime)
     needs = learner_lib.required_passes(objectives.get(obj.name), obj)
     if needs & {"topk", "logp_at_behav_topk"} and config.sampler.capture_topk == 0:
         raise ValueError(f"objective {obj.name!r} reads behaviour top-k log-probs; set "
                          "--config.sampler.capture_topk to a positive K")
+    if _has_actor(config) and obj.name != "jackpot":
+        raise ValueError(f"a separate rollout actor (config.actor) is trained by Jackpot's losses; objective is "
+                         f"{obj.name!r}: set --config.objective.name=jackpot or --config.actor.hidden_size=0")
     if config.train.steps < 1 or config.train.eval_every < 1:
         raise ValueError("train.steps and train.eval_every must be >= 1")
 
 
+def _has_actor(config) -> bool:
+    return bool(config.actor.hf_path or config.actor.hidden_size)
+
+
+def _model(m, task):
+    """(params or None, ModelConfig): a local HF checkpoint, or a random model sized by `m`."""
+    if m.hf_path:
+        params, cfg = models.load_params(m.hf_path)
+        if task.vocab_size > cfg.vocab_size:
+            raise ValueError(f"the task's tokenizer has {task.vocab_size} tokens but {m.hf_path!r} embeds only "
+                             f"{cfg.vocab_size}")
+        return params, cfg
+    return None, models.ModelConfig(vocab_size=task.vocab_size, eos_token_id=task.eos_id, dtype=m.dtype,
+                                    **{f: m[f] for f in _MODEL_FIELDS})
+
+
+def _sampler_cfg(config, task, greedy=False):
+    s = config.sampler
+    kw = dict(max_new_tokens=s.max_new_tokens or task.max_answer_len, eos_token_id=task.eos_id,
+              pad_token_id=task.pad_id, prompt_buckets=tuple(task.prompt_buckets))
+    if greedy:
+        return SamplerConfig(temperature=0.0, **kw)
+    return SamplerConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, capture_topk=s.capture_topk,
+                         num_samples=s.num_samples, **kw)
+
+
 def build(config):
     validate(config)
-    task = arithmetic.Arithmetic(digits=config.task.digits, ops=config.task.ops, eval_size=config.task.eval_size)
-    m = config.model
-    if m.hf_path:
-        params, mcfg = models.load_params(m.hf_path)
-    else:
-        mcfg = models.ModelConfig(vocab_size=arithmetic.VOCAB_SIZE, hidden_size=m.hidden_size,
-                                  intermediate_size=m.intermediate_size, num_layers=m.num_layers,
-                                  num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                                  dtype=m.dtype, eos_token_id=arithmetic.EOS)
-        params = None
-    s = config.sampler
-    scfg = SamplerConfig(max_new_tokens=s.max_new_tokens or task.max_answer_len, temperature=s.temperature,
-                         top_k=s.top_k, top_p=s.top_p, capture_topk=s.capture_topk, num_samples=s.num_samples,
-                         eos_token_id=arithmetic.EOS, pad_token_id=arithmetic.PAD,
-                         prompt_buckets=(task.max_prompt_len,))
-    greedy = Sampler(mcfg, SamplerConfig(max_new_tokens=scfg.max_new_tokens, temperature=0.0,
-                                         eos_token_id=arithmetic.EOS, pad_token_id=arithmetic.PAD,
-                                         prompt_buckets=(task.max_prompt_len,)))
-    config.learner.temperature = s.temperature
-    lrn = learner_lib.Learner(mcfg, config.objective, config.learner, mesh_cfg=config.mesh)
-    orch = orchestrator.Orchestrator(lrn, Sampler(mcfg, scfg), task, config.runtime)
-    return task, mcfg, params, lrn, orch, greedy
+    task = tasks.make(config.task, config.model.hf_path)
+    params, mcfg = _model(config.model, task)
+    actor_params, acfg = _model(config.actor, task) if _has_actor(config) else (None, None)
+    config.learner.temperature = config.sampler.temperature
+    lrn = learner_lib.Learner(mcfg, config.objective, config.learner, mesh_cfg=config.mesh, actor_cfg=acfg)
+    orch = orchestrator.Orchestrator(lrn, Sampler(acfg or mcfg, _sampler_cfg(config, task)), task, config.runtime)
+    return dict(task=task, model_cfg=mcfg, params=params, actor_cfg=acfg, actor_params=actor_params,
+                learner=lrn, orchestrator=orch, greedy=Sampler(mcfg, _sampler_cfg(config, task, greedy=True)),
+                actor_greedy=acfg and Sampler(acfg, _sampler_cfg(config, task, greedy=True)))
 
 
-class MetricsWriter:
-    """One JSON object per line in WORKDIR/metrics.jsonl (appends on resume)."""
-
-    def __init__(self, workdir: str):
-        self.path = os.path.join(workdir, "metrics.jsonl")
-        self._f = open(self.path, "a")
-
-    def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
+def _initial_params(config, params, cfg, task, key):
+    """Given weights, or random ones warm-started on the task (tasks with `supervised`)."""
+    if params is not None:
+        return params
+    params = models.init_params(cfg, key)
+    w = config.warm_start
+    if w.steps and hasattr(task, "supervised"):
+        params, _ = warmstart.warm_start(params, cfg, task, w.steps, w.batch_size, w.lr, config.seed)
+    return params
 
 
-def run(config, workdir: str, log=print) -> dict:
+def run(config, workdir: str, log=None) -> dict:
+    """Train `config` in `workdir` (resuming from its checkpoints) and return a summary.
+    `log(line)` receives progress lines; by default they go beside a tqdm bar on a terminal."""
     os.makedirs(workdir, exist_ok=True)
     t_start = time.time()
-    task, mcfg, params, lrn, orch, greedy = build(config)
+    b = build(config)
+    task, lrn, orch = b["task"], b["learner"], b["orchestrator"]
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.save_every,
                         keep=config.train.keep)
     key = jax.random.key(config.seed)
-    if ckpt.latest_version() is not None:
+    resumed = ckpt.latest_version() is not None
+    if resumed:
         state = lrn.place(ckpt.restore(lrn.init(key)))
-        log(f"resumed from {workdir} at version {int(state.version)}")
     else:
-        if params is None:
-            params = models.init_params(mcfg, key)
-            if config.warm_start.steps:
-                w = config.warm_start
-                params, _ = warmstart.warm_start(params, mcfg, task, w.steps, w.batch_size, w.lr, config.seed)
-        state = lrn.init(key, params=params)
+        params = _initial_params(config, b["params"], b["model_cfg"], task, key)
+        actor = b["actor_cfg"] and _initial_params(config, b["actor_params"], b["actor_cfg"], task,
+                                                   jax.random.fold_in(key, 1))
+        state = lrn.init(key, params=params, actor_params=actor or None)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
-    writer = MetricsWriter(workdir)
+    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
+    progress = Progress(config.train.steps, int(state.version),
+                        enabled=None if config.train.progress and log is None else False)  # None: if a tty
+    log = log or progress.write
+    if resumed:
+        log(f"resumed from {workdir} at version {int(state.version)}")
     eval_prompts = task.eval_prompts()
 
-    def evaluate(state):
-        return warmstart.accuracy(state.params, greedy, task, eval_prompts)
+    def evaluate(state) -> dict:
+        rec = {"eval/reward": warmstart.accuracy(state.params, b["greedy"], task, eval_prompts)}
+        if b["actor_greedy"]:
+            rec["eval/actor_reward"] = warmstart.accuracy(state.actor_params, b["actor_greedy"], task, eval_prompts)
+        rec.update(step=int(state.version), time_s=time.time() - t_start)
+        writer.write(rec)
+        log(f"step {rec['step']} " + " ".join(f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("eval/")))
+        return rec
 
-    summary = {"eval/reward_start": evaluate(state)} if int(state.version) == 0 else {}
-    if summary:
-        writer.write({"step": 0, "eval/reward": summary["eval/reward_start"], "time_s": time.time() - t_start})
-        log(f"step 0 eval/reward={summary['eval/reward_start']:.3f}")
+    summary = {}
+    if int(state.version) == 0:
+        summary["eval/reward_start"] = evaluate(state)["eval/reward"]
 
     def on_metrics(m):
         rec = {"step": int(m["version"]), "time_s": time.time() - t_start}
         rec.update({k: v for k, v in m.items() if isinstance(v, (int, float, list))})
         writer.write(rec)
-        log(f"step {rec['step']:4d} reward={m['reward/mean']:.3f} loss={m['loss']:+.4f} "
-            f"staleness={m['staleness/mean']:.2f} tok/s={m['tokens_per_s']:.0f}")
+        progress.update(rec["step"], m)
+        if not progress.enabled:
+            log(f"step {rec['step']:4d} reward={m['reward/mean']:.3f} loss={m['loss']:+.4f} "
+                f"staleness={m['staleness/mean']:.2f} tok/s={m['tokens_per_s']:.0f}")
 
     try:
         while int(state.version) < config.train.steps:
@@ -119,16 +142,17 @@ def run(config, workdir: str, log=print) -> dict:
             state, _ = orch.run(state, todo, on_metrics)
             ckpt.save(state)
             if int(state.version) % config.train.eval_every == 0 or int(state.version) == config.train.steps:
-                r = evaluate(state)
-                writer.write({"step": int(state.version), "eval/reward": r, "time_s": time.time() - t_start})
-                log(f"step {int(state.version)} eval/reward={r:.3f}")
-                summary["eval/reward"] = r
+                summary["eval/reward"] = evaluate(state)["eval/reward"]
     except KeyboardInterrupt:
         state = orch.state or state  # `state` itself may have been donated mid-chunk
         log(f"interrupted at version {int(state.version)}: saving a checkpoint")
         ckpt.save(state, force=True)
     finally:
+        progress.close()
         ckpt.close()
         writer.close()
-    summary.update(version=int(state.version), time_s=time.time() - t_start)
+        if hasattr(task, "pool"):
+            task.pool.close()
+    summary.update(version=int(state.version), time_s=time.time() - t_start,
+                   reward_failures=orch.reward_failures)
     return summary

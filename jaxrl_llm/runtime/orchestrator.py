@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from jaxrl_llm import advantages
+from jaxrl_llm import advantages, tasks
 from jaxrl_llm.runtime import delay as delay_lib
 from jaxrl_llm.runtime.queue import QueueClosed, QueueTimeout, VersionedQueue
 from jaxrl_llm.runtime.weights import WeightStore
@@ -72,6 +72,11 @@ def _delay(c) -> delay_lib.DelayModel:
     return delay_lib.make(d.kind, min=d.min, max=d.max, value=d.value, weibull_shape=d.weibull_shape)
 
 
+def rollout_params(state):
+    """What samplers generate with: Jackpot's separate actor when the learner trains one."""
+    return state.params if getattr(state, "actor_params", None) is None else state.actor_params
+
+
 class Orchestrator:
     def __init__(self, learner, sampler, task, cfg=None, placement=None):
         self.cfg = cfg or default_config()
@@ -92,14 +97,9 @@ class Orchestrator:
         prompts = self.task.prompts(rng, self.cfg.prompts_per_batch)
         key = jax.random.fold_in(jax.random.fold_in(self._key, worker), counter)
         batch = self.sampler.generate(params, prompts, key, version)
-        g = self.sampler.cfg.num_samples
-        tokens, mask = np.asarray(batch.tokens), np.asarray(batch.loss_mask) > 0
-        rewards = np.zeros(len(tokens), np.float32)
-        for i in range(len(tokens)):
-            try:
-                rewards[i] = float(self.task.reward(prompts[i // g], tokens[i][mask[i]].tolist()))
-            except Exception:  # a failing reward scores 0 and is counted, never kills the run
-                self.reward_failures += 1
+        rewards, failures = tasks.score(self.task, prompts, np.asarray(batch.tokens),
+                                        np.asarray(batch.loss_mask) > 0, self.sampler.cfg.num_samples)
+        self.reward_failures += failures  # a failing reward scores 0 and is counted
         adv = advantages.compute(self.cfg.advantage, rewards, batch.group_ids, batch.loss_mask,
                                  mask_zero_variance=self.cfg.mask_zero_variance)
         return batch.replace(rewards=jnp.asarray(rewards), advantages=adv)
@@ -107,7 +107,7 @@ class Orchestrator:
     def _train(self, state, batch, extra):
         state, m = self.learner.train_step(state, batch)
         self.state = state  # newest live state (the previous one was donated), e.g. for Ctrl-C saves
-        self.store.publish(int(state.version), state.params)
+        self.store.publish(int(state.version), rollout_params(state))
         d = np.asarray(int(state.version) - 1 - np.asarray(batch.versions))[np.asarray(batch.loss_mask) > 0]
         m.update(extra)
         m["staleness/hist"] = np.bincount(np.maximum(d, 0), minlength=1).tolist()
@@ -118,7 +118,7 @@ class Orchestrator:
     # ------------------------------------------------------------------ modes
     def run(self, state, num_steps: int, on_metrics: Optional[Callable] = None):
         """Train for `num_steps` learner steps; returns (state, [metrics per step])."""
-        self.store.publish(int(state.version), state.params)
+        self.store.publish(int(state.version), rollout_params(state))
         history = []
         emit = (lambda m: (history.append(m), on_metrics and on_metrics(m)))
         if self.cfg.mode == "async":

@@ -1,1 +1,68 @@
-"""Tasks: prompts + verifiable rewards. Embedded: arithmetic (no download)."""
+"""Tasks: prompts + verifiable rewards.
+
+A task has `prompts(rng, n)`, `eval_prompts()`, `reward(prompt_ids, completion_ids)`, and
+`eos_id`, `pad_id`, `vocab_size`, `prompt_buckets`, `max_answer_len`; tasks with
+`supervised(rng, n)` can warm-start a tiny model. Embedded: `arithmetic` (no download).
+From a local dataset: `math` (GSM8K / MATH style, math-verify reward).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+import numpy as np
+
+NAMES = ("arithmetic", "math")
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Every task's fields, so any of them can be set from the command line."""
+    return ml_collections.ConfigDict(dict(
+        name="arithmetic", eval_size=128,
+        # arithmetic
+        digits=2, ops="+",
+        # math: a local dataset path; the tokenizer comes from model.hf_path unless `tokenizer` is set
+        path="", tokenizer="", split="train", eval_split="test", question_key="", answer_key="",
+        max_prompt_len=512, max_answer_len=512, chat_template=True, system_prompt="",
+        instruction="Please reason step by step, and put your final answer within \\boxed{}.",
+        reward_timeout=5.0,
+    ))
+
+
+def validate(c, hf_path: str = "") -> None:
+    if c.name not in NAMES:
+        raise ValueError(f"unknown task {c.name!r}; valid: {', '.join(NAMES)}")
+    if c.name == "math":
+        if not c.path:
+            raise ValueError("task 'math' reads a local dataset: set --config.task.path")
+        if not (c.tokenizer or hf_path):
+            raise ValueError("task 'math' needs a tokenizer: set --config.model.hf_path (or --config.task.tokenizer)")
+        if c.reward_timeout <= 0:
+            raise ValueError("task.reward_timeout must be > 0 seconds")
+
+
+def make(c, hf_path: str = ""):
+    validate(c, hf_path)
+    if c.name == "arithmetic":
+        from jaxrl_llm.tasks.arithmetic import Arithmetic
+
+        return Arithmetic(digits=c.digits, ops=c.ops, eval_size=c.eval_size)
+    from jaxrl_llm.models import load_tokenizer
+    from jaxrl_llm.tasks.math_dataset import MathDataset
+
+    return MathDataset(c.path, load_tokenizer(c.tokenizer or hf_path), split=c.split, eval_split=c.eval_split,
+                       question_key=c.question_key, answer_key=c.answer_key, eval_size=c.eval_size,
+                       max_prompt_len=c.max_prompt_len, max_answer_len=c.max_answer_len,
+                       instruction=c.instruction, system_prompt=c.system_prompt,
+                       chat_template=c.chat_template, reward_timeout=c.reward_timeout)
+
+
+def score(task, prompts, tokens, mask, num_samples: int):
+    """Rewards of a sampled batch (row i answers prompts[i // num_samples]) and how many
+    reward calls failed; a failure scores 0 and never stops the run."""
+    rewards, failures = np.zeros(len(tokens), np.float32), 0
+    for i in range(len(tokens)):
+        try:
+            rewards[i] = float(task.reward(prompts[i // num_samples], tokens[i][mask[i]].tolist()))
+        except Exception:
+            failures += 1
+    return rewards, failures

@@ -51,6 +51,12 @@ class Arithmetic:
         if self.digits < 1:
             raise ValueError("digits must be >= 1")
 
+    eos_id, pad_id, vocab_size = EOS, PAD, VOCAB_SIZE
+
+    @property
+    def prompt_buckets(self) -> tuple:
+        return (self.max_prompt_len,)
+
     @property
     def max_prompt_len(self) -> int:
         return 2 * self.digits + 3  # <bos> a op b =

@@ -50,6 +50,8 @@ def warm_start(params, cfg, task, steps: int, batch_size: int = 64, lr: float = 
 def accuracy(params, sampler, task, prompts, key=None) -> float:
     """Mean task reward of the sampler's completions (use a greedy SamplerConfig for eval)."""
     batch = sampler.generate(params, prompts, key if key is not None else jax.random.key(0))
-    tokens, mask = np.asarray(batch.tokens), np.asarray(batch.loss_mask) > 0
-    g = sampler.cfg.num_samples
-    return float(np.mean([task.reward(prompts[i // g], tokens[i][mask[i]].tolist()) for i in range(len(tokens))]))
+    from jaxrl_llm.tasks import score
+
+    rewards, _ = score(task, prompts, np.asarray(batch.tokens), np.asarray(batch.loss_mask) > 0,
+                       sampler.cfg.num_samples)
+    return float(rewards.mean())

@@ -1,0 +1,212 @@
+"""Plots and a comparison table from one or more run directories.
+
+    python -m jaxrl_llm.report runs/a3po runs/gepo [--out report/]
+
+Reads each WORKDIR/metrics.jsonl (and config.json for the run's objective, mode and
+max_staleness) and writes PNGs (reward vs step and vs wall-clock, is_weight max/min, clipped
+tokens, entropy, staleness histogram) and report.md, a markdown table comparing the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+PLOTS = ("reward_vs_step", "reward_vs_time", "is_weight", "clipped_tokens", "entropy", "staleness_hist")
+
+
+def load_run(workdir: str) -> dict:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: is {workdir!r} a run directory?")
+    steps, evals = {}, {}
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            # Later records win: a resumed run re-logs nothing before its checkpoint.
+            (evals if "eval/reward" in r else steps)[r["step"]] = r
+    config = {}
+    if os.path.exists(os.path.join(workdir, "config.json")):
+        with open(os.path.join(workdir, "config.json")) as f:
+            config = json.load(f)
+    return dict(name=os.path.basename(os.path.normpath(workdir)), config=config,
+                steps=[steps[k] for k in sorted(steps)], evals=[evals[k] for k in sorted(evals)])
+
+
+def series(records: Sequence[dict], key: str):
+    """(x = step, y) over records that have `key`."""
+    pts = [(r["step"], r[key]) for r in records if key in r and r[key] is not None]
+    return (np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)) if pts else (None, None)
+
+
+def staleness_counts(records: Sequence[dict]) -> np.ndarray:
+    """Token counts per staleness (in learner steps), summed over the run."""
+    hists = [np.asarray(r["staleness/hist"], float) for r in records if r.get("staleness/hist")]
+    if not hists:
+        return np.zeros(0)
+    out = np.zeros(max(len(h) for h in hists))
+    for h in hists:
+        out[: len(h)] += h
+    return out
+
+
+def ema(y: np.ndarray, decay: float = 0.9) -> np.ndarray:
+    out, acc = np.empty_like(y), y[0]
+    for i, v in enumerate(y):
+        acc = decay * acc + (1 - decay) * v
+        out[i] = acc
+    return out
+
+
+def summary_row(run: dict) -> dict:
+    _, ev = series(run["evals"], "eval/reward")
+    _, st = series(run["steps"], "staleness/mean")
+    _, clip = series(run["steps"], "clip_frac")
+    _, tps = series(run["steps"], "tokens_per_s")
+    c = run["config"]
+    last = run["evals"][-1] if run["evals"] else (run["steps"][-1] if run["steps"] else {})
+
+    def mean(y):
+        return float(np.mean(y)) if y is not None and len(y) else float("nan")
+
+    return {
+        "run": run["name"],
+        "objective": c.get("objective", {}).get("name", "?"),
+        "mode": c.get("runtime", {}).get("mode", "?"),
+        "max_staleness": c.get("runtime", {}).get("max_staleness", "?"),
+        "steps": int(run["steps"][-1]["step"]) if run["steps"] else 0,
+        "eval_start": float(ev[0]) if ev is not None else float("nan"),
+        "eval_final": float(ev[-1]) if ev is not None else float("nan"),
+        "eval_best": float(ev.max()) if ev is not None else float("nan"),
+        "staleness_mean": mean(st),
+        "clip_frac": mean(clip),
+        "tokens_per_s": mean(tps),
+        "time_s": float(last.get("time_s", float("nan"))),
+    }
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(" --- " for _ in cols) + "|"]
+    for r in rows:
+        cells = [f"{v:.3f}" if isinstance(v, float) and k not in ("tokens_per_s", "time_s")
+                 else f"{v:.0f}" if isinstance(v, float) else str(v) for k, v in r.items()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: Sequence[dict], out: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        path = os.path.join(out, f"{name}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for xkey, name in (("step", "reward_vs_step"), ("time_s", "reward_vs_time")):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for i, run in enumerate(runs):
+            col = colors[i % len(colors)]
+            ev = [r for r in run["evals"] if "eval/reward" in r]
+            tr = [r for r in run["steps"] if "reward/mean" in r]
+            if tr:
+                x = np.array([r[xkey] for r in tr], float)
+                y = np.array([r["reward/mean"] for r in tr], float)
+                ax.plot(x, ema(y), color=col, alpha=0.45, lw=1, label=f"{run['name']} train (EMA)")
+            if ev:
+                ax.plot([r[xkey] for r in ev], [r["eval/reward"] for r in ev], "o-", color=col, lw=2,
+                        label=f"{run['name']} eval")
+        ax.set_xlabel("learner step" if xkey == "step" else "wall-clock (s)")
+        ax.set_ylabel("reward")
+        ax.set_title("held-out eval/reward (markers) and training reward")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        save(fig, name)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, run in enumerate(runs):
+        col = colors[i % len(colors)]
+        for key, style in (("is_weight/max", "-"), ("is_weight/min", "--")):
+            x, y = series(run["steps"], key)
+            if x is not None:
+                ax.plot(x, y, style, color=col, label=f"{run['name']} {key.split('/')[1]}")
+    ax.set_yscale("log")
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("importance weight (log scale)")
+    ax.set_title("is_weight max (solid) / min (dashed)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    save(fig, "is_weight")
+
+    for key, name, label in (("clip_frac", "clipped_tokens", "fraction of tokens clipped"),
+                             ("entropy", "entropy", "policy entropy (nats/token)")):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for i, run in enumerate(runs):
+            x, y = series(run["steps"], key)
+            if x is not None:
+                ax.plot(x, y, color=colors[i % len(colors)], label=run["name"])
+        ax.set_xlabel("learner step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        save(fig, name)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(len(runs), 1)
+    for i, run in enumerate(runs):
+        counts = staleness_counts(run["steps"])
+        if counts.size:
+            ax.bar(np.arange(len(counts)) + i * width - 0.4 + width / 2, counts / counts.sum(), width,
+                   color=colors[i % len(colors)], label=run["name"])
+    longest = max((staleness_counts(r["steps"]).size for r in runs), default=0)
+    ax.set_xticks(range(longest))
+    ax.set_xlabel("staleness (learner steps between sampling and training)")
+    ax.set_ylabel("fraction of trained tokens")
+    ax.set_title("staleness histogram")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+    save(fig, "staleness_hist")
+    return paths
+
+
+def write_report(workdirs: Sequence[str], out: str) -> str:
+    """Plots + report.md for `workdirs` into `out`; returns the markdown path."""
+    runs = [load_run(w) for w in workdirs]
+    os.makedirs(out, exist_ok=True)
+    paths = plot(runs, out)
+    md = os.path.join(out, "report.md")
+    with open(md, "w") as f:
+        f.write("# Runs\n\n" + markdown_table([summary_row(r) for r in runs]) + "\n")
+        for p in paths:
+            f.write(f"![{os.path.basename(p)}]({os.path.basename(p)})\n\n")
+    return md
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("workdirs", nargs="+", help="run directories (each with metrics.jsonl)")
+    ap.add_argument("--out", default="", help="output directory (default: WORKDIR/report for one run, "
+                                             "./report for several)")
+    args = ap.parse_args(argv)
+    out = args.out or (os.path.join(args.workdirs[0], "report") if len(args.workdirs) == 1 else "report")
+    md = write_report(args.workdirs, out)
+    print(open(md).read().split("\n\n![")[0])
+    print(f"wrote {md} and {len(PLOTS)} plots in {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Math word problems (GSM8K / MATH style) from a local dataset, scored by math-verify.
+
+The data is read with `datasets` from a local path, never a hub:
+  * a directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`;
+  * a .parquet / .jsonl / .json file (taken as the train split);
+  * a directory of such files, split by file name prefix (`train-*.parquet`, `test.jsonl`),
+    e.g. a local copy of the GSM8K or MATH repositories.
+Questions go through the tokenizer's chat template (or a plain "Question/Answer" layout with
+`chat_template=False`). The gold answer is the text after "####" (GSM8K) or the whole
+solution (MATH; math-verify extracts its \\boxed{}); a completion is parsed the same way
+(\\boxed{} first, then the last number or expression) and compared symbolically, in a separate
+process with a per-sample timeout (`scoring.TimeoutPool`).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Sequence
+
+import numpy as np
+
+from jaxrl_llm.tasks.scoring import TimeoutPool
+
+QUESTION_KEYS = ("question", "problem", "prompt", "query")
+ANSWER_KEYS = ("answer", "solution", "final_answer", "gold")
+FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def gold_answer(text: str) -> str:
+    """GSM8K answers end in '#### 72' (thousands separators allowed); anything else is kept
+    whole for math-verify to extract from."""
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip().replace(",", "")
+    return text.strip()
+
+
+def score(completion: str, gold: str) -> float:
+    """1.0 when math-verify finds the completion's final answer equal to the gold answer.
+    Runs inside the scoring process; timeouts are enforced from outside, hence None here."""
+    from math_verify import parse, verify
+
+    want = parse(gold, parsing_timeout=None)
+    if not want:  # no parseable gold: fall back to an exact string match of the final answer
+        want = [gold]
+    got = parse(completion, parsing_timeout=None)
+    return float(bool(got) and verify(want, got, timeout_seconds=None))
+
+
+def load_split(path: str, split: str):
+    """A `datasets.Dataset` for `split` from a local path, or None if that split is absent."""
+    import datasets
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"dataset path {path!r} does not exist (datasets are read from local paths only)")
+    if os.path.isdir(path) and (os.path.exists(os.path.join(path, "dataset_dict.json"))
+                                or os.path.exists(os.path.join(path, "state.json"))):
+        data = datasets.load_from_disk(path)
+        if isinstance(data, datasets.DatasetDict):
+            return data[split] if split in data else None
+        return data if split == "train" else None
+    if os.path.isfile(path):
+        ext = os.path.splitext(path)[1]
+        if ext not in FORMATS:
+            raise ValueError(f"unsupported dataset file {path!r}; valid extensions: {', '.join(FORMATS)}")
+        return datasets.load_dataset(FORMATS[ext], data_files={"train": path}, split="train") if split == "train" else None
+    for ext, fmt in FORMATS.items():
+        files = sorted(glob.glob(os.path.join(path, "**", f"{split}*{ext}"), recursive=True))
+        if files:
+            return datasets.load_dataset(fmt, data_files={split: files}, split=split)
+    return None
+
+
+def _pick(columns: Sequence[str], given: str, candidates: Sequence[str], what: str) -> str:
+    if given:
+        if given not in columns:
+            raise ValueError(f"{what} column {given!r} not in the dataset; columns: {', '.join(columns)}")
+        return given
+    for c in candidates:
+        if c in columns:
+            return c
+    raise ValueError(f"no {what} column found (looked for {', '.join(candidates)}); columns: {', '.join(columns)}; "
+                     f"set --config.task.{what}_key")
+
+
+class MathDataset:
+    """Task protocol (see runtime/orchestrator.py) over a local math dataset."""
+
+    def __init__(self, path: str, tokenizer, split: str = "train", eval_split: str = "test",
+                 question_key: str = "", answer_key: str = "", eval_size: int = 64,
+                 max_prompt_len: int = 512, max_answer_len: int = 512, instruction: str = INSTRUCTION,
+                 system_prompt: str = "", chat_template: bool = True, reward_timeout: float = 5.0):
+        self.tokenizer = tokenizer
+        self.max_answer_len = max_answer_len
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; set --config.task.chat_template=False "
+                             "for plain 'Question: ... Answer:' prompts")
+        self._chat, self._instruction, self._system = chat_template, instruction, system_prompt
+        train = load_split(path, split)
+        if train is None:
+            raise ValueError(f"split {split!r} not found under {path!r}")
+        q = _pick(train.column_names, question_key, QUESTION_KEYS, "question")
+        a = _pick(train.column_names, answer_key, ANSWER_KEYS, "answer")
+        held = load_split(path, eval_split) if eval_split else None
+        if held is None:  # no eval split: hold out the last eval_size training problems
+            n = len(train) - min(eval_size, len(train) // 2)
+            train, held = train.select(range(n)), train.select(range(n, len(train)))
+        self.train = self._encode(train[q], train[a], max_prompt_len)
+        self.held_out = self._encode(held[q], held[a], max_prompt_len)[:eval_size]
+        if not self.train:
+            raise ValueError(f"no training problem fits task.max_prompt_len={max_prompt_len} tokens")
+        self._gold = {tuple(ids): g for ids, g in self.train + self.held_out}
+        longest = max(len(ids) for ids, _ in self.train + self.held_out)
+        self.prompt_buckets = tuple(b for b in (64, 128, 256, 512, 1024, 2048) if b < longest) + (longest,)
+        self.pool = TimeoutPool(reward_timeout, preload=("math_verify",))
+
+    def _format(self, question: str) -> list[int]:
+        text = f"{question}\n{self._instruction}".strip()
+        if not self._chat:
+            return self.tokenizer(f"Question: {text}\nAnswer:", add_special_tokens=True)["input_ids"]
+        msgs = ([{"role": "system", "content": self._system}] if self._system else []) + [
+            {"role": "user", "content": text}]
+        ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _encode(self, questions, answers, max_len: int):
+        out = []
+        for question, answer in zip(questions, answers):
+            ids = self._format(str(question))
+            if len(ids) <= max_len:  # longer prompts are skipped, not truncated mid-question
+                out.append((ids, gold_answer(str(answer))))
+        return out
+
+    # -- task protocol
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return self.eos_id if pad is None else pad
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.prompt_buckets[-1]
+
+    def prompts(self, rng: np.random.Generator, n: int) -> list[list[int]]:
+        return [list(self.train[i][0]) for i in rng.integers(0, len(self.train), n)]
+
+    def eval_prompts(self) -> list[list[int]]:
+        return [list(ids) for ids, _ in self.held_out]
+
+    def completion_text(self, completion: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(completion), skip_special_tokens=True)
+
+    def reward(self, prompt: Sequence[int], completion: Sequence[int]) -> float:
+        value, error = self.pool.call(score, self.completion_text(completion), self._gold[tuple(prompt)])
+        if error is not None:  # the caller scores 0 and counts it
+            raise RuntimeError(f"math-verify reward failed: {error}")
+        return value

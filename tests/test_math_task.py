@@ -1,0 +1,149 @@
+"""Math-dataset task: local loading in every supported layout, chat-template prompts,
+math-verify rewards with a hard per-sample timeout, and an end-to-end run on a tiny HF model."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from jaxrl_llm import tasks
+from jaxrl_llm.tasks import math_dataset
+from jaxrl_llm.tasks.scoring import TimeoutPool
+from tests import hf_fixtures
+
+TRAIN = [("What is 12 + 60?", "12 + 60 = 72\n#### 72"),
+         ("Half of 1?", "It is $\\frac{1}{2}$, so the answer is \\boxed{\\frac{1}{2}}."),
+         ("Sum of 1,000 and 234?", "#### 1,234"),
+         ("Three times 3?", "#### 9")]
+TEST = [("What is 5 + 5?", "#### 10"), ("What is 2 * 4?", "#### 8")]
+
+
+@pytest.mark.parametrize("completion,gold,want", [
+    ("12 + 60 = 72, so the answer is \\boxed{72}.", "72", 1.0),
+    ("The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),      # symbolic, not string, equality
+    ("We get $x = 9$.", "9", 1.0),
+    ("first 3, then 72", "72", 1.0),                           # last number without a box
+    ("I think it is 71.", "72", 0.0),
+    ("no idea", "72", 0.0),
+    ("\\boxed{1234}", math_dataset.gold_answer("so #### 1,234"), 1.0),
+    ("\\boxed{\\frac{1}{2}}", math_dataset.gold_answer("thus \\boxed{\\frac{2}{4}}"), 1.0),  # MATH solution
+])
+def test_math_verify_scores_handwritten_answers(completion, gold, want):
+    assert math_dataset.score(completion, gold) == want
+
+
+def test_gold_answer_extraction():
+    assert math_dataset.gold_answer("step\n#### 1,234 ") == "1234"
+    assert math_dataset.gold_answer(" \\boxed{3} ") == "\\boxed{3}"
+
+
+def test_timeout_pool_kills_a_stuck_call_and_keeps_working():
+    pool = TimeoutPool(timeout=0.5)
+    t = time.monotonic()
+    assert pool.call(time.sleep, 30) == (0.0, "timeout")
+    assert time.monotonic() - t < 10 and pool.timeouts == 1
+    assert pool.call(abs, -3) == (3, None)  # a fresh worker took over
+    value, error = pool.call(int, "x")
+    assert value == 0.0 and error.startswith("ValueError") and pool.errors == 1
+    pool.close()
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        TimeoutPool(timeout=0)
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_chat_model")
+    tok = hf_fixtures.make_tokenizer(str(d), corpus=[q + " " + a for q, a in TRAIN + TEST])
+    hf_fixtures.save(hf_fixtures.make_hf_model("qwen2_tied", vocab=len(tok)), str(d))
+    return d
+
+
+def _task(path, tokenizer_dir, **kw):
+    c = tasks.default_config()
+    c.update(dict(name="math", path=str(path), eval_size=8, reward_timeout=10.0), **kw)
+    return tasks.make(c, str(tokenizer_dir))
+
+
+def test_layouts_splits_and_chat_template(tokenizer_dir, tmp_path):
+    import datasets
+
+    # 1. a directory of parquet files split by name (a local copy of a hub dataset repo)
+    d = tmp_path / "gsm8k" / "main"
+    d.mkdir(parents=True)
+    for split, rows in (("train", TRAIN), ("test", TEST)):
+        datasets.Dataset.from_dict({"question": [q for q, _ in rows], "answer": [a for _, a in rows]}).to_parquet(
+            str(d / f"{split}-00000-of-00001.parquet"))
+    task = _task(tmp_path / "gsm8k", tokenizer_dir)
+    assert len(task.train) == 4 and len(task.held_out) == 2
+    assert [g for _, g in task.held_out] == ["10", "8"]
+    text = task.tokenizer.decode(task.eval_prompts()[0])
+    assert text.startswith("<|im_start|>user\nWhat is 5 + 5?\nPlease reason step by step")
+    assert text.endswith("<|im_start|>assistant\n")
+    # 2. one jsonl file: no test split, so the last problems are held out
+    task = _task(_write_jsonl(tmp_path / "train.jsonl", TRAIN), tokenizer_dir, eval_size=1)
+    assert len(task.train) == 3 and [g for _, g in task.held_out] == ["9"]
+    # 3. save_to_disk with a DatasetDict, non-default column names
+    dd = datasets.DatasetDict({s: datasets.Dataset.from_dict({"problem": [q for q, _ in r], "solution": [a for _, a in r]})
+                               for s, r in (("train", TRAIN), ("test", TEST))})
+    dd.save_to_disk(str(tmp_path / "saved"))
+    task = _task(tmp_path / "saved", tokenizer_dir, chat_template=False)
+    assert task.tokenizer.decode(task.eval_prompts()[1]).startswith("Question: What is 2 * 4?")
+    rng = np.random.default_rng(0)
+    assert all(tuple(p) in {tuple(ids) for ids, _ in task.train} for p in task.prompts(rng, 16))
+
+
+def test_long_prompts_skipped_and_bad_inputs_explained(tokenizer_dir, tmp_path):
+    path = _write_jsonl(tmp_path / "train.jsonl", TRAIN + [("x " * 400, "#### 1")])
+    task = _task(path, tokenizer_dir, max_prompt_len=128, eval_size=1)
+    assert len(task.train) + len(task.held_out) == 4 and task.max_prompt_len <= 128
+    with pytest.raises(ValueError, match="no question column found .* columns: q, answer; set --config.task.question_key"):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps({"q": "a", "answer": "b"}) + "\n")
+        _task(bad, tokenizer_dir)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        _task(tmp_path / "nowhere", tokenizer_dir)
+    with pytest.raises(ValueError, match="set --config.task.path"):
+        tasks.validate(_cfg(name="math"), "x")
+    with pytest.raises(ValueError, match="set --config.model.hf_path"):
+        tasks.validate(_cfg(name="math", path="p"), "")
+    with pytest.raises(ValueError, match="unknown task 'gsm8k'; valid: arithmetic, math"):
+        tasks.validate(_cfg(name="gsm8k"), "")
+
+
+def _cfg(**kw):
+    c = tasks.default_config()
+    c.update(kw)
+    return c
+
+
+def test_reward_through_the_pool_and_failures_counted(tokenizer_dir, tmp_path):
+    task = _task(_write_jsonl(tmp_path / "train.jsonl", TRAIN), tokenizer_dir, eval_size=1)
+    prompt = list(task.train[0][0])  # gold 72
+    enc = lambda s: task.tokenizer(s, add_special_tokens=False)["input_ids"] + [task.eos_id]
+    assert task.reward(prompt, enc("so \\boxed{72}")) == 1.0
+    assert task.reward(prompt, enc("so \\boxed{73}")) == 0.0
+    task.pool.timeout = 1e-4  # every call now overruns: scored 0 and counted, never raised
+    tokens = np.array([enc("\\boxed{72}")])
+    rewards, failures = tasks.score(task, [prompt], tokens, np.ones_like(tokens, bool), 1)
+    assert rewards.tolist() == [0.0] and failures == 1
+    task.pool.close()
+
+
+def test_end_to_end_on_a_local_hf_model_and_dataset(tokenizer_dir, tmp_path):
+    from jaxrl_llm import experiment
+    from tests.test_experiment import _tiny
+
+    c = _tiny("ppo")
+    c.task.update(dict(name="math", path=str(_write_jsonl(tmp_path / "train.jsonl", TRAIN)), eval_size=2,
+                       max_answer_len=8))
+    c.model.hf_path = str(tokenizer_dir)
+    summary = experiment.run(c, str(tmp_path / "run"), log=lambda *_: None)
+    assert summary["version"] == 2 and summary["reward_failures"] == 0
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert sum("loss" in r for r in records) == 2 and sum("eval/reward" in r for r in records) == 3
