@@ -8,14 +8,14 @@ from ml_collections import config_flags
 
 from jaxrl_llm import experiment
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "experiment config file")
-_WORKDIR = flags.DEFINE_string("workdir", "runs/default", "metrics, checkpoints; resumed if present")
+CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "experiment config file")
+WORKDIR = flags.DEFINE_string("workdir", "runs/default", "metrics, checkpoints; resumed if present")
 
 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
-    summary = experiment.run(_CONFIG.value, _WORKDIR.value)
+    summary = experiment.run(CONFIG.value, WORKDIR.value)
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
 
 
