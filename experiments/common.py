@@ -57,11 +57,14 @@ def report(results: dict, json_path=None) -> None:
             json.dump(results, f, indent=2)
 
 
-def parse_args(description: str):
-    """The flags every benchmark takes: --json PATH, --repeats N (best of N is reported)."""
+def parse_args(description: str, extra=None):
+    """The flags every benchmark takes: --json PATH, --repeats N (best of N is reported);
+    `extra(parser)` adds a benchmark's own."""
     import argparse
 
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--json", default=None, help="write the figures as one flat JSON object")
     ap.add_argument("--repeats", type=int, default=3, help="timed repetitions (best is kept)")
+    if extra:
+        extra(ap)
     return ap.parse_args()

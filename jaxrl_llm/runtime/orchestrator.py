@@ -125,6 +125,7 @@ class Orchestrator:
             return self._run_async(state, num_steps, emit), history
         rng = np.random.default_rng([self.cfg.seed, 10_007])
         batch, sampler_version = None, None
+        start, sampling = time.perf_counter(), 0.0
         for step in range(num_steps):
             t0 = time.perf_counter()
             version = int(state.version)
@@ -142,9 +143,11 @@ class Orchestrator:
                 batch = self.produce(sampler_version[1], sampler_version[0], 0, step)
             t1 = time.perf_counter()
             state, m = self._train(state, batch, {})
-            total = time.perf_counter() - t0
-            m.update({"runtime/sampler_busy": (t1 - t0) / total, "runtime/learner_idle": (t1 - t0) / total,
-                      "runtime/samples_per_s": batch.shape[0] / total})
+            sampling += t1 - t0
+            elapsed = time.perf_counter() - start
+            # Cumulative over this run() call, like async: the learner waits while sampling.
+            m.update({"runtime/sampler_busy": sampling / elapsed, "runtime/learner_idle": sampling / elapsed,
+                      "runtime/samples_per_s": (step + 1) * batch.shape[0] / elapsed})
             emit(m)
         return state, history
 
