@@ -109,7 +109,10 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
 
     paths = []
 
-    def save(fig, name):
+    def save(fig, ax, name, xlabel, ylabel, title="", **grid):
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+        ax.grid(alpha=0.3, **grid)
+        ax.legend(fontsize=7)
         fig.tight_layout()
         path = os.path.join(out, f"{name}.png")
         fig.savefig(path, dpi=110)
@@ -130,12 +133,8 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
             if ev:
                 ax.plot([r[xkey] for r in ev], [r["eval/reward"] for r in ev], "o-", color=col, lw=2,
                         label=f"{run['name']} eval")
-        ax.set_xlabel("learner step" if xkey == "step" else "wall-clock (s)")
-        ax.set_ylabel("reward")
-        ax.set_title("held-out eval/reward (markers) and training reward")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        save(fig, name)
+        save(fig, ax, name, "learner step" if xkey == "step" else "wall-clock (s)", "reward",
+             "held-out eval/reward (markers) and training reward")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, run in enumerate(runs):
@@ -145,12 +144,8 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
             if x is not None:
                 ax.plot(x, y, style, color=col, label=f"{run['name']} {key.split('/')[1]}")
     ax.set_yscale("log")
-    ax.set_xlabel("learner step")
-    ax.set_ylabel("importance weight (log scale)")
-    ax.set_title("is_weight max (solid) / min (dashed)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    save(fig, "is_weight")
+    save(fig, ax, "is_weight", "learner step", "importance weight (log scale)",
+         "is_weight max (solid) / min (dashed)", which="both")
 
     for key, name, label in (("clip_frac", "clipped_tokens", "fraction of tokens clipped"),
                              ("entropy", "entropy", "policy entropy (nats/token)")):
@@ -159,11 +154,7 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
             x, y = series(run["steps"], key)
             if x is not None:
                 ax.plot(x, y, color=colors[i % len(colors)], label=run["name"])
-        ax.set_xlabel("learner step")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        save(fig, name)
+        save(fig, ax, name, "learner step", label)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(len(runs), 1)
@@ -174,12 +165,8 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
                    color=colors[i % len(colors)], label=run["name"])
     longest = max((staleness_counts(r["steps"]).size for r in runs), default=0)
     ax.set_xticks(range(longest))
-    ax.set_xlabel("staleness (learner steps between sampling and training)")
-    ax.set_ylabel("fraction of trained tokens")
-    ax.set_title("staleness histogram")
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=7)
-    save(fig, "staleness_hist")
+    save(fig, ax, "staleness_hist", "staleness (learner steps between sampling and training)",
+         "fraction of trained tokens", "staleness histogram", axis="y")
     return paths
 
 

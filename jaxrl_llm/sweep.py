@@ -35,7 +35,8 @@ def cells(config) -> list[tuple[str, object]]:
             if k < 0:
                 raise ValueError("a staleness sweep needs max_staleness >= 0 in every cell")
             c = config.copy_and_resolve_references()
-            del c["sweep"]
+            with c.unlocked():  # config_flags hands over a locked config
+                del c["sweep"]
             c.objective.name = name
             c.runtime.max_staleness = k
             if config.sweep.delay != "fixed":  # a bounded random delay in [0.5, k] steps
@@ -80,7 +81,7 @@ def run(config, workdir: str, log=print) -> list[dict]:
 def main(argv):
     from absl import logging
 
-    from jaxrl_llm.main import CONFIG, WORKDIR
+    from jaxrl_llm.main import CONFIG, WORKDIR  # the same --config / --workdir flags
 
     del argv
     logging.set_verbosity(logging.WARNING)
@@ -90,5 +91,7 @@ def main(argv):
 
 if __name__ == "__main__":
     from absl import app
+
+    import jaxrl_llm.main  # noqa: F401  (defines the flags before parsing)
 
     app.run(main)

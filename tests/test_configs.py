@@ -63,6 +63,7 @@ def test_gepo_hetero_realises_bounded_lognormal_staleness():
 def test_staleness_sweep_writes_one_table(tmp_path):
     c = _shrink(importlib.import_module("configs.staleness_sweep").get_config(), steps=3)
     c.sweep.update(dict(objectives="ppo,gepo", max_staleness="0,2"))
+    c.lock()  # as config_flags hands it over
     rows = sweep.run(c, str(tmp_path), log=lambda *_: None)
     assert [(r["objective"], r["max_staleness"]) for r in rows] == [("ppo", 0), ("ppo", 2), ("gepo", 0), ("gepo", 2)]
     for r in rows:  # fixed delay: every batch is min(k, version) steps stale

@@ -37,11 +37,12 @@ class TargetTask:
         return float(np.mean(np.asarray(completion) == self.target)) if completion else 0.0
 
 
-def _orch(mode, task=None, mesh=None, placement=None, **rc):
+def _orch(mode, task=None, mesh=None, placement=None, sampler_kw=None, **rc):
     c = L.default_config()
     c.lr, c.num_minibatches = 1e-3, 2
     lrn = L.Learner(CFG, {"name": "a3po"}, c, mesh=mesh)
-    sampler = Sampler(CFG, SamplerConfig(max_new_tokens=4, num_samples=4, prompt_buckets=(4,)))
+    sampler = Sampler(CFG, SamplerConfig(**{**dict(max_new_tokens=4, num_samples=4, prompt_buckets=(4,)),
+                                            **(sampler_kw or {})}))
     cfg = O.default_config()
     cfg.mode, cfg.prompts_per_batch = mode, 2
     cfg.update(rc)
@@ -100,6 +101,37 @@ def test_async_two_samplers_finish_and_shut_down():
     assert all(0.0 <= m["runtime/learner_idle"] <= 1.0 for m in hist)
     time.sleep(0.5)
     assert threading.active_count() <= before  # sampler threads are gone
+
+
+def test_async_mid_generation_refresh_mixes_versions_within_a_batch():
+    orch, st = _orch("async", sampler_kw=dict(max_new_tokens=6, decode_segment=2), queue_size=1, max_staleness=4,
+                     refresh_mid_generation=True)
+    real, calls = orch.sampler.generate, []
+
+    def generate(params, prompts, key, version=0, refresh=None):
+        calls.append(refresh)
+        if len(calls) == 2:  # hold the second batch between segments until the learner publishes
+
+            def waiting():
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    newer = refresh()
+                    if newer is not None:
+                        return newer
+                    time.sleep(0.01)
+
+            return real(params, prompts, key, version, refresh=waiting)
+        return real(params, prompts, key, version, refresh=refresh)
+
+    orch.sampler.generate = generate
+    st, hist = orch.run(st, 3)
+    assert all(callable(r) for r in calls)
+    # Step 2 trains the second batch: its first segment came from v0 (staleness 1 at v1), the
+    # rest from v1 (staleness 0).
+    hist2 = hist[1]["staleness/hist"]
+    assert len(hist2) == 2 and hist2[0] > 0 and hist2[1] > 0, hist2
+    with pytest.raises(ValueError, match="refresh_mid_generation needs mode='async'"):
+        _orch("sync", refresh_mid_generation=True)
 
 
 def test_sampler_exception_surfaces_quickly():

@@ -126,3 +126,26 @@ def test_bucket_selection_and_errors(qwen):
         sampler.generate(params, [[]], jax.random.key(0))
     with pytest.raises(ValueError, match="invalid sampling options"):
         SamplerConfig(top_p=0.0)
+
+
+def test_mid_generation_refresh_tags_each_token_with_its_params_version(qwen):
+    _, params, cfg = qwen
+    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=14, temperature=1.0, prompt_buckets=(16,), decode_segment=5))
+    key = jax.random.key(3)
+    plain = sampler.generate(params, PROMPTS, key, version=4)
+    # Same weights under new version numbers: identical tokens; segments end at 5, 10, 14 and
+    # token t is drawn from the logits of step t-1, so tokens 0-5 carry v4, 6-10 v5, 11-13 v6.
+    calls = iter([(5, params), (6, params)])
+    same = sampler.generate(params, PROMPTS, key, version=4, refresh=lambda: next(calls)).validate()
+    np.testing.assert_array_equal(np.asarray(same.tokens), np.asarray(plain.tokens))
+    np.testing.assert_allclose(np.asarray(same.behav_logp), np.asarray(plain.behav_logp), atol=1e-6)
+    want = np.array([4] * 6 + [5] * 5 + [6] * 3)
+    np.testing.assert_array_equal(np.asarray(same.versions[:, 16:]), np.broadcast_to(want, (4, 14)))
+    # New weights from segment 1 on: tokens up to 5 are unchanged, later log-probs come from them.
+    other = jax.tree.map(lambda x: x * 1.5, params)
+    swapped = sampler.generate(params, PROMPTS, key, version=4, refresh=lambda: (9, other))
+    np.testing.assert_array_equal(np.asarray(swapped.tokens[:, 16:22]), np.asarray(plain.tokens[:, 16:22]))
+    assert not np.allclose(np.asarray(swapped.behav_logp[:, 22:]), np.asarray(plain.behav_logp[:, 22:]))
+    assert set(np.asarray(swapped.versions[:, 22:]).ravel().tolist()) == {9}
+    stale = sampler.generate(params, PROMPTS, key, version=4, refresh=lambda: (3, other))  # older: ignored
+    np.testing.assert_array_equal(np.asarray(stale.tokens), np.asarray(plain.tokens))

@@ -93,32 +93,48 @@ def _pad_cache(cache, key_valid, width):
     return grown, jnp.pad(key_valid, [(0, 0), (0, extra)])
 
 
-def _generate(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfig, scfg: SamplerConfig):
+def _prefill(params, prompt_BxP, prompt_mask_BxP, version, mcfg: ModelConfig, scfg: SamplerConfig):
+    """Run the prompt through the model; the decode state for `_decode_segment`."""
     b, p = prompt_BxP.shape
     n = scfg.max_new_tokens
-    model = decoder.Decoder(mcfg)
-    unembed = decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
-    # Decode runs in segments of `decode_segment` steps; segment j attends over a cache of
-    # p + (j+1) * seg positions, not the full p + n: decode is memory-bound on the cache reads.
-    seg = min(scfg.decode_segment or n, n)
-    ends = list(range(seg, n, seg)) + [n]
-    width = p + ends[0]
+    width = p + _segment_ends(n, scfg)[0]
     cache = [{"k": jnp.zeros((b, mcfg.num_kv_heads, mcfg.head_dim, width), scfg.cache_dtype),
               "v": jnp.zeros((b, mcfg.num_kv_heads, width, mcfg.head_dim), scfg.cache_dtype)}
              for _ in range(mcfg.num_layers)]
     key_valid = jnp.concatenate([prompt_mask_BxP > 0, jnp.zeros((b, width - p), bool)], 1)
     positions = decoder.padding_positions(prompt_mask_BxP)
     causal = jnp.arange(width)[None, :] <= jnp.arange(p)[:, None]
-    hidden, cache = model.apply({"params": params}, prompt_BxP, positions,
-                                causal[None] & key_valid[:, None, :], cache, 0)
+    hidden, cache = decoder.Decoder(mcfg).apply({"params": params}, prompt_BxP, positions,
+                                                causal[None] & key_valid[:, None, :], cache, 0)
     k = scfg.capture_topk
-    st = dict(
+    unembed = decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
+    return dict(
         i=jnp.int32(0), cache=cache, logits=hidden[:, -1].astype(jnp.float32) @ unembed, key_valid=key_valid,
         pos=positions[:, -1] + 1, done=jnp.zeros((b,), bool),
+        logits_version=jnp.asarray(version, jnp.int32),  # the params version that computed `logits`
         tokens=jnp.full((b, n), scfg.pad_token_id, jnp.int32), valid=jnp.zeros((b, n), bool),
-        logp=jnp.zeros((b, n), jnp.float32),
+        logp=jnp.zeros((b, n), jnp.float32), versions=jnp.full((b, n), -1, jnp.int32),
         topk_ids=jnp.zeros((b, n, k), jnp.int32), topk_logp=jnp.zeros((b, n, k), jnp.float32),
     )
+
+
+def _segment_ends(n: int, scfg: SamplerConfig) -> list:
+    # Decode runs in segments of `decode_segment` steps; segment j attends over a cache of
+    # p + (j+1) * seg positions, not the full p + n: decode is memory-bound on the cache reads.
+    seg = min(scfg.decode_segment or n, n)
+    return list(range(seg, n, seg)) + [n]
+
+
+def _decode_segment(params, st, key, version, p: int, end: int, mcfg: ModelConfig, scfg: SamplerConfig):
+    """Decode steps up to `end` with `params` (p = prompt bucket; both static), growing the
+    cache to p + end first. A token is tagged with the version of the params whose logits it
+    was sampled from, so a mid-generation weight swap tags tokens exactly."""
+    if st["key_valid"].shape[1] < p + end:
+        st = dict(st)
+        st["cache"], st["key_valid"] = _pad_cache(st["cache"], st["key_valid"], p + end)
+    model = decoder.Decoder(mcfg)
+    unembed = decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
+    version = jnp.asarray(version, jnp.int32)
 
     def body(st):
         i = st["i"]
@@ -133,17 +149,25 @@ def _generate(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConf
         col = (slice(None), i)
         return dict(
             i=i + 1, cache=cache, logits=h[:, 0].astype(jnp.float32) @ unembed, key_valid=key_valid,
-            pos=st["pos"] + 1, done=done,
+            pos=st["pos"] + 1, done=done, logits_version=version,
             tokens=st["tokens"].at[col].set(tok), valid=st["valid"].at[col].set(live),
             logp=st["logp"].at[col].set(jnp.where(live, logp, 0.0)),
+            versions=st["versions"].at[col].set(jnp.where(live, st["logits_version"], -1)),
             topk_ids=st["topk_ids"].at[col].set(top_ids), topk_logp=st["topk_logp"].at[col].set(top_logp),
         )
 
-    for j, end in enumerate(ends):
-        if j:
-            st["cache"], st["key_valid"] = _pad_cache(st["cache"], st["key_valid"], p + end)
-        st = jax.lax.while_loop(lambda st, end=end: (st["i"] < end) & ~jnp.all(st["done"]), body, st)
-    return {k: st[k] for k in ("tokens", "valid", "logp", "topk_ids", "topk_logp", "done")}
+    return jax.lax.while_loop(lambda st: (st["i"] < end) & ~jnp.all(st["done"]), body, st)
+
+
+def _generate(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfig, scfg: SamplerConfig):
+    st = _prefill(params, prompt_BxP, prompt_mask_BxP, version, mcfg, scfg)
+    for end in _segment_ends(scfg.max_new_tokens, scfg):
+        st = _decode_segment(params, st, key, version, prompt_BxP.shape[1], end, mcfg, scfg)
+    return _outputs(st)
+
+
+def _outputs(st):
+    return {k: st[k] for k in ("tokens", "valid", "logp", "versions", "topk_ids", "topk_logp", "done")}
 
 
 class Sampler:
@@ -162,6 +186,9 @@ class Sampler:
             return _generate(*args, **kw)
 
         self._fn = jax.jit(generate, static_argnames=("mcfg", "scfg"))
+        # Host-driven pieces for mid-generation weight refresh (same code, one jit per segment).
+        self._prefill = jax.jit(_prefill, static_argnames=("mcfg", "scfg"))
+        self._segment = jax.jit(_decode_segment, static_argnames=("p", "end", "mcfg", "scfg"))
 
     def bucket(self, length: int) -> int:
         for b in self.cfg.prompt_buckets:
@@ -183,14 +210,26 @@ class Sampler:
             mask[i, p - len(x):] = 1
         return np.repeat(toks, g, 0), np.repeat(mask, g, 0), np.repeat(np.arange(len(prompts), dtype=np.int32), g)
 
-    def generate(self, params, prompts, key, version: int = 0) -> TrajectoryBatch:
+    def generate(self, params, prompts, key, version: int = 0, refresh=None) -> TrajectoryBatch:
+        """`refresh`: optional `() -> (version, params) | None`, asked between decode segments
+        (every `decode_segment` tokens); when it returns newer weights, the rest of the batch is
+        decoded with them (the KV cache of earlier tokens is kept, as in-flight weight updates
+        do) and each token's `versions` entry names the params it was sampled from."""
         toks, mask, group_ids = self.pad_prompts(prompts)
-        out = self._fn(params, jnp.asarray(toks), jnp.asarray(mask), key, version,
-                       mcfg=self.model_cfg, scfg=self.cfg)
-        return to_batch(toks, mask, group_ids, out, version)
+        toks_j, mask_j = jnp.asarray(toks), jnp.asarray(mask)
+        if refresh is None:
+            out = self._fn(params, toks_j, mask_j, key, version, mcfg=self.model_cfg, scfg=self.cfg)
+            return to_batch(toks, mask, group_ids, out)
+        st = self._prefill(params, toks_j, mask_j, version, mcfg=self.model_cfg, scfg=self.cfg)
+        for j, end in enumerate(_segment_ends(self.cfg.max_new_tokens, self.cfg)):
+            newer = refresh() if j else None
+            if newer is not None and newer[0] > version:
+                version, params = newer
+            st = self._segment(params, st, key, version, p=toks.shape[1], end=end, mcfg=self.model_cfg, scfg=self.cfg)
+        return to_batch(toks, mask, group_ids, _outputs(st))
 
 
-def to_batch(prompt_BxP, prompt_mask_BxP, group_ids_B, out, version) -> TrajectoryBatch:
+def to_batch(prompt_BxP, prompt_mask_BxP, group_ids_B, out) -> TrajectoryBatch:
     """Sampler output -> the batch contract (prompt positions: mask 0, version -1)."""
     b, p = prompt_BxP.shape
     valid = out["valid"]
@@ -200,8 +239,7 @@ def to_batch(prompt_BxP, prompt_mask_BxP, group_ids_B, out, version) -> Trajecto
         tokens=jnp.concatenate([jnp.asarray(prompt_BxP), out["tokens"]], 1),
         loss_mask=jnp.concatenate([jnp.zeros((b, p)), gen_mask], 1),
         behav_logp=jnp.concatenate([jnp.zeros((b, p)), out["logp"]], 1),
-        versions=jnp.concatenate([jnp.full((b, p), -1, jnp.int32),
-                                  jnp.where(valid, jnp.asarray(version, jnp.int32), -1)], 1),
+        versions=jnp.concatenate([jnp.full((b, p), -1, jnp.int32), out["versions"]], 1),
         topk_ids=jnp.concatenate([jnp.zeros((b, p, k), jnp.int32), out["topk_ids"]], 1),
         topk_logp=jnp.concatenate([jnp.zeros((b, p, k)), out["topk_logp"]], 1),
         rewards=jnp.zeros((b,)),

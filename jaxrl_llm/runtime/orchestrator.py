@@ -7,8 +7,9 @@
               by max_staleness) and realised by sampling with the params of version k - d,
               retained in the weight store: deterministic, bit-reproducible sweeps.
   async       `num_samplers` sampler threads and the learner run concurrently through the
-              bounded VersionedQueue; samplers pick up new weights between batches, after the
-              delay model's delay (seconds) has elapsed since publication.
+              bounded VersionedQueue; samplers pick up new weights between batches (and, with
+              refresh_mid_generation, between decode segments), after the delay model's delay
+              (seconds) has elapsed since publication.
 
 A task supplies prompts and rewards: `task.prompts(rng, n) -> list[list[int]]` and
 `task.reward(prompt, completion) -> float`. A reward that raises scores 0 and is counted.
@@ -43,6 +44,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.staleness_policy = "drop"  # drop | keep (async queue)
     c.queue_size = 2
     c.num_samplers = 1
+    c.refresh_mid_generation = False  # async: also swap weights between decode segments
     c.delay = ml_collections.ConfigDict(dict(kind="none", min=1.0, max=8.0, value=1.0, weibull_shape=1.5))
     c.step_seconds = 1.0  # simulated: seconds of delay per learner step
     c.advantage = "grpo"
@@ -60,6 +62,8 @@ def validate(c) -> None:
         raise ValueError(f"runtime.refresh_every={c.refresh_every} needs mode='offpolicy' (mode is {c.mode!r})")
     if c.reuse < 1 or c.refresh_every < 1 or c.queue_size < 1 or c.num_samplers < 1:
         raise ValueError("runtime.reuse, refresh_every, queue_size and num_samplers must be >= 1")
+    if c.refresh_mid_generation and c.mode != "async":
+        raise ValueError(f"runtime.refresh_mid_generation needs mode='async' (mode is {c.mode!r})")
     if c.mode == "simulated" and c.max_staleness < 0:
         raise ValueError("mode='simulated' needs a finite runtime.max_staleness (past params are retained)")
     if c.advantage not in advantages.names():
@@ -91,12 +95,13 @@ class Orchestrator:
         self._key = jax.random.key(self.cfg.seed)
 
     # ------------------------------------------------------------------ one batch
-    def produce(self, params, version: int, worker: int, counter: int):
-        """Prompts -> completions (policy `version`) -> rewards -> advantages."""
+    def produce(self, params, version: int, worker: int, counter: int, refresh=None):
+        """Prompts -> completions (policy `version`; `refresh` may swap weights mid-generation,
+        see Sampler.generate) -> rewards -> advantages."""
         rng = np.random.default_rng([self.cfg.seed, worker, counter])
         prompts = self.task.prompts(rng, self.cfg.prompts_per_batch)
         key = jax.random.fold_in(jax.random.fold_in(self._key, worker), counter)
-        batch = self.sampler.generate(params, prompts, key, version)
+        batch = self.sampler.generate(params, prompts, key, version, refresh=refresh)
         rewards, failures = tasks.score(self.task, prompts, np.asarray(batch.tokens),
                                         np.asarray(batch.loss_mask) > 0, self.sampler.cfg.num_samples)
         self.reward_failures += failures  # a failing reward scores 0 and is counted
@@ -162,18 +167,28 @@ class Orchestrator:
             version, params = self.store.latest()
             delay = self.delay.sample(rng)
             counter = 0
+
+            def refresh():
+                """Newer weights once the delay since their publication has passed."""
+                nonlocal version, params, delay
+                newest, newest_params = self.store.latest()
+                if newest > version and time.monotonic() >= published_at.get(newest, 0.0) + delay:
+                    version, params, delay = newest, newest_params, self.delay.sample(rng)
+                    return version, params
+                return None
+
             try:
                 while not stop.is_set():
-                    newest, newest_params = self.store.latest()
-                    if newest > version and time.monotonic() >= published_at.get(newest, 0.0) + delay:
-                        version, params, delay = newest, newest_params, self.delay.sample(rng)
+                    refresh()
+                    first = version
                     t = time.perf_counter()
-                    batch = self.produce(params, version, worker + 1, counter)
+                    batch = self.produce(params, version, worker + 1, counter,
+                                         refresh=refresh if c.refresh_mid_generation else None)
                     busy[worker] += time.perf_counter() - t
                     counter += 1
                     while not stop.is_set():
                         try:
-                            queue.put(batch, version, timeout=0.1)
+                            queue.put(batch, first, timeout=0.1)  # the oldest version in the batch
                             break
                         except QueueTimeout:
                             continue

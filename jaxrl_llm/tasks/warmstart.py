@@ -9,6 +9,7 @@ import numpy as np
 import optax
 
 from jaxrl_llm.models import heads
+from jaxrl_llm.tasks import score
 
 
 def pack(pairs, length: int, pad: int = 0):
@@ -50,8 +51,6 @@ def warm_start(params, cfg, task, steps: int, batch_size: int = 64, lr: float = 
 def accuracy(params, sampler, task, prompts, key=None) -> float:
     """Mean task reward of the sampler's completions (use a greedy SamplerConfig for eval)."""
     batch = sampler.generate(params, prompts, key if key is not None else jax.random.key(0))
-    from jaxrl_llm.tasks import score
-
     rewards, _ = score(task, prompts, np.asarray(batch.tokens), np.asarray(batch.loss_mask) > 0,
                        sampler.cfg.num_samples)
     return float(rewards.mean())
