@@ -112,14 +112,19 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
     def save(fig, ax, name, xlabel, ylabel, title="", **grid):
         ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
         ax.grid(alpha=0.3, **grid)
-        ax.legend(fontsize=7)
+        if len(runs) > 4:  # many runs: the legend goes beside the axes, not over the curves
+            fig.set_size_inches(10, 4.5)
+            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        else:
+            ax.legend(fontsize=7)
         fig.tight_layout()
         path = os.path.join(out, f"{name}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
 
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = (plt.rcParams["axes.prop_cycle"].by_key()["color"] if len(runs) <= 10
+              else [plt.cm.tab20(i % 20) for i in range(20)])
     for xkey, name in (("step", "reward_vs_step"), ("time_s", "reward_vs_time")):
         fig, ax = plt.subplots(figsize=(7, 4))
         for i, run in enumerate(runs):
@@ -129,12 +134,12 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
             if tr:
                 x = np.array([r[xkey] for r in tr], float)
                 y = np.array([r["reward/mean"] for r in tr], float)
-                ax.plot(x, ema(y), color=col, alpha=0.45, lw=1, label=f"{run['name']} train (EMA)")
+                ax.plot(x, ema(y), color=col, alpha=0.45, lw=1)
             if ev:
                 ax.plot([r[xkey] for r in ev], [r["eval/reward"] for r in ev], "o-", color=col, lw=2,
                         label=f"{run['name']} eval")
         save(fig, ax, name, "learner step" if xkey == "step" else "wall-clock (s)", "reward",
-             "held-out eval/reward (markers) and training reward")
+             "held-out eval/reward (markers); thin: training reward (EMA)")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, run in enumerate(runs):
