@@ -100,9 +100,9 @@ def run(config, workdir: str, log=None) -> dict:
         state = lrn.place(ckpt.restore(lrn.init(key)))
     else:
         params = _initial_params(config, b["params"], b["model_cfg"], task, key)
-        actor = b["actor_cfg"] and _initial_params(config, b["actor_params"], b["actor_cfg"], task,
-                                                   jax.random.fold_in(key, 1))
-        state = lrn.init(key, params=params, actor_params=actor or None)
+        actor = (_initial_params(config, b["actor_params"], b["actor_cfg"], task, jax.random.fold_in(key, 1))
+                 if b["actor_cfg"] else None)
+        state = lrn.init(key, params=params, actor_params=actor)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
     writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
@@ -151,8 +151,8 @@ def run(config, workdir: str, log=None) -> dict:
         progress.close()
         ckpt.close()
         writer.close()
-        if hasattr(task, "pool"):
-            task.pool.close()
+        if hasattr(task, "close"):  # e.g. the math task's scoring process
+            task.close()
     summary.update(version=int(state.version), time_s=time.time() - t_start,
                    reward_failures=orch.reward_failures)
     return summary

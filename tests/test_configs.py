@@ -9,21 +9,15 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import experiment, sweep
+from tests.test_experiment import shrink
 
 CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob("configs/*.py") if not p.endswith("__init__.py"))
 RUN_CONFIGS = [n for n in CONFIGS if n not in ("objectives", "staleness_sweep")]
 
 
 def _shrink(c, steps=3):
-    c.task.eval_size = 8
-    c.model.update(dict(hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1, head_dim=8, num_layers=1))
-    if c.actor.hidden_size:
-        c.actor.update(dict(hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1, head_dim=4, num_layers=1))
-    c.warm_start.steps = 5
-    c.runtime.prompts_per_batch = 2
-    c.sampler.num_samples = 4
-    c.learner.num_minibatches = 2
-    c.train.update(dict(steps=steps, eval_every=steps, save_every=steps, progress=False, tensorboard=False))
+    c = shrink(c, steps, eval_every=steps)
+    c.train.tensorboard = False
     return c
 
 

@@ -10,15 +10,23 @@ from jaxrl_llm import experiment
 from jaxrl_llm import objectives
 
 
-def _tiny(name="a3po", mode="sync"):
-    c = get_config(name)
+def shrink(c, steps=2, eval_every=1):
+    """A runlocal-sized version of any experiment config."""
     c.task.eval_size = 8
     c.model.update(dict(hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1, head_dim=8, num_layers=1))
+    if c.actor.hidden_size:
+        c.actor.update(dict(hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1, head_dim=4, num_layers=1))
     c.warm_start.steps = 5
-    c.runtime.mode, c.runtime.prompts_per_batch = mode, 2
+    c.runtime.prompts_per_batch = 2
     c.sampler.num_samples = 4
     c.learner.num_minibatches = 2
-    c.train.update(dict(steps=2, eval_every=1, save_every=1))
+    c.train.update(dict(steps=steps, eval_every=eval_every, save_every=eval_every, progress=False))
+    return c
+
+
+def _tiny(name="a3po", mode="sync"):
+    c = shrink(get_config(name))
+    c.runtime.mode = mode
     return c
 
 

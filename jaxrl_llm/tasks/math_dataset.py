@@ -164,3 +164,6 @@ class MathDataset:
         if error is not None:  # the caller scores 0 and counts it
             raise RuntimeError(f"math-verify reward failed: {error}")
         return value
+
+    def close(self) -> None:
+        self.pool.close()
