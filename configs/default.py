@@ -16,6 +16,7 @@ from jaxrl_llm.runtime import orchestrator
 def get_config(arg: str = "a3po"):
     c = ml_collections.ConfigDict()
     c.seed = 0
+    c.cpu_devices = 0  # CPU only: JAX devices to expose (-1: one per core; 0: JAX's default, one)
     c.task = tasks.default_config()  # arithmetic, 2-digit addition, 128 held-out problems
     # hf_path: a local Hugging Face directory (config.json + safetensors); empty -> the tiny
     # random model below, warm-started on the task.

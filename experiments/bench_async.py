@@ -1,6 +1,7 @@
 """Trained tokens/s of `async` vs `sync` on the same config and machine (not a test).
 
     python experiments/bench_async.py [--json out.json] [--repeats 2] [--samplers 1]
+                                      [--cpu-devices 2 --sampler-devices 1]
 
 The embedded default (configs/default.py: 2-digit addition, tiny warm-started model, A-3PO,
 32 prompts x 8 samples per batch, 4 minibatches); async: `--samplers` sampler threads, queue
@@ -10,6 +11,8 @@ excluded (a warm-up run precedes the timed one). Trained tokens are loss-mask to
 On a 2-core CPU the tiny model's ops gain nothing from XLA's intra-op threads, and with them
 off (XLA_FLAGS=--xla_cpu_multi_thread_eigen=false) the sampler and learner programs each keep
 one core busy instead of contending for both; the README reports both settings.
+`--cpu-devices 2 --sampler-devices 1` gives each program a device (core) of its own in both
+modes (runtime.sampler_devices: disjoint learner / sampler devices).
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ from common import parse_args, report  # noqa: E402
 STEPS = 60
 
 
-def run(mode, params, samplers):
+def run(mode, params, samplers, sampler_devices=0):
     c = default.get_config()
-    c.runtime.mode, c.runtime.num_samplers = mode, samplers
+    c.runtime.mode, c.runtime.num_samplers, c.runtime.sampler_devices = mode, samplers, sampler_devices
     b = experiment.build(c)
     lrn, orch = b["learner"], b["orchestrator"]
     state = lrn.init(jax.random.key(0), params=params)
@@ -45,14 +48,20 @@ def run(mode, params, samplers):
 
 
 def main():
-    args = parse_args(__doc__, extra=lambda ap: ap.add_argument("--samplers", type=int, default=1))
+    def extra(ap):
+        ap.add_argument("--samplers", type=int, default=1)
+        ap.add_argument("--cpu-devices", type=int, default=0, help="CPU devices to expose (0: JAX's default)")
+        ap.add_argument("--sampler-devices", type=int, default=0, help="devices of the samplers' own (both modes)")
+
+    args = parse_args(__doc__, extra=extra)
+    experiment.set_cpu_devices(args.cpu_devices)
     c = default.get_config()
     b = experiment.build(c)
     params = experiment._initial_params(c, None, b["model_cfg"], b["task"], jax.random.key(c.seed))
     best, all_tps = {}, {"sync": [], "async": []}
     for _ in range(args.repeats):  # modes alternate so drifts in machine load hit both
         for mode in ("sync", "async"):
-            tps, idle, hist = run(mode, params, args.samplers)
+            tps, idle, hist = run(mode, params, args.samplers, args.sampler_devices)
             print(f"{mode:5s} {tps:8.0f} trained tokens/s, learner idle {idle:.2f}")
             all_tps[mode].append(tps)
             if tps > best.get(mode, (0,))[0]:
@@ -66,6 +75,8 @@ def main():
         "learner_idle_async": best["async"][1],
         "async_staleness_mean": float(np.mean([m["staleness/mean"] for m in best["async"][2]])),
         "samplers": args.samplers,
+        "devices": len(jax.devices()),
+        "sampler_devices": args.sampler_devices,
         "cores": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }

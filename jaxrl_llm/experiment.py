@@ -7,9 +7,11 @@ import os
 import time
 
 import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm import learner as learner_lib
-from jaxrl_llm import models, objectives, tasks
+from jaxrl_llm import models, objectives, sharding, tasks
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.metrics import MetricsWriter, Progress
 from jaxrl_llm.rollout import Sampler, SamplerConfig
@@ -33,6 +35,25 @@ def validate(config) -> None:
                          f"{obj.name!r}: set --config.objective.name=jackpot or --config.actor.hidden_size=0")
     if config.train.steps < 1 or config.train.eval_every < 1:
         raise ValueError("train.steps and train.eval_every must be >= 1")
+
+
+def devices(config):
+    """(learner devices, sampler devices): `runtime.sampler_devices` = n > 0 gives the last n
+    devices to the samplers and the rest to the learner; 0 shares all of them."""
+    n, all_devices = config.runtime.sampler_devices, jax.devices()
+    if n == 0:
+        return all_devices, all_devices
+    if n >= len(all_devices):
+        raise ValueError(f"runtime.sampler_devices={n} leaves no device for the learner: {len(all_devices)} "
+                         "available (on CPU, set --config.cpu_devices, e.g. -1 for one device per core)")
+    return all_devices[:-n], all_devices[-n:]
+
+
+def set_cpu_devices(n: int) -> None:
+    """Expose `n` CPU devices to JAX (-1: one per core; 0: leave JAX's default). Must run before
+    the first JAX computation; samplers and the learner then split rows over them."""
+    if n:
+        jax.config.update("jax_num_cpu_devices", os.cpu_count() if n < 0 else n)
 
 
 def _has_actor(config) -> bool:
@@ -67,11 +88,18 @@ def build(config):
     params, mcfg = _model(config.model, task)
     actor_params, acfg = _model(config.actor, task) if _has_actor(config) else (None, None)
     config.learner.temperature = config.sampler.temperature
-    lrn = learner_lib.Learner(mcfg, config.objective, config.learner, mesh_cfg=config.mesh, actor_cfg=acfg)
-    orch = orchestrator.Orchestrator(lrn, Sampler(acfg or mcfg, _sampler_cfg(config, task)), task, config.runtime)
+    learner_devices, sampler_devices = devices(config)
+    lrn = learner_lib.Learner(mcfg, config.objective, config.learner, mesh=sharding.make_mesh(config.mesh, learner_devices),
+                              mesh_cfg=config.mesh, actor_cfg=acfg)
+    # Samplers split rows over their devices (data parallel); with devices of their own, the
+    # weight store publishes each version onto them.
+    mesh = Mesh(np.asarray(sampler_devices), ("data",))
+    placement = NamedSharding(mesh, PartitionSpec()) if config.runtime.sampler_devices else None
+    orch = orchestrator.Orchestrator(lrn, Sampler(acfg or mcfg, _sampler_cfg(config, task), mesh), task,
+                                     config.runtime, placement=placement)
     return dict(task=task, model_cfg=mcfg, params=params, actor_cfg=acfg, actor_params=actor_params,
-                learner=lrn, orchestrator=orch, greedy=Sampler(mcfg, _sampler_cfg(config, task, greedy=True)),
-                actor_greedy=acfg and Sampler(acfg, _sampler_cfg(config, task, greedy=True)))
+                learner=lrn, orchestrator=orch, greedy=Sampler(mcfg, _sampler_cfg(config, task, greedy=True), mesh),
+                actor_greedy=acfg and Sampler(acfg, _sampler_cfg(config, task, greedy=True), mesh))
 
 
 def _initial_params(config, params, cfg, task, key):

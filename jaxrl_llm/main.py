@@ -15,6 +15,7 @@ WORKDIR = flags.DEFINE_string("workdir", "runs/default", "metrics, checkpoints; 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+    experiment.set_cpu_devices(CONFIG.value.cpu_devices)
     summary = experiment.run(CONFIG.value, WORKDIR.value)
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
 

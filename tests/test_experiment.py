@@ -56,12 +56,31 @@ def test_resume_continues_from_the_workdir(tmp_path):
     (dict(task=dict(name="gsm8k")), "unknown task 'gsm8k'; valid: arithmetic"),
     (dict(objective=dict(name="ppo2")), "unknown objective 'ppo2'"),
     (dict(runtime=dict(mode="hogwild")), "valid: sync, iterative"),
+    (dict(runtime=dict(sampler_devices=8)), "sampler_devices=8 leaves no device for the learner: 8 available"),
 ])
 def test_bad_config_fails_at_startup(over, match, tmp_path):
     c = _tiny()
     c.update(over)
     with pytest.raises(ValueError, match=match):
         experiment.run(c, str(tmp_path))
+
+
+def test_sampler_devices_split_learner_and_samplers(tmp_path):
+    """runtime.sampler_devices=6 of the 8 fake devices: the learner's mesh has the first 2, the
+    samplers split rows over the last 6 (8 rows, padded to 12) and receive each version there."""
+    import jax
+
+    c = _tiny(mode="async")
+    c.runtime.sampler_devices = 6
+    b = experiment.build(c)
+    devices = jax.devices()
+    assert list(b["learner"].mesh.devices.flat) == devices[:2]
+    assert list(b["orchestrator"].sampler.mesh.devices.flat) == devices[2:]
+    state = b["learner"].init(jax.random.key(0))
+    state, hist = b["orchestrator"].run(state, 2)
+    _, params = b["orchestrator"].store.latest()
+    assert jax.tree_util.tree_leaves(params)[0].sharding.device_set == set(devices[2:])
+    assert int(state.version) == 2 and all(0 <= m["staleness/mean"] <= 1 for m in hist)
 
 
 def test_jackpot_without_topk_capture_is_rejected():

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.models import decoder
@@ -48,7 +49,7 @@ def sampling_logprobs(logits_BxV, cfg: SamplerConfig):
     the top-k and then to the smallest nucleus with mass >= top_p, renormalised."""
     scaled = logits_BxV.astype(jnp.float32) / (cfg.temperature if cfg.temperature > 0 else 1.0)
     if cfg.top_k:
-        kth = jax.lax.top_k(scaled, cfg.top_k)[0][..., -1:]
+        kth = top_k(scaled, cfg.top_k)[0][..., -1:]
         scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
     if cfg.top_p < 1.0:
         sorted_desc = -jnp.sort(-scaled, axis=-1)
@@ -60,25 +61,66 @@ def sampling_logprobs(logits_BxV, cfg: SamplerConfig):
     return jax.nn.log_softmax(scaled, -1)
 
 
-def _inverse_cdf(logp_BxV, key):
-    """Exact categorical draw with one uniform per row (the Gumbel trick needs V of them,
-    which dominates decode time at large vocabularies on CPU)."""
-    cdf = jnp.cumsum(jnp.exp(logp_BxV), -1)
-    # u strictly below the total mass, so the first index with cdf > u exists and has p > 0.
-    u = jax.random.uniform(key, (logp_BxV.shape[0], 1)) * cdf[:, -1:] * (1.0 - 1e-6)
-    return jnp.sum(cdf <= u, -1).astype(jnp.int32)
+def _vocab_block(v: int):
+    """Block size for two-level sampling and top-k screening at large vocabularies: a power of
+    two dividing V (so no padded entries exist), or None (small or awkward V: one-level ops)."""
+    if v < 4096:
+        return None
+    return next((c for c in (256, 128, 64) if v % c == 0), None)
 
 
-def _sample(logits_BxV, key, cfg: SamplerConfig):
+def _inverse_cdf(logp_BxV, u_B):
+    """Exact categorical draw from one uniform per row (the Gumbel trick needs V of them, which
+    dominates decode time at large vocabularies on CPU). At large V the inverse CDF is taken in
+    two levels, blocks then tokens within the chosen block: a cumsum over V lowers to a slow
+    log-depth scan on CPU, while block sums are one fused reduction."""
+    p = jnp.exp(logp_BxV)
+    b, v = p.shape
+    c = _vocab_block(v)
+    if c is None:
+        cdf = jnp.cumsum(p, -1)
+        # u strictly below the total mass, so the first index with cdf > u exists and has p > 0.
+        u = u_B[:, None] * cdf[:, -1:] * (1.0 - 1e-6)
+        return jnp.sum(cdf <= u, -1).astype(jnp.int32)
+    p_BxNxC = p.reshape(b, v // c, c)
+    cdf_blocks = jnp.cumsum(p_BxNxC.sum(-1), -1)
+    u = u_B * cdf_blocks[:, -1] * (1.0 - 1e-6)
+    blk = jnp.sum(cdf_blocks <= u[:, None], -1)  # first block whose cdf exceeds u: mass > 0
+    before = jnp.where(blk > 0, jnp.take_along_axis(cdf_blocks, jnp.maximum(blk - 1, 0)[:, None], 1)[:, 0], 0.0)
+    within = jnp.take_along_axis(p_BxNxC, blk[:, None, None], 1)[:, 0]  # [B, C]
+    idx = jnp.sum(before[:, None] + jnp.cumsum(within, -1) <= u[:, None], -1)
+    # Rounding between the block sum and the in-block cumsum may leave idx one past the end:
+    # fall back to the block's last token of positive probability.
+    last = c - 1 - jnp.argmax((within > 0)[:, ::-1], -1)
+    return (blk * c + jnp.minimum(idx, last)).astype(jnp.int32)
+
+
+def top_k(x_BxV, k: int):
+    """`lax.top_k` over the last axis (values, ids). At large V it first keeps the k blocks with
+    the largest maxima (every top-k entry lies in one of them) and ranks only their entries:
+    XLA:CPU's TopK scans the whole row serially, a fused block max is far cheaper."""
+    b, v = x_BxV.shape
+    c = _vocab_block(v)
+    if c is None or k > c or k * c >= v:
+        return jax.lax.top_k(x_BxV, k)
+    blocks = x_BxV.reshape(b, v // c, c)
+    # Ascending block order: ties among candidates then go to the lower vocabulary id.
+    chosen = jnp.sort(jax.lax.top_k(blocks.max(-1), k)[1], -1)  # [B, k]
+    cand = jnp.take_along_axis(blocks, chosen[:, :, None], 1).reshape(b, k * c)
+    vals, j = jax.lax.top_k(cand, k)
+    return vals, jnp.take_along_axis(chosen, j // c, 1) * c + j % c
+
+
+def _sample(logits_BxV, u_B, cfg: SamplerConfig):
     if cfg.temperature == 0:
         tok = jnp.argmax(logits_BxV, -1).astype(jnp.int32)
         logp_all = jnp.where(jnp.arange(logits_BxV.shape[-1]) == tok[:, None], 0.0, -jnp.inf)
     else:
         logp_all = sampling_logprobs(logits_BxV, cfg)
-        tok = _inverse_cdf(logp_all, key)
+        tok = _inverse_cdf(logp_all, u_B)
     logp = jnp.take_along_axis(logp_all, tok[:, None], -1)[:, 0]
     if cfg.capture_topk:
-        top_logp, top_ids = jax.lax.top_k(logp_all, cfg.capture_topk)
+        top_logp, top_ids = top_k(logp_all, cfg.capture_topk)
     else:
         b = logits_BxV.shape[0]
         top_logp, top_ids = jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32)
@@ -135,17 +177,21 @@ def _decode_segment(params, st, key, version, p: int, end: int, mcfg: ModelConfi
     model = decoder.Decoder(mcfg)
     unembed = decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
     version = jnp.asarray(version, jnp.int32)
+    # One uniform per (step, row), drawn up front from (key, row) alone: draws depend neither on
+    # segment boundaries nor on rows padded for a mesh, and no PRNG rounds run in the loop.
+    b, n = st["tokens"].shape
+    u_NxB = jax.vmap(lambda r: jax.random.uniform(jax.random.fold_in(key, r), (n,)), out_axes=1)(jnp.arange(b))
 
     def body(st):
         i = st["i"]
-        width = st["key_valid"].shape[1]
-        tok, logp, top_ids, top_logp = _sample(st["logits"], jax.random.fold_in(key, i), scfg)
+        tok, logp, top_ids, top_logp = _sample(st["logits"], u_NxB[i], scfg)
         live = ~st["done"]
         tok = jnp.where(live, tok, scfg.pad_token_id)
         done = st["done"] | ((tok == scfg.eos_token_id) if scfg.eos_token_id is not None else False)
         key_valid = st["key_valid"].at[:, p + i].set(live)
-        mask = (jnp.arange(width)[None, None, :] <= p + i) & key_valid[:, None, :]
-        h, cache = model.apply({"params": params}, tok[:, None], st["pos"][:, None], mask, st["cache"], p + i)
+        # Cache slots past p + i are not yet valid, so the key mask alone is causal.
+        h, cache = model.apply({"params": params}, tok[:, None], st["pos"][:, None], key_valid[:, None, :],
+                               st["cache"], p + i)
         col = (slice(None), i)
         return dict(
             i=i + 1, cache=cache, logits=h[:, 0].astype(jnp.float32) @ unembed, key_valid=key_valid,
@@ -174,11 +220,12 @@ class Sampler:
     """`Sampler(model_cfg, sampler_cfg).generate(params, prompts, key, version)` -> TrajectoryBatch.
 
     One compiled program per (prompt bucket, batch size); batches of the same bucket and size
-    never retrace.
+    never retrace. With a `mesh`, rows are split over all its devices (data parallel; params
+    replicated onto the mesh unless they already live there), padded to a multiple of its size.
     """
 
-    def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig):
-        self.model_cfg, self.cfg = model_cfg, cfg
+    def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Optional[Mesh] = None):
+        self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
         self.traces = 0  # how often the program was traced (tests assert no retrace per bucket)
 
         def generate(*args, **kw):
@@ -216,7 +263,7 @@ class Sampler:
         decoded with them (the KV cache of earlier tokens is kept, as in-flight weight updates
         do) and each token's `versions` entry names the params it was sampled from."""
         toks, mask, group_ids = self.pad_prompts(prompts)
-        toks_j, mask_j = jnp.asarray(toks), jnp.asarray(mask)
+        toks_j, mask_j, params = self._place(toks, mask, params)
         if refresh is None:
             out = self._fn(params, toks_j, mask_j, key, version, mcfg=self.model_cfg, scfg=self.cfg)
             return to_batch(toks, mask, group_ids, out)
@@ -224,14 +271,28 @@ class Sampler:
         for j, end in enumerate(_segment_ends(self.cfg.max_new_tokens, self.cfg)):
             newer = refresh() if j else None
             if newer is not None and newer[0] > version:
-                version, params = newer
+                version, params = newer[0], self._place(toks, mask, newer[1])[2]
             st = self._segment(params, st, key, version, p=toks.shape[1], end=end, mcfg=self.model_cfg, scfg=self.cfg)
         return to_batch(toks, mask, group_ids, _outputs(st))
+
+    def _place(self, toks, mask, params):
+        """Device arrays for the program: on the mesh, rows split (padded with copies of the
+        last row, dropped again by `to_batch`) and params replicated unless already there."""
+        if self.mesh is None:
+            return jnp.asarray(toks), jnp.asarray(mask), params
+        extra = -len(toks) % self.mesh.size
+        rows = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names))
+        pad = lambda x: np.concatenate([x, np.repeat(x[-1:], extra, 0)])
+        leaf = jax.tree_util.tree_leaves(params)[0]
+        if getattr(leaf, "sharding", None) is None or leaf.sharding.device_set != set(self.mesh.devices.flat):
+            params = jax.device_put(params, NamedSharding(self.mesh, PartitionSpec()))
+        return jax.device_put(pad(toks), rows), jax.device_put(pad(mask), rows), params
 
 
 def to_batch(prompt_BxP, prompt_mask_BxP, group_ids_B, out) -> TrajectoryBatch:
     """Sampler output -> the batch contract (prompt positions: mask 0, version -1)."""
     b, p = prompt_BxP.shape
+    out = {k: v[:b] for k, v in out.items()}  # rows padded for a device mesh
     valid = out["valid"]
     k = out["topk_ids"].shape[-1]
     gen_mask = valid.astype(jnp.float32)

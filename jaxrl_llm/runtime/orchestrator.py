@@ -45,6 +45,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.queue_size = 2
     c.num_samplers = 1
     c.refresh_mid_generation = False  # async: also swap weights between decode segments
+    c.sampler_devices = 0  # 0: samplers share the learner's devices; n: the last n devices are theirs
     c.delay = ml_collections.ConfigDict(dict(kind="none", min=1.0, max=8.0, value=1.0, weibull_shape=1.5))
     c.step_seconds = 1.0  # simulated: seconds of delay per learner step
     c.advantage = "grpo"
@@ -62,6 +63,8 @@ def validate(c) -> None:
         raise ValueError(f"runtime.refresh_every={c.refresh_every} needs mode='offpolicy' (mode is {c.mode!r})")
     if c.reuse < 1 or c.refresh_every < 1 or c.queue_size < 1 or c.num_samplers < 1:
         raise ValueError("runtime.reuse, refresh_every, queue_size and num_samplers must be >= 1")
+    if c.sampler_devices < 0:
+        raise ValueError(f"runtime.sampler_devices must be >= 0; got {c.sampler_devices}")
     if c.refresh_mid_generation and c.mode != "async":
         raise ValueError(f"runtime.refresh_mid_generation needs mode='async' (mode is {c.mode!r})")
     if c.mode == "simulated" and c.max_staleness < 0:
