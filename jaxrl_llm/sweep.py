@@ -85,6 +85,7 @@ def main(argv):
 
     del argv
     logging.set_verbosity(logging.WARNING)
+    experiment.set_cpu_devices(CONFIG.value.cpu_devices)
     run(CONFIG.value, WORKDIR.value)
     print(open(os.path.join(WORKDIR.value, "results.md")).read())
 
