@@ -135,7 +135,7 @@ def _pad_cache(cache, key_valid, width):
     return grown, jnp.pad(key_valid, [(0, 0), (0, extra)])
 
 
-def _prefill(params, prompt_BxP, prompt_mask_BxP, version, mcfg: ModelConfig, scfg: SamplerConfig):
+def _prefill(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfig, scfg: SamplerConfig):
     """Run the prompt through the model; the decode state for `_decode_segment`."""
     b, p = prompt_BxP.shape
     n = scfg.max_new_tokens
@@ -150,8 +150,12 @@ def _prefill(params, prompt_BxP, prompt_mask_BxP, version, mcfg: ModelConfig, sc
                                                 causal[None] & key_valid[:, None, :], cache, 0)
     k = scfg.capture_topk
     unembed = decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
+    # One uniform per (step, row), drawn once from (key, row) alone: draws depend neither on
+    # segment boundaries nor on rows padded for a mesh, and no PRNG rounds run in the loop.
+    u_NxB = jax.vmap(lambda r: jax.random.uniform(jax.random.fold_in(key, r), (n,)), out_axes=1)(jnp.arange(b))
     return dict(
-        i=jnp.int32(0), cache=cache, logits=hidden[:, -1].astype(jnp.float32) @ unembed, key_valid=key_valid,
+        i=jnp.int32(0), u=u_NxB, cache=cache, logits=hidden[:, -1].astype(jnp.float32) @ unembed,
+        key_valid=key_valid,
         pos=positions[:, -1] + 1, done=jnp.zeros((b,), bool),
         logits_version=jnp.asarray(version, jnp.int32),  # the params version that computed `logits`
         tokens=jnp.full((b, n), scfg.pad_token_id, jnp.int32), valid=jnp.zeros((b, n), bool),
@@ -167,7 +171,7 @@ def _segment_ends(n: int, scfg: SamplerConfig) -> list:
     return list(range(seg, n, seg)) + [n]
 
 
-def _decode_segment(params, st, key, version, p: int, end: int, mcfg: ModelConfig, scfg: SamplerConfig):
+def _decode_segment(params, st, version, p: int, end: int, mcfg: ModelConfig, scfg: SamplerConfig):
     """Decode steps up to `end` with `params` (p = prompt bucket; both static), growing the
     cache to p + end first. A token is tagged with the version of the params whose logits it
     was sampled from, so a mid-generation weight swap tags tokens exactly."""
@@ -177,14 +181,10 @@ def _decode_segment(params, st, key, version, p: int, end: int, mcfg: ModelConfi
     model = decoder.Decoder(mcfg)
     unembed = decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
     version = jnp.asarray(version, jnp.int32)
-    # One uniform per (step, row), drawn up front from (key, row) alone: draws depend neither on
-    # segment boundaries nor on rows padded for a mesh, and no PRNG rounds run in the loop.
-    b, n = st["tokens"].shape
-    u_NxB = jax.vmap(lambda r: jax.random.uniform(jax.random.fold_in(key, r), (n,)), out_axes=1)(jnp.arange(b))
 
     def body(st):
         i = st["i"]
-        tok, logp, top_ids, top_logp = _sample(st["logits"], u_NxB[i], scfg)
+        tok, logp, top_ids, top_logp = _sample(st["logits"], st["u"][i], scfg)
         live = ~st["done"]
         tok = jnp.where(live, tok, scfg.pad_token_id)
         done = st["done"] | ((tok == scfg.eos_token_id) if scfg.eos_token_id is not None else False)
@@ -194,7 +194,7 @@ def _decode_segment(params, st, key, version, p: int, end: int, mcfg: ModelConfi
                                st["cache"], p + i)
         col = (slice(None), i)
         return dict(
-            i=i + 1, cache=cache, logits=h[:, 0].astype(jnp.float32) @ unembed, key_valid=key_valid,
+            i=i + 1, u=st["u"], cache=cache, logits=h[:, 0].astype(jnp.float32) @ unembed, key_valid=key_valid,
             pos=st["pos"] + 1, done=done, logits_version=version,
             tokens=st["tokens"].at[col].set(tok), valid=st["valid"].at[col].set(live),
             logp=st["logp"].at[col].set(jnp.where(live, logp, 0.0)),
@@ -206,9 +206,9 @@ def _decode_segment(params, st, key, version, p: int, end: int, mcfg: ModelConfi
 
 
 def _generate(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfig, scfg: SamplerConfig):
-    st = _prefill(params, prompt_BxP, prompt_mask_BxP, version, mcfg, scfg)
+    st = _prefill(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg, scfg)
     for end in _segment_ends(scfg.max_new_tokens, scfg):
-        st = _decode_segment(params, st, key, version, prompt_BxP.shape[1], end, mcfg, scfg)
+        st = _decode_segment(params, st, version, prompt_BxP.shape[1], end, mcfg, scfg)
     return _outputs(st)
 
 
@@ -267,12 +267,12 @@ class Sampler:
         if refresh is None:
             out = self._fn(params, toks_j, mask_j, key, version, mcfg=self.model_cfg, scfg=self.cfg)
             return to_batch(toks, mask, group_ids, out)
-        st = self._prefill(params, toks_j, mask_j, version, mcfg=self.model_cfg, scfg=self.cfg)
+        st = self._prefill(params, toks_j, mask_j, key, version, mcfg=self.model_cfg, scfg=self.cfg)
         for j, end in enumerate(_segment_ends(self.cfg.max_new_tokens, self.cfg)):
             newer = refresh() if j else None
             if newer is not None and newer[0] > version:
                 version, params = newer[0], self._place(toks, mask, newer[1])[2]
-            st = self._segment(params, st, key, version, p=toks.shape[1], end=end, mcfg=self.model_cfg, scfg=self.cfg)
+            st = self._segment(params, st, version, p=toks.shape[1], end=end, mcfg=self.model_cfg, scfg=self.cfg)
         return to_batch(toks, mask, group_ids, _outputs(st))
 
     def _place(self, toks, mask, params):

@@ -2,8 +2,9 @@
 
 A task has `prompts(rng, n)`, `eval_prompts()`, `reward(prompt_ids, completion_ids)`, and
 `eos_id`, `pad_id`, `vocab_size`, `prompt_buckets`, `max_answer_len`; tasks with
-`supervised(rng, n)` can warm-start a tiny model; `close()`, if present, is called at the end. Embedded: `arithmetic` (no download).
-From a local dataset: `math` (GSM8K / MATH style, math-verify reward).
+`supervised(rng, n)` can warm-start a tiny model; `close()`, if present, is called at the end.
+Embedded: `arithmetic` (no download). From a local dataset: `math` (GSM8K / MATH style,
+math-verify reward).
 """
 
 from __future__ import annotations
