@@ -94,3 +94,28 @@ def placer(shardings):
         return jax.device_put(array, node)
 
     return place
+
+
+def put(tree, placement):
+    """`jax.device_put`, except that a tree replicated over several CPU devices is staged
+    through one 64-byte-aligned host copy per leaf, which XLA:CPU aliases on every device
+    (zero-copy): the replicas share one buffer instead of one copy per device. Decode reads
+    every weight once per token, and with a copy per device the working set outgrows the last
+    cache level sooner (+6% sampler tokens/s with 2 CPU devices, experiments/bench_sampler.py)."""
+    if not _shared_host(placement):
+        return jax.device_put(tree, placement)
+    return jax.device_put(jax.tree_util.tree_map(_aligned_host_copy, tree), placement)
+
+
+def _shared_host(placement) -> bool:
+    return (isinstance(placement, NamedSharding) and placement.is_fully_replicated
+            and len(placement.device_set) > 1 and all(d.platform == "cpu" for d in placement.device_set))
+
+
+def _aligned_host_copy(x, align: int = 64):
+    x = np.asarray(x)
+    buf = np.empty(x.nbytes + align, np.uint8)
+    start = -buf.ctypes.data % align
+    out = buf[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+    out[...] = x
+    return out

@@ -67,7 +67,7 @@ def test_bad_config_fails_at_startup(over, match, tmp_path):
 
 def test_sampler_devices_split_learner_and_samplers(tmp_path):
     """runtime.sampler_devices=6 of the 8 fake devices: the learner's mesh has the first 2, the
-    samplers split rows over the last 6 (8 rows, padded to 12) and receive each version there."""
+    samplers split rows over the last 6 (8 rows, padded to 12) and receive each version there (one shared host copy)."""
     import jax
 
     c = _tiny(mode="async")
@@ -79,7 +79,10 @@ def test_sampler_devices_split_learner_and_samplers(tmp_path):
     state = b["learner"].init(jax.random.key(0))
     state, hist = b["orchestrator"].run(state, 2)
     _, params = b["orchestrator"].store.latest()
-    assert jax.tree_util.tree_leaves(params)[0].sharding.device_set == set(devices[2:])
+    leaf = jax.tree_util.tree_leaves(params)[0]
+    assert leaf.sharding.device_set == set(devices[2:])
+    # CPU sampler devices alias one host copy of each published version (sharding.put)
+    assert len({s.data.unsafe_buffer_pointer() for s in leaf.addressable_shards}) == 1
     assert int(state.version) == 2 and all(0 <= m["staleness/mean"] <= 1 for m in hist)
 
 

@@ -11,6 +11,7 @@ top-K, and the version of the params that produced it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import jax
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_llm import sharding
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.models import decoder
 from jaxrl_llm.models.config import ModelConfig
@@ -135,8 +137,9 @@ def _pad_cache(cache, key_valid, width):
     return grown, jnp.pad(key_valid, [(0, 0), (0, extra)])
 
 
-def _prefill(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfig, scfg: SamplerConfig):
-    """Run the prompt through the model; the decode state for `_decode_segment`."""
+def _prefill(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfig, scfg: SamplerConfig, rows=None):
+    """Run the prompt through the model; the decode state for `_decode_segment`. `rows`: the
+    mesh axes the batch is split over (inside `shard_map`), so draws follow global row ids."""
     b, p = prompt_BxP.shape
     n = scfg.max_new_tokens
     width = p + _segment_ends(n, scfg)[0]
@@ -152,7 +155,8 @@ def _prefill(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfi
     unembed = decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
     # One uniform per (step, row), drawn once from (key, row) alone: draws depend neither on
     # segment boundaries nor on rows padded for a mesh, and no PRNG rounds run in the loop.
-    u_NxB = jax.vmap(lambda r: jax.random.uniform(jax.random.fold_in(key, r), (n,)), out_axes=1)(jnp.arange(b))
+    row0 = jax.lax.axis_index(rows) * b if rows else 0
+    u_NxB = jax.vmap(lambda r: jax.random.uniform(jax.random.fold_in(key, r), (n,)), out_axes=1)(row0 + jnp.arange(b))
     return dict(
         i=jnp.int32(0), u=u_NxB, cache=cache, logits=hidden[:, -1].astype(jnp.float32) @ unembed,
         key_valid=key_valid,
@@ -205,8 +209,8 @@ def _decode_segment(params, st, version, p: int, end: int, mcfg: ModelConfig, sc
     return jax.lax.while_loop(lambda st: (st["i"] < end) & ~jnp.all(st["done"]), body, st)
 
 
-def _generate(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfig, scfg: SamplerConfig):
-    st = _prefill(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg, scfg)
+def _generate(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfig, scfg: SamplerConfig, rows=None):
+    st = _prefill(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg, scfg, rows)
     for end in _segment_ends(scfg.max_new_tokens, scfg):
         st = _decode_segment(params, st, version, prompt_BxP.shape[1], end, mcfg, scfg)
     return _outputs(st)
@@ -216,26 +220,48 @@ def _outputs(st):
     return {k: st[k] for k in ("tokens", "valid", "logp", "versions", "topk_ids", "topk_logp", "done")}
 
 
+def _state_specs(rows):
+    """PartitionSpecs of the decode state with its rows split over the mesh axes `rows`."""
+    r = PartitionSpec(rows)
+    return dict(i=PartitionSpec(), u=PartitionSpec(None, rows), cache=r, logits=r, key_valid=r, pos=r, done=r,
+                logits_version=PartitionSpec(), tokens=r, valid=r, logp=r, versions=r, topk_ids=r, topk_logp=r)
+
+
 class Sampler:
     """`Sampler(model_cfg, sampler_cfg).generate(params, prompts, key, version)` -> TrajectoryBatch.
 
     One compiled program per (prompt bucket, batch size); batches of the same bucket and size
     never retrace. With a `mesh`, rows are split over all its devices (data parallel; params
     replicated onto the mesh unless they already live there), padded to a multiple of its size.
+    Each device then runs the whole generation on its own rows (`shard_map`): no collective in
+    the decode loop, and a device stops as soon as its own rows are done.
     """
 
     def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Optional[Mesh] = None):
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
         self.traces = 0  # how often the program was traced (tests assert no retrace per bucket)
+        rows = mesh and tuple(mesh.axis_names)
+        local = lambda f, in_specs, out_specs: f if mesh is None else jax.shard_map(
+            f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+        r, rep = PartitionSpec(rows), PartitionSpec()
 
-        def generate(*args, **kw):
+        def generate(params, prompt, mask, key, version, mcfg, scfg):
             self.traces += 1
-            return _generate(*args, **kw)
+            f = functools.partial(_generate, mcfg=mcfg, scfg=scfg, rows=rows)
+            return local(f, (rep, r, r, rep, rep), r)(params, prompt, mask, key, version)
+
+        def prefill(params, prompt, mask, key, version, mcfg, scfg):
+            f = functools.partial(_prefill, mcfg=mcfg, scfg=scfg, rows=rows)
+            return local(f, (rep, r, r, rep, rep), _state_specs(rows))(params, prompt, mask, key, version)
+
+        def segment(params, st, version, p, end, mcfg, scfg):
+            f = functools.partial(_decode_segment, p=p, end=end, mcfg=mcfg, scfg=scfg)
+            return local(f, (rep, _state_specs(rows), rep), _state_specs(rows))(params, st, version)
 
         self._fn = jax.jit(generate, static_argnames=("mcfg", "scfg"))
         # Host-driven pieces for mid-generation weight refresh (same code, one jit per segment).
-        self._prefill = jax.jit(_prefill, static_argnames=("mcfg", "scfg"))
-        self._segment = jax.jit(_decode_segment, static_argnames=("p", "end", "mcfg", "scfg"))
+        self._prefill = jax.jit(prefill, static_argnames=("mcfg", "scfg"))
+        self._segment = jax.jit(segment, static_argnames=("p", "end", "mcfg", "scfg"))
 
     def bucket(self, length: int) -> int:
         for b in self.cfg.prompt_buckets:
@@ -277,7 +303,8 @@ class Sampler:
 
     def _place(self, toks, mask, params):
         """Device arrays for the program: on the mesh, rows split (padded with copies of the
-        last row, dropped again by `to_batch`) and params replicated unless already there."""
+        last row, dropped again by `to_batch`) and params replicated unless already there
+        (`sharding.put`: CPU devices share one host copy)."""
         if self.mesh is None:
             return jnp.asarray(toks), jnp.asarray(mask), params
         extra = -len(toks) % self.mesh.size
@@ -285,7 +312,7 @@ class Sampler:
         pad = lambda x: np.concatenate([x, np.repeat(x[-1:], extra, 0)])
         leaf = jax.tree_util.tree_leaves(params)[0]
         if getattr(leaf, "sharding", None) is None or leaf.sharding.device_set != set(self.mesh.devices.flat):
-            params = jax.device_put(params, NamedSharding(self.mesh, PartitionSpec()))
+            params = sharding.put(params, NamedSharding(self.mesh, PartitionSpec()))  # one copy on CPU
         return jax.device_put(pad(toks), rows), jax.device_put(pad(mask), rows), params
 
 

@@ -13,6 +13,8 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm import sharding
+
 
 class WeightStore:
     def __init__(self, keep: int = 1, placement: Optional[Any] = None):
@@ -28,7 +30,7 @@ class WeightStore:
     def publish(self, version: int, params) -> None:
         copy = self._copy(params)
         if self.placement is not None:
-            copy = jax.device_put(copy, self.placement)
+            copy = sharding.put(copy, self.placement)  # replicas on CPU devices share memory
         with self._cond:
             self._versions[int(version)] = copy
             for old in sorted(self._versions)[: -self.keep]:
