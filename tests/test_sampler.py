@@ -161,12 +161,14 @@ def _skewed_logp(v, rows, seed, keep=None):
     return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), -1))
 
 
-@pytest.mark.parametrize("v,keep", [(512, None), (8192, None), (8192, 5), (12288, 300)])
-def test_inverse_cdf_matches_numpy_searchsorted(v, keep):
-    """The (two-level at large V) inverse CDF picks the token NumPy's float64 CDF picks."""
-    from jaxrl_llm.rollout.sampler import _inverse_cdf, _vocab_block
+@pytest.mark.parametrize("v,keep,block", [(1000, None, None), (512, None, 32), (512, 7, 32), (8192, None, 256),
+                                          (8192, 5, 256), (12288, 300, 256)])
+def test_inverse_cdf_matches_numpy_searchsorted(v, keep, block):
+    """The inverse CDF (two-level where V splits into blocks) picks the token NumPy's float64
+    CDF picks."""
+    from jaxrl_llm.rollout.sampler import _cdf_block, _inverse_cdf
 
-    assert (_vocab_block(v) is None) == (v < 4096)
+    assert _cdf_block(v) == block
     logp = _skewed_logp(v, 64, seed=v + (keep or 0), keep=keep)
     u = np.random.default_rng(1).uniform(size=64)
     got = np.asarray(jax.jit(_inverse_cdf)(jnp.asarray(logp), jnp.asarray(u, jnp.float32)))
@@ -194,16 +196,17 @@ def test_top_k_equals_lax_top_k(v, keep):
     assert np.isneginf(np.take_along_axis(np.asarray(logp), ids, -1)[~finite]).all()
 
 
-@pytest.mark.parametrize("n_dev,refresh", [(2, False), (8, True)])
-def test_data_parallel_mesh_matches_one_device(qwen, n_dev, refresh):
-    """Rows split over a mesh (12 rows: 6 per device on 2; padded to 16 on 8) sample the same
-    tokens and log-probs as one device; mid-generation refresh keeps working on the mesh."""
+@pytest.mark.parametrize("shape,refresh", [((2,), False), ((8,), True), ((2, 2), False)])
+def test_data_parallel_mesh_matches_one_device(qwen, shape, refresh):
+    """Rows split over a mesh (12 rows: 6 per device on 2; padded to 16 on 8; over both axes of
+    a 2 x 2 mesh) sample the same tokens and log-probs as one device (each device draws by
+    global row id); mid-generation refresh keeps working on the mesh."""
     from jax.sharding import Mesh
 
     _, params, cfg = qwen
     scfg = SamplerConfig(max_new_tokens=8, num_samples=3, capture_topk=4, prompt_buckets=(16,), decode_segment=4)
     one = Sampler(cfg, scfg)
-    mesh = Mesh(np.asarray(jax.devices()[:n_dev]), ("data",))
+    mesh = Mesh(np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape), ("data", "fsdp")[:len(shape)])
     sharded = Sampler(cfg, scfg, mesh=mesh)
     kw = dict(refresh=(lambda: (1, params))) if refresh else {}
     a = one.generate(params, PROMPTS, jax.random.key(5), 0, **kw)

@@ -71,14 +71,20 @@ def _vocab_block(v: int):
     return next((c for c in (256, 128, 64) if v % c == 0), None)
 
 
+def _cdf_block(v: int):
+    """Block size of the two-level inverse CDF. Even at small V a cumsum over V lowers to a
+    chain of reduce-windows on CPU (53 us at [32, 512] against 11 us in two levels of 32)."""
+    return _vocab_block(v) or next((c for c in (32, 16) if v % c == 0 and v >= 4 * c), None)
+
+
 def _inverse_cdf(logp_BxV, u_B):
     """Exact categorical draw from one uniform per row (the Gumbel trick needs V of them, which
-    dominates decode time at large vocabularies on CPU). At large V the inverse CDF is taken in
-    two levels, blocks then tokens within the chosen block: a cumsum over V lowers to a slow
-    log-depth scan on CPU, while block sums are one fused reduction."""
+    dominates decode time at large vocabularies on CPU). Where V splits into blocks, the inverse
+    CDF is taken in two levels, blocks then tokens within the chosen block: a cumsum over V
+    lowers to a slow log-depth scan on CPU, while block sums are one fused reduction."""
     p = jnp.exp(logp_BxV)
     b, v = p.shape
-    c = _vocab_block(v)
+    c = _cdf_block(v)
     if c is None:
         cdf = jnp.cumsum(p, -1)
         # u strictly below the total mass, so the first index with cdf > u exists and has p > 0.
