@@ -102,12 +102,13 @@ def put(tree, placement):
     (zero-copy): the replicas share one buffer instead of one copy per device. Decode reads
     every weight once per token, and with a copy per device the working set outgrows the last
     cache level sooner (+6% sampler tokens/s with 2 CPU devices, experiments/bench_sampler.py)."""
-    if not _shared_host(placement):
+    if not shares_host_copy(placement):
         return jax.device_put(tree, placement)
     return jax.device_put(jax.tree_util.tree_map(_aligned_host_copy, tree), placement)
 
 
-def _shared_host(placement) -> bool:
+def shares_host_copy(placement) -> bool:
+    """Whether `put` stages through a private host copy shared by the devices of `placement`."""
     return (isinstance(placement, NamedSharding) and placement.is_fully_replicated
             and len(placement.device_set) > 1 and all(d.platform == "cpu" for d in placement.device_set))
 

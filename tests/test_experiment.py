@@ -67,7 +67,8 @@ def test_bad_config_fails_at_startup(over, match, tmp_path):
 
 def test_sampler_devices_split_learner_and_samplers(tmp_path):
     """runtime.sampler_devices=6 of the 8 fake devices: the learner's mesh has the first 2, the
-    samplers split rows over the last 6 (8 rows, padded to 12) and receive each version there (one shared host copy)."""
+    samplers split rows over the last 6 (8 rows, padded to 12) and receive each version there
+    (one shared host copy)."""
     import jax
 
     c = _tiny(mode="async")

@@ -64,8 +64,8 @@ def sampling_logprobs(logits_BxV, cfg: SamplerConfig):
 
 
 def _vocab_block(v: int):
-    """Block size for two-level sampling and top-k screening at large vocabularies: a power of
-    two dividing V (so no padded entries exist), or None (small or awkward V: one-level ops)."""
+    """Block size for top-k screening (and two-level sampling) at large vocabularies: a power of
+    two dividing V (so no padded entries exist), or None (small or awkward V: one-level top-k)."""
     if v < 4096:
         return None
     return next((c for c in (256, 128, 64) if v % c == 0), None)

@@ -28,9 +28,12 @@ class WeightStore:
         self._copy = jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p))
 
     def publish(self, version: int, params) -> None:
-        copy = self._copy(params)
-        if self.placement is not None:
-            copy = sharding.put(copy, self.placement)  # replicas on CPU devices share memory
+        if sharding.shares_host_copy(self.placement):
+            copy = sharding.put(params, self.placement)  # already private: one host copy for all devices
+        else:
+            copy = self._copy(params)
+            if self.placement is not None:
+                copy = jax.device_put(copy, self.placement)
         with self._cond:
             self._versions[int(version)] = copy
             for old in sorted(self._versions)[: -self.keep]:
