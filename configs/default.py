@@ -23,9 +23,10 @@ def get_config(arg: str = "a3po"):
     c.model = ml_collections.ConfigDict(dict(
         hf_path="", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=16, dtype="float32"))
-    # Jackpot's separate rollout model (hf_path, or a random model of hidden_size > 0 warm-started
-    # like the policy); off by default. See configs/jackpot_small_actor.py.
-    c.actor = ml_collections.ConfigDict(dict(
+    # A second model for objectives that train an auxiliary decoder (e.g. Jackpot's rollout actor):
+    # hf_path, or a random model of hidden_size > 0 warm-started like the policy; off by default.
+    # See configs/jackpot_small_actor.py.
+    c.aux_model = ml_collections.ConfigDict(dict(
         hf_path="", hidden_size=0, intermediate_size=0, num_layers=0, num_heads=0, num_kv_heads=0, head_dim=0,
         dtype="float32"))
     # ~750 supervised steps give ~40% held-out accuracy: partial, so RL has room and signal.

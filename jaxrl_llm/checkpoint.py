@@ -1,7 +1,7 @@
 """Orbax checkpoints of the whole TrainState: an identical continuation after restore.
 
 Saved: params, optimizer state, step, version, rng, skipped count, reference params and the
-Jackpot actor (params, optimizer, version) when present. Checkpoints are keyed by the policy
+objective's auxiliary model (params, optimizer state) when present. Checkpoints are keyed by the policy
 version; saving is asynchronous (the next step overlaps the write) and keeps the newest K.
 """
 

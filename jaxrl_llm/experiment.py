@@ -26,13 +26,16 @@ def validate(config) -> None:
     tasks.validate(config.task, config.model.hf_path)
     obj = objectives.make_config(config.objective)
     orchestrator.validate(config.runtime)
-    needs = learner_lib.required_passes(objectives.get(obj.name), obj)
+    needs = objectives.required_passes(obj)
     if needs & {"topk", "logp_at_behav_topk"} and config.sampler.capture_topk == 0:
         raise ValueError(f"objective {obj.name!r} reads behaviour top-k log-probs; set "
                          "--config.sampler.capture_topk to a positive K")
-    if _has_actor(config) and obj.name != "jackpot":
-        raise ValueError(f"a separate rollout actor (config.actor) is trained by Jackpot's losses; objective is "
-                         f"{obj.name!r}: set --config.objective.name=jackpot or --config.actor.hidden_size=0")
+    aux = objectives.get(obj.name).aux
+    if _has_aux_model(config) and not (aux and aux.needs_model):
+        with_model = [n for n in objectives.with_aux() if objectives.get(n).aux.needs_model]
+        raise ValueError(f"config.aux_model sets a second model, but objective {obj.name!r} trains none; "
+                         f"objectives that do: {', '.join(with_model) or 'none'} (or set "
+                         "--config.aux_model.hidden_size=0 and --config.aux_model.hf_path='')")
     if config.train.steps < 1 or config.train.eval_every < 1:
         raise ValueError("train.steps and train.eval_every must be >= 1")
 
@@ -56,8 +59,8 @@ def set_cpu_devices(n: int) -> None:
         jax.config.update("jax_num_cpu_devices", os.cpu_count() if n < 0 else n)
 
 
-def _has_actor(config) -> bool:
-    return bool(config.actor.hf_path or config.actor.hidden_size)
+def _has_aux_model(config) -> bool:
+    return bool(config.aux_model.hf_path or config.aux_model.hidden_size)
 
 
 def _model(m, task):
@@ -86,20 +89,21 @@ def build(config):
     validate(config)
     task = tasks.make(config.task, config.model.hf_path)
     params, mcfg = _model(config.model, task)
-    actor_params, acfg = _model(config.actor, task) if _has_actor(config) else (None, None)
-    config.learner.temperature = config.sampler.temperature
+    aux_params, acfg = _model(config.aux_model, task) if _has_aux_model(config) else (None, None)
     learner_devices, sampler_devices = devices(config)
     lrn = learner_lib.Learner(mcfg, config.objective, config.learner, mesh=sharding.make_mesh(config.mesh, learner_devices),
-                              mesh_cfg=config.mesh, actor_cfg=acfg)
+                              mesh_cfg=config.mesh, aux_model_cfg=acfg, temperature=config.sampler.temperature)
     # Samplers split rows over their devices (data parallel); with devices of their own, the
     # weight store publishes each version onto them.
     mesh = Mesh(np.asarray(sampler_devices), ("data",))
     placement = NamedSharding(mesh, PartitionSpec()) if config.runtime.sampler_devices else None
-    orch = orchestrator.Orchestrator(lrn, Sampler(acfg or mcfg, _sampler_cfg(config, task), mesh), task,
+    orch = orchestrator.Orchestrator(lrn, Sampler(lrn.rollout_model_cfg, _sampler_cfg(config, task), mesh), task,
                                      config.runtime, placement=placement)
-    return dict(task=task, model_cfg=mcfg, params=params, actor_cfg=acfg, actor_params=actor_params,
+    # A sampling auxiliary (a rollout model) is evaluated beside the policy.
+    aux_eval = lrn.aux is not None and lrn.aux.samples
+    return dict(task=task, model_cfg=mcfg, params=params, aux_cfg=acfg, aux_params=aux_params,
                 learner=lrn, orchestrator=orch, greedy=Sampler(mcfg, _sampler_cfg(config, task, greedy=True), mesh),
-                actor_greedy=acfg and Sampler(acfg, _sampler_cfg(config, task, greedy=True), mesh))
+                aux_greedy=aux_eval and Sampler(acfg, _sampler_cfg(config, task, greedy=True), mesh))
 
 
 def _initial_params(config, params, cfg, task, key):
@@ -128,9 +132,9 @@ def run(config, workdir: str, log=None) -> dict:
         state = lrn.place(ckpt.restore(lrn.init(key)))
     else:
         params = _initial_params(config, b["params"], b["model_cfg"], task, key)
-        actor = (_initial_params(config, b["actor_params"], b["actor_cfg"], task, jax.random.fold_in(key, 1))
-                 if b["actor_cfg"] else None)
-        state = lrn.init(key, params=params, actor_params=actor)
+        aux = (_initial_params(config, b["aux_params"], b["aux_cfg"], task, jax.random.fold_in(key, 1))
+               if b["aux_cfg"] else None)
+        state = lrn.init(key, params=params, aux_params=aux)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
     writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
@@ -143,8 +147,9 @@ def run(config, workdir: str, log=None) -> dict:
 
     def evaluate(state) -> dict:
         rec = {"eval/reward": warmstart.accuracy(state.params, b["greedy"], task, eval_prompts)}
-        if b["actor_greedy"]:
-            rec["eval/actor_reward"] = warmstart.accuracy(state.actor_params, b["actor_greedy"], task, eval_prompts)
+        if b["aux_greedy"]:
+            rec[f"eval/{lrn.aux.name}_reward"] = warmstart.accuracy(state.aux.params, b["aux_greedy"], task,
+                                                                    eval_prompts)
         rec.update(step=int(state.version), time_s=time.time() - t_start)
         writer.write(rec)
         log(f"step {rec['step']} " + " ".join(f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("eval/")))

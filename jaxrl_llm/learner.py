@@ -5,11 +5,15 @@ advances the policy version by one: version = number of completed training steps
 sampler's params carry the version they were published with (so staleness d = learner version
 - token version). `step` counts optimizer updates (it drives the LR schedule).
 
-Extra passes run only when the objective needs them (`objective.needs`):
+Extra passes run only when the objective declares them (`objectives.required_passes`):
   prox_logp  -> a separate jitted forward before the minibatch loop (timed: prox_time_s);
   ref_logp   -> a jitted forward of the frozen reference params (kl.coef > 0), swapped for the
-                current params every `ref_swap_every` steps (seed 003 Algorithm 1);
-  a3po       -> neither: pi_prox is interpolated inside the loss, no extra forward is traced.
+                current params every `ref_swap_every` steps (Mroueh et al., "Revisiting Group
+                Relative Policy Optimization", arXiv:2505.22257, Algorithm 1);
+  neither    -> e.g. a3po: pi_prox is interpolated inside the loss, no extra forward is traced.
+An objective that registered an auxiliary model (`objectives.Auxiliary`) has it trained in the
+same update, after the policy, from the policy forward's hidden states; its params and
+optimizer state live in `TrainState.aux`.
 """
 
 from __future__ import annotations
@@ -28,8 +32,14 @@ from jaxrl_llm import objectives, sharding
 from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch
 from jaxrl_llm.models import decoder, heads
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.objectives.auxiliary import AuxContext, AuxInputs
 from jaxrl_llm.objectives.common import masked_mean
-from jaxrl_llm.objectives.jackpot import actor_ppo_loss
+
+
+@struct.dataclass
+class AuxState:
+    params: Any  # the objective's auxiliary model
+    opt_state: Any
 
 
 @struct.dataclass
@@ -41,9 +51,7 @@ class TrainState:
     rng: jax.Array  # raw uint32[2] key (checkpoint friendly)
     skipped: jax.Array  # updates skipped for non-finite loss / grads
     ref_params: Any = None
-    actor_params: Any = None  # Jackpot: the smaller rollout model, trained jointly
-    actor_opt_state: Any = None
-    actor_version: Any = None
+    aux: Optional[AuxState] = None  # when the objective trains an auxiliary model
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -55,10 +63,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.warmup_steps = 0
     c.total_steps = 1000
     c.num_minibatches = 4  # the A-3PO paper uses 4
-    c.temperature = 1.0  # must equal the sampler's
     c.logprob_chunk = 128
     c.ref_swap_every = 0  # S: copy params into the reference every S steps (0: never)
-    c.distill_coef = 1.0  # Jackpot lambda_distill for the actor
     c.seed = 0
     return c
 
@@ -90,43 +96,47 @@ def _reduce_metrics(ms):
     return out
 
 
-def required_passes(objective, cfg) -> frozenset:
-    """What the learner must compute for `objective` under `cfg`: its registered needs,
-    refined by options (Jackpot's p_ref / p_target, a KL reference)."""
-    needs = set(objective.needs)
-    if cfg.name == "jackpot":
-        if cfg.jackpot.p_ref == "current":
-            needs.discard("prox_logp")  # p_ref = sg(pi_theta): no recompute pass
-        elif cfg.jackpot.p_target == "ref":
-            needs.add("prox_topk_logp")  # Z_approx needs p_ref on the behaviour top-K
-    if cfg.kl.coef > 0:
-        needs.add("ref_logp")
-    return frozenset(needs)
-
-
 class Learner:
     """Builds the jitted passes for one (model, objective, mesh) and runs training steps."""
 
     def __init__(self, model_cfg: ModelConfig, objective_cfg, learner_cfg=None, mesh=None, mesh_cfg=None,
-                 actor_cfg: Optional[ModelConfig] = None):
-        self.model_cfg, self.actor_cfg = model_cfg, actor_cfg
+                 aux_model_cfg: Optional[ModelConfig] = None, temperature: float = 1.0):
+        """`temperature`: the sampler's, so the policy's log-probs are those of the distribution
+        the tokens were drawn from. `aux_model_cfg`: the decoder of the objective's auxiliary
+        model, for objectives whose auxiliary needs one (e.g. a separate rollout model)."""
+        self.model_cfg = model_cfg
         self.cfg = learner_cfg or default_config()
+        self.temperature = temperature
         self.obj_cfg = objectives.make_config(objective_cfg)
         self.objective = objectives.get(self.obj_cfg.name)
-        self.needs = required_passes(self.objective, self.obj_cfg)
+        self.needs = objectives.required_passes(self.obj_cfg)
+        self.aux = _active_aux(self.objective, aux_model_cfg)
+        self.aux_ctx = AuxContext(model_cfg, aux_model_cfg, temperature, self.cfg.logprob_chunk)
         self.opt = make_optimizer(self.cfg)
         self.mesh = mesh or sharding.make_mesh(mesh_cfg)
         self.param_sh = sharding.param_shardings(decoder.logical_axes(model_cfg), self.mesh, mesh_cfg)
-        self.actor_sh = (sharding.param_shardings(decoder.logical_axes(actor_cfg), self.mesh, mesh_cfg)
-                         if actor_cfg else None)
+        self.aux_sh = None
+        if self.aux is not None:
+            axes = self.aux.logical_axes and self.aux.logical_axes(self.aux_ctx)
+            self.aux_sh = (sharding.param_shardings(axes, self.mesh, mesh_cfg) if axes is not None
+                           else sharding.replicated(self.mesh))
         self.forward_traces = 0  # policy forwards traced (a3po must add none)
         self._prox = jax.jit(self._prox_pass)
         self._ref = jax.jit(self._ref_pass)
         self._step = None  # built by place(): needs the state's shardings
         self.step_traces = 0
 
+    @property
+    def rollout_model_cfg(self) -> ModelConfig:
+        """The model the samplers run: the auxiliary's when it samples, else the policy."""
+        return self.aux_ctx.model_cfg if self.aux is not None and self.aux.samples else self.model_cfg
+
+    def rollout_params(self, state: TrainState):
+        """The params the samplers generate with (see `rollout_model_cfg`)."""
+        return state.aux.params if self.aux is not None and self.aux.samples else state.params
+
     # ------------------------------------------------------------------ state
-    def init(self, key, params=None, actor_params=None) -> TrainState:
+    def init(self, key, params=None, aux_params=None) -> TrainState:
         """Params are created directly in their shardings (or moved there when given)."""
         mc = self.model_cfg
         if params is None:
@@ -135,14 +145,13 @@ class Learner:
             params = self._own(params, self.param_sh)
         opt_state = self._opt_init(params, self.param_sh)
         kw = {}
-        if self.actor_cfg is not None:
-            if actor_params is None:
-                actor_params = jax.jit(lambda k: decoder.init_params(self.actor_cfg, k),
-                                       out_shardings=self.actor_sh)(jax.random.fold_in(key, 1))
+        if self.aux is not None:
+            if aux_params is None:
+                aux_params = jax.jit(lambda k: self.aux.init(k, self.aux_ctx),
+                                     out_shardings=self.aux_sh)(jax.random.fold_in(key, 1))
             else:
-                actor_params = self._own(actor_params, self.actor_sh)
-            kw = dict(actor_params=actor_params, actor_opt_state=self._opt_init(actor_params, self.actor_sh),
-                      actor_version=jnp.zeros((), jnp.int32))
+                aux_params = self._own(aux_params, self.aux_sh)
+            kw["aux"] = AuxState(aux_params, self._opt_init(aux_params, self.aux_sh))
         if "ref_logp" in self.needs:
             kw["ref_params"] = jax.tree_util.tree_map(jnp.copy, params)
         state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
@@ -160,6 +169,8 @@ class Learner:
         """Optimizer state created in place: moments sharded like their params, counters replicated."""
         abstract = jax.eval_shape(self.opt.init, params)
         rep = sharding.replicated(self.mesh)
+        if isinstance(param_sh, jax.sharding.Sharding):  # one sharding for every leaf
+            param_sh = jax.tree_util.tree_map(lambda _: param_sh, params)
         out_sh = optax.tree_map_params(self.opt, lambda _, sh: sh, abstract, param_sh,
                                        transform_non_params=lambda _: rep)
         return jax.jit(self.opt.init, out_shardings=out_sh)(params)
@@ -183,7 +194,7 @@ class Learner:
         self.forward_traces += 1
         gather_ids = batch.topk_ids if gather and batch.topk > 0 else None
         return heads.sequence_logprobs(params, self.model_cfg, batch.tokens, batch.input_mask,
-                                       temperature=self.cfg.temperature, topk=topk, gather_ids_BxLxK=gather_ids,
+                                       temperature=self.temperature, topk=topk, gather_ids_BxLxK=gather_ids,
                                        chunk=self.cfg.logprob_chunk, return_hidden=return_hidden)
 
     def _prox_pass(self, params, batch):
@@ -195,10 +206,10 @@ class Learner:
         return self._stats(ref_params, batch, gather=False)["logp"]
 
     def _loss(self, params, batch, version, rng):
-        """Objective loss; aux = (metrics, sg(final hidden states)), the latter reused by the
-        Jackpot actor's distillation instead of a second policy forward."""
+        """Objective loss; aux = (metrics, sg(final hidden states)), the latter handed to the
+        auxiliary model's loss instead of a second policy forward."""
         topk = batch.topk if "topk" in self.needs else 0
-        s = self._stats(params, batch, topk=topk, return_hidden=self.actor_cfg is not None)
+        s = self._stats(params, batch, topk=topk, return_hidden=self.aux is not None)
         policy = PolicyOutput(logp=s["logp"], version=version, entropy=s["entropy"],
                               logp_at_behav_topk=s.get("logp_at_ids"), topk_ids=s.get("topk_ids"),
                               topk_logp=s.get("topk_logp"), rng=rng)
@@ -211,23 +222,6 @@ class Learner:
             kl = (pb * (batch.topk_logp - jax.lax.stop_gradient(s["logp_at_ids"]))).sum(-1)
             metrics["kl_behav/topk"] = masked_mean(kl, mask)
         return loss, (metrics, jax.lax.stop_gradient(s.get("hidden")))
-
-    def _actor_loss(self, actor_params, params, hidden_new, batch):
-        """Jackpot Eq. 6 + lambda_distill * Eq. 7 for the rollout model; `hidden_new` are the
-        policy's final hidden states from this update's forward (no second policy pass)."""
-        a = self.actor_cfg
-        h_act = decoder.forward(actor_params, a, batch.tokens, batch.input_mask)[:, :-1]
-        w_act = decoder.unembed_matrix(actor_params, a)
-        stats = heads.logprob_stats(h_act, w_act, batch.tokens[:, 1:], temperature=self.cfg.temperature,
-                                    entropy=False, chunk=self.cfg.logprob_chunk)
-        logp = jnp.pad(stats["logp"], [(0, 0), (1, 0)])
-        ppo, m = actor_ppo_loss(logp, batch, self.obj_cfg)
-        kl = heads.distill_kl(hidden_new[:, :-1], decoder.unembed_matrix(params, self.model_cfg), h_act, w_act,
-                              temperature=self.cfg.temperature, chunk=self.cfg.logprob_chunk)
-        kl = jnp.pad(kl, [(0, 0), (1, 0)])
-        distill = masked_mean(kl, batch.loss_mask)
-        m["actor/distill_kl"] = distill
-        return ppo + self.cfg.distill_coef * distill, m
 
     def _train_step(self, state: TrainState, batch: TrajectoryBatch):
         self.step_traces += 1
@@ -247,25 +241,22 @@ class Learner:
                 st.params, mb, st.version, rng)
             params, opt_state, ok, updates = update(st.params, st.opt_state, grads, loss)
             metrics.update({"grad_norm": optax.global_norm(grads), "update_norm": optax.global_norm(updates)})
-            kw = {}
-            if self.actor_cfg is not None:
-                (aloss, am), agrads = jax.value_and_grad(self._actor_loss, has_aux=True)(
-                    st.actor_params, st.params, hidden, mb)
-                aparams, aopt, aok, _ = update(st.actor_params, st.actor_opt_state, agrads, aloss)
-                kw = dict(actor_params=aparams, actor_opt_state=aopt)
+            aux = st.aux
+            if self.aux is not None:  # the objective's auxiliary model, from the same forward
+                (aloss, am), agrads = jax.value_and_grad(self.aux.loss, has_aux=True)(
+                    aux.params, AuxInputs(st.params, hidden), mb, self.obj_cfg, self.aux_ctx)
+                aparams, aopt, aok, _ = update(aux.params, aux.opt_state, agrads, aloss)
+                aux = AuxState(aparams, aopt)
                 metrics.update(am)
                 ok = ok & aok
-            st = st.replace(params=params, opt_state=opt_state, step=st.step + 1,
-                            skipped=st.skipped + (~ok).astype(jnp.int32), **kw)
+            st = st.replace(params=params, opt_state=opt_state, step=st.step + 1, aux=aux,
+                            skipped=st.skipped + (~ok).astype(jnp.int32))
             return st, metrics
 
         state, ms = jax.lax.scan(one, state, mbs)
         metrics = _reduce_metrics(ms)
         metrics["param_norm"] = optax.global_norm(state.params)
-        state = state.replace(version=state.version + 1)
-        if self.actor_cfg is not None:
-            state = state.replace(actor_version=state.actor_version + 1)
-        return state, metrics
+        return state.replace(version=state.version + 1), metrics
 
     # ------------------------------------------------------------------ host API
     def prepare(self, state: TrainState, batch: TrajectoryBatch):
@@ -304,3 +295,15 @@ class Learner:
                        version=float(state.version),
                        tokens_per_s=float(np.asarray(batch.loss_mask).sum()) / elapsed)
         return state, metrics
+
+
+def _active_aux(objective, aux_model_cfg):
+    """The objective's auxiliary model when it is in use; a model config given to an objective
+    that has no use for one is an error, not silently ignored."""
+    aux = objective.aux
+    if aux is not None and (not aux.needs_model or aux_model_cfg is not None):
+        return aux
+    if aux_model_cfg is not None:
+        raise ValueError(f"objective {objective.objective_name!r} trains no auxiliary model, but one was given; "
+                         f"objectives that train one: {', '.join(objectives.with_aux()) or 'none'}")
+    return None

@@ -21,7 +21,7 @@ CFG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=48, num_layer
 def main(mode, ckpt_dir, out):
     c = L.default_config()
     c.lr, c.num_minibatches, c.ref_swap_every = 3e-3, 2, 2
-    lrn = L.Learner(CFG, {"name": "jackpot", "kl": {"coef": 0.05}}, c, actor_cfg=CFG.replace(num_layers=1))
+    lrn = L.Learner(CFG, {"name": "jackpot", "kl": {"coef": 0.05}}, c, aux_model_cfg=CFG.replace(num_layers=1))
     state = lrn.init(jax.random.key(0))
     data_params = models.init_params(CFG, jax.random.key(99))  # batches independent of training
     batches = [testing.model_batch(data_params, CFG, seed=i, version=i) for i in range(6)]

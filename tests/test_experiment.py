@@ -14,8 +14,8 @@ def shrink(c, steps=2, eval_every=1):
     """A runlocal-sized version of any experiment config."""
     c.task.eval_size = 8
     c.model.update(dict(hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1, head_dim=8, num_layers=1))
-    if c.actor.hidden_size:
-        c.actor.update(dict(hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1, head_dim=4, num_layers=1))
+    if c.aux_model.hidden_size:
+        c.aux_model.update(dict(hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1, head_dim=4, num_layers=1))
     c.warm_start.steps = 5
     c.runtime.prompts_per_batch = 2
     c.sampler.num_samples = 4

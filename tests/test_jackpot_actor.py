@@ -1,4 +1,5 @@
-"""Jackpot's actor-side losses (seed 004 Eq. 6-7) that the learner calls for joint training."""
+"""Jackpot's actor-side losses (Jackpot, arXiv:2602.06107, Eq. 6-7): the auxiliary model the learner trains
+jointly with the policy."""
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +7,7 @@ import numpy as np
 
 from jaxrl_llm import objectives as O
 from jaxrl_llm import testing
+from jaxrl_llm.objectives import jackpot_actor as A
 from tests import reference as R
 
 
@@ -14,7 +16,7 @@ def test_actor_ppo_matches_numpy():
     cfg = O.make_config(name="jackpot", jackpot__c1=1.2, clip__eps_high=0.28)
     actor_logp = s.batch.behav_logp + 0.3 * jax.random.normal(jax.random.key(1), s.batch.behav_logp.shape)
     actor_old = s.batch.behav_logp + 0.2 * jax.random.normal(jax.random.key(2), s.batch.behav_logp.shape)
-    f = jax.value_and_grad(lambda lp: O.actor_ppo_loss(lp, s.batch, cfg, actor_old)[0])
+    f = jax.value_and_grad(lambda lp: A.actor_ppo_loss(lp, s.batch, cfg, actor_old)[0])
     loss, grad = f(actor_logp)
     inf, old, a, m = (np.asarray(v, np.float64) for v in (s.batch.behav_logp, actor_old, s.batch.advantages, s.batch.loss_mask))
 
@@ -35,7 +37,7 @@ def test_distill_kl_value_and_gradient():
     mask = np.array([[1, 1, 0, 0], [0, 1, 1, 1], [0, 0, 0, 0]], np.float32)
     cfg = O.make_config(name="jackpot")
     (loss, metrics), (g_new, g_actor) = jax.value_and_grad(
-        lambda n, a: O.distill_loss(n, a, jnp.asarray(mask), cfg), argnums=(0, 1), has_aux=True
+        lambda n, a: A.distill_loss(n, a, jnp.asarray(mask), cfg), argnums=(0, 1), has_aux=True
     )(jnp.asarray(new), jnp.asarray(actor))
 
     def softmax(x):
@@ -54,7 +56,7 @@ def test_distill_lowers_kl_by_gradient_descent():
     rng = np.random.default_rng(1)
     new, actor = (jnp.asarray(rng.normal(size=(2, 5, 11)), jnp.float32) for _ in range(2))
     mask, cfg = jnp.ones((2, 5)), O.make_config(name="jackpot")
-    f = jax.jit(jax.value_and_grad(lambda a: O.distill_loss(new, a, mask, cfg)[0]))
+    f = jax.jit(jax.value_and_grad(lambda a: A.distill_loss(new, a, mask, cfg)[0]))
     first, _ = f(actor)
     for _ in range(50):
         val, g = f(actor)

@@ -114,8 +114,8 @@ def test_jackpot_joint_step_lowers_policy_actor_kl():
     policy still (its surrogate has zero gradient), so the test isolates the actor update."""
     actor_cfg = CFG.replace(num_layers=1, intermediate_size=32)
     c = L.default_config()
-    c.lr, c.num_minibatches, c.distill_coef = 1e-2, 2, 5.0
-    lrn = L.Learner(CFG, {"name": "jackpot"}, c, actor_cfg=actor_cfg)
+    c.lr, c.num_minibatches = 1e-2, 2
+    lrn = L.Learner(CFG, {"name": "jackpot", "jackpot": {"distill_coef": 5.0}}, c, aux_model_cfg=actor_cfg)
     peaked = jax.tree_util.tree_map(lambda x: 4.0 * x, models.init_params(CFG, jax.random.key(5)))
     st = lrn.init(jax.random.key(5), params=peaked)
     batch = testing.model_batch(st.params, CFG, seed=6)
@@ -123,7 +123,7 @@ def test_jackpot_joint_step_lowers_policy_actor_kl():
 
     def kl(st):
         new = jax.nn.log_softmax(models.full_logits(st.params, CFG, batch.tokens, batch.input_mask), -1)
-        act = jax.nn.log_softmax(models.full_logits(st.actor_params, actor_cfg, batch.tokens, batch.input_mask), -1)
+        act = jax.nn.log_softmax(models.full_logits(st.aux.params, actor_cfg, batch.tokens, batch.input_mask), -1)
         per = (jnp.exp(new) * (new - act)).sum(-1)[:, :-1]  # position t predicts token t + 1
         m = batch.loss_mask[:, 1:]
         return float((per * m).sum() / m.sum())
@@ -133,7 +133,8 @@ def test_jackpot_joint_step_lowers_policy_actor_kl():
     for _ in range(5):
         st, m = lrn.train_step(st, batch)
     assert kl(st) < 0.7 * first
-    assert int(st.actor_version) == 5 and "actor/distill_kl" in m and "jackpot/kappa" in m
+    assert int(st.version) == 5 and "actor/distill_kl" in m and "jackpot/kappa" in m
+    assert lrn.rollout_params(st) is st.aux.params and lrn.rollout_model_cfg == actor_cfg
 
 
 def test_hf_checkpoint_loads_straight_into_shardings(tmp_path):

@@ -55,7 +55,7 @@ def objective_numbers(key):
 def _learner(key, actor):
     c = L.default_config()
     c.lr, c.num_minibatches = 3e-3, 2
-    kw = dict(actor_cfg=ACTOR) if actor else {}
+    kw = dict(aux_model_cfg=ACTOR) if actor else {}
     return L.Learner(CFG, OBJECTIVES[key], c, mesh=sharding.make_mesh(None, jax.devices()[:1]), **kw)
 
 

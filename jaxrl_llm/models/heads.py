@@ -85,21 +85,3 @@ def full_logits(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL=None):
         input_mask_BxL = jnp.ones(tokens_BxL.shape, jnp.int32)
     hidden = decoder.forward(params, cfg, tokens_BxL, input_mask_BxL)
     return hidden.astype(jnp.float32) @ decoder.unembed_matrix(params, cfg).astype(jnp.float32)
-
-
-def distill_kl(hidden_new_BxLxD, unembed_new_DxV, hidden_actor_BxLxD, unembed_actor_DxV, *,
-               temperature: float = 1.0, chunk: int = 128):
-    """Per-position KL(sg(p_new) || p_actor) over the full vocabulary (Jackpot Eq. 7), chunked
-    over the sequence like `logprob_stats`; gradients reach only the actor's inputs."""
-    from jaxrl_llm.objectives.jackpot import distill_kl_per_token
-
-    w_new = jax.lax.stop_gradient(unembed_new_DxV.astype(jnp.float32))
-    w_act = unembed_actor_DxV.astype(jnp.float32)
-
-    def one(x):
-        new = jax.nn.log_softmax(jnp.einsum("bcd,dv->bcv", x["new"].astype(jnp.float32), w_new) / temperature, -1)
-        act = jax.nn.log_softmax(jnp.einsum("bcd,dv->bcv", x["act"].astype(jnp.float32), w_act) / temperature, -1)
-        return distill_kl_per_token(new, act)
-
-    return map_chunks(one, {"new": jax.lax.stop_gradient(hidden_new_BxLxD), "act": hidden_actor_BxLxD}, chunk)
-

@@ -13,13 +13,15 @@ from jaxrl_llm.objectives.registry import (  # noqa: F401
     make_config,
     register,
     registry,
+    required_passes,
     unregister,
+    with_aux,
 )
+from jaxrl_llm.objectives.auxiliary import AuxContext, AuxInputs, Auxiliary  # noqa: F401
 from jaxrl_llm.objectives import common  # noqa: F401
 from jaxrl_llm.objectives import ppo as _ppo  # noqa: F401  (registers ppo, decoupled_ppo, a3po)
 from jaxrl_llm.objectives import sequence as _sequence  # noqa: F401  (gspo, gepo)
 from jaxrl_llm.objectives import offpolicy_grpo as _offpolicy_grpo  # noqa: F401
 from jaxrl_llm.objectives import jackpot as _jackpot  # noqa: F401
-from jaxrl_llm.objectives.jackpot import actor_ppo_loss, distill_loss  # noqa: F401
 
 BUILTIN = ("ppo", "decoupled_ppo", "a3po", "gspo", "gepo", "offpolicy_grpo", "jackpot")

@@ -1,4 +1,8 @@
-"""Jackpot: optimal budgeted rejection sampling (OBRS) for actor-policy mismatch (seed 004).
+"""Jackpot: optimal budgeted rejection sampling (OBRS) for actor-policy mismatch.
+
+Chen et al., "Jackpot: Optimal Budgeted Rejection Sampling for Extreme Actor-Policy Mismatch
+Reinforcement Learning", arXiv:2602.06107. The jointly trained rollout actor (Eq. 6-7) is the
+auxiliary model in `jackpot_actor.py`.
 
 Names follow the paper: p_inf = the rollout (actor) distribution the tokens were sampled
 from (`batch.behav_logp`, top-K in `batch.topk_*`); p_new = the policy being trained
@@ -19,6 +23,7 @@ import jax.numpy as jnp
 from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch
 from jaxrl_llm.objectives import common
 from jaxrl_llm.objectives.common import sg
+from jaxrl_llm.objectives.jackpot_actor import ACTOR
 from jaxrl_llm.objectives.registry import register
 
 
@@ -76,7 +81,18 @@ def _require(value, what):
     return value
 
 
-@register("jackpot", needs=("prox_logp", "logp_at_behav_topk", "topk", "rng"))
+def _passes(cfg) -> frozenset:
+    """p_ref = sg(pi_theta) needs no recompute pass; p_target = ref reads p_ref on the
+    behaviour top-K (for Z_approx)."""
+    needs = {"logp_at_behav_topk", "topk", "rng"}
+    if cfg.jackpot.p_ref == "prox":
+        needs.add("prox_logp")
+        if cfg.jackpot.p_target == "ref":
+            needs.add("prox_topk_logp")
+    return frozenset(needs)
+
+
+@register("jackpot", needs=("prox_logp", "logp_at_behav_topk", "topk", "rng"), passes=_passes, aux=ACTOR)
 def jackpot(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
     """PPO-OBRS (Eq. 3-5, Algorithm 1):
 
@@ -141,43 +157,3 @@ def jackpot(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
         ratio_BxL=ratio, is_weight_BxL=rho, clipped_BxL=clipped & (accepted > 0),
         anchor_logp_BxL=log_ref, extra=extra,
     )
-
-
-def actor_ppo_loss(actor_logp_BxL, batch: TrajectoryBatch, cfg, actor_old_logp_BxL=None):
-    """Eq. 6, the rollout (actor) model's own PPO loss, no OBRS:
-
-        L = -E_{x~p_inf} sg(F(p_w,ref / p_inf)) min(r_w A, clip(r_w, 1-eps_low, 1+eps_high) A),
-        r_w = p_w / p_w,ref,
-
-    p_w,ref = the actor at the rollout's version (default: p_inf itself, so F = 1); F = TIS
-    with cap jackpot.c1. Gradients flow through `actor_logp_BxL` only.
-    """
-    log_inf = sg(batch.behav_logp)
-    old = log_inf if actor_old_logp_BxL is None else sg(actor_old_logp_BxL)
-    clamp = cfg.log_ratio_clamp
-    weight = jnp.minimum(common.safe_exp(old - log_inf, clamp), cfg.jackpot.c1)
-    ratio = common.safe_exp(actor_logp_BxL - old, clamp)
-    surr, clipped = common.clipped_surrogate(
-        ratio, batch.advantages, 1.0 - cfg.clip.eps_low, 1.0 + cfg.clip.eps_high, cfg.clip.dual_clip
-    )
-    mask = batch.loss_mask.astype(jnp.float32)
-    loss = common.aggregate(weight * surr, mask, cfg.loss_agg, cfg.loss_agg_norm_len)
-    return loss, {"actor/loss": loss, "actor/clip_frac": common.masked_mean(clipped, mask)}
-
-
-def distill_kl_per_token(new_logp_NxV, actor_logp_NxV):
-    """KL(sg(p_new) || p_actor) over the vocabulary for each row (Eq. 7's inner term).
-
-    Takes normalised log-probs so callers can chunk [B, L, V] over rows."""
-    new = sg(new_logp_NxV)
-    return (jnp.exp(new) * (new - actor_logp_NxV)).sum(-1)
-
-
-def distill_loss(new_logits_BxLxV, actor_logits_BxLxV, mask_BxL, cfg, temperature: float = 1.0):
-    """Eq. 7: E_{x~p_inf} KL(sg(p_new(.|s_t)) || p_actor(.|s_t)), aggregated by cfg.loss_agg."""
-    new = jax.nn.log_softmax(new_logits_BxLxV.astype(jnp.float32) / temperature, -1)
-    actor = jax.nn.log_softmax(actor_logits_BxLxV.astype(jnp.float32) / temperature, -1)
-    kl_BxL = distill_kl_per_token(new, actor)
-    mask = mask_BxL.astype(jnp.float32)
-    loss = common.aggregate(kl_BxL, mask, cfg.loss_agg, cfg.loss_agg_norm_len)
-    return loss, {"actor/distill_kl": loss}

@@ -11,7 +11,12 @@ from jaxrl_llm.objectives.common import sg
 from jaxrl_llm.objectives.registry import register
 
 
-@register("offpolicy_grpo")
+def _passes(cfg) -> frozenset:
+    """r' = pi_k / alpha reads pi_k from the learner's recompute pass; r' ~ 1 needs nothing."""
+    return frozenset({"prox_logp"} if cfg.offpolicy_grpo.r_prime == "prox" else ())
+
+
+@register("offpolicy_grpo", passes=_passes)
 def offpolicy_grpo(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
     """Seed 003 §3.2 clipped off-policy surrogate, as a loss:
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import ml_collections
 
 from jaxrl_llm.objectives import common
+from jaxrl_llm.objectives.auxiliary import Auxiliary
 
 _REGISTRY: dict[str, Callable] = {}
 
@@ -15,11 +16,15 @@ _REGISTRY: dict[str, Callable] = {}
 NEEDS = ("prox_logp", "prox_topk_logp", "ref_logp", "logp_at_behav_topk", "topk", "rng")
 
 
-def register(name: str, needs: Iterable[str] = ()):
+def register(name: str, needs: Iterable[str] = (), passes: Optional[Callable] = None,
+             aux: Optional[Auxiliary] = None):
     """Decorator: ``@register("my_obj", needs=("prox_logp",))`` adds ``fn`` to the registry.
 
     ``fn(policy: PolicyOutput, batch: TrajectoryBatch, cfg) -> (loss, metrics)`` must be pure
-    and jittable with ``cfg`` static. Re-registering a name raises (use ``unregister`` first).
+    and jittable with ``cfg`` static. What the learner computes for it is declared here:
+    ``needs`` (a subset of NEEDS), or ``passes(cfg) -> needs`` when the options decide; ``aux``
+    an auxiliary model trained jointly (see `objectives.auxiliary`). Re-registering a name
+    raises (use ``unregister`` first).
     """
     needs = tuple(needs)
     for n in needs:
@@ -29,11 +34,31 @@ def register(name: str, needs: Iterable[str] = ()):
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"objective {name!r} is already registered")
         fn.needs = frozenset(needs)
+        fn.passes = passes
+        fn.aux = aux
         fn.objective_name = name
         _REGISTRY[name] = fn
         return fn
 
     return deco
+
+
+def required_passes(cfg) -> frozenset:
+    """What the learner must compute for the objective config `cfg`: the objective's declared
+    needs (refined by its options when it registered `passes`), plus the reference forward
+    when a KL penalty is on."""
+    fn = get(cfg.name)
+    needs = set(fn.passes(cfg) if fn.passes is not None else fn.needs)
+    for n in needs:
+        common.check_choice(f"need of objective {cfg.name!r}", n, NEEDS)
+    if cfg.kl.coef > 0:
+        needs.add("ref_logp")
+    return frozenset(needs)
+
+
+def with_aux() -> list:
+    """Names of the registered objectives that train an auxiliary model."""
+    return sorted(n for n, fn in _REGISTRY.items() if fn.aux is not None)
 
 
 def unregister(name: str) -> None:
@@ -73,9 +98,10 @@ def default_config(name: str = "ppo") -> ml_collections.ConfigDict:
     )
     # Off-policy GRPO: r' = pi_k/alpha from prox_logp ("prox") or the r' ~ 1 approximation.
     c.offpolicy_grpo = ml_collections.ConfigDict(dict(r_prime="one", zero_var_mask=True))
-    # Jackpot (OBRS): lam = lambda, caps c1 (OBRS weight) and c2 (p_ref/p_target).
+    # Jackpot (OBRS): lam = lambda, caps c1 (OBRS weight) and c2 (p_ref/p_target);
+    # distill_coef = lambda_distill of the jointly trained rollout actor (Eq. 8), when there is one.
     c.jackpot = ml_collections.ConfigDict(
-        dict(lam=1.0, c1=2.0, c2=2.0, p_target="new", p_ref="prox")
+        dict(lam=1.0, c1=2.0, c2=2.0, p_target="new", p_ref="prox", distill_coef=1.0)
     )
     return c
 
@@ -160,3 +186,5 @@ def _validate(c) -> None:
         raise ValueError("gepo.eps and gepo.eps_max must lie in [0, 1]")
     if c.jackpot.lam <= 0 or c.jackpot.c1 <= 0 or c.jackpot.c2 <= 0:
         raise ValueError("jackpot.lam, jackpot.c1 and jackpot.c2 must be > 0")
+    if c.jackpot.distill_coef < 0:
+        raise ValueError(f"jackpot.distill_coef must be >= 0; got {c.jackpot.distill_coef}")

@@ -79,11 +79,6 @@ def _delay(c) -> delay_lib.DelayModel:
     return delay_lib.make(d.kind, min=d.min, max=d.max, value=d.value, weibull_shape=d.weibull_shape)
 
 
-def rollout_params(state):
-    """What samplers generate with: Jackpot's separate actor when the learner trains one."""
-    return state.params if getattr(state, "actor_params", None) is None else state.actor_params
-
-
 class Orchestrator:
     def __init__(self, learner, sampler, task, cfg=None, placement=None):
         self.cfg = cfg or default_config()
@@ -115,7 +110,7 @@ class Orchestrator:
     def _train(self, state, batch, extra):
         state, m = self.learner.train_step(state, batch)
         self.state = state  # newest live state (the previous one was donated), e.g. for Ctrl-C saves
-        self.store.publish(int(state.version), rollout_params(state))
+        self.store.publish(int(state.version), self.learner.rollout_params(state))
         d = np.asarray(int(state.version) - 1 - np.asarray(batch.versions))[np.asarray(batch.loss_mask) > 0]
         m.update(extra)
         m["staleness/hist"] = np.bincount(np.maximum(d, 0), minlength=1).tolist()
@@ -126,7 +121,7 @@ class Orchestrator:
     # ------------------------------------------------------------------ modes
     def run(self, state, num_steps: int, on_metrics: Optional[Callable] = None):
         """Train for `num_steps` learner steps; returns (state, [metrics per step])."""
-        self.store.publish(int(state.version), rollout_params(state))
+        self.store.publish(int(state.version), self.learner.rollout_params(state))
         history = []
         emit = (lambda m: (history.append(m), on_metrics and on_metrics(m)))
         if self.cfg.mode == "async":
