@@ -99,19 +99,19 @@ def test_ctrl_c_saves_the_live_state(tmp_path, monkeypatch):
 
     c = _tiny()
     c.train.update(dict(steps=6, eval_every=6, save_every=100))
-    real = orchestrator.Orchestrator._train
+    real = orchestrator.Orchestrator.train
     calls = []
 
-    def interrupted(self, state, batch, extra):
+    def interrupted(self, state, batch, **kw):
         if len(calls) == 3:
             raise KeyboardInterrupt
         calls.append(1)
-        return real(self, state, batch, extra)
+        return real(self, state, batch, **kw)
 
-    monkeypatch.setattr(orchestrator.Orchestrator, "_train", interrupted)
+    monkeypatch.setattr(orchestrator.Orchestrator, "train", interrupted)
     summary = experiment.run(c, str(tmp_path), log=lambda *_: None)
     assert summary["version"] == 3
-    monkeypatch.setattr(orchestrator.Orchestrator, "_train", real)
+    monkeypatch.setattr(orchestrator.Orchestrator, "train", real)
     lines = []
     assert experiment.run(c, str(tmp_path), log=lines.append)["version"] == 6
     assert any("resumed" in line and "version 3" in line for line in lines)

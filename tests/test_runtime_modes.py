@@ -174,3 +174,31 @@ def test_incompatible_runtime_options_fail_at_startup(over, match):
     cfg.update(over)
     with pytest.raises(ValueError, match=match):
         O.validate(cfg)
+
+
+@pytest.mark.parametrize("mode,kw", [("iterative", dict(reuse=3)), ("offpolicy", dict(refresh_every=3))])
+def test_a_bound_below_the_schedule_is_refused_with_drop_and_counted_with_keep(mode, kw):
+    with pytest.raises(ValueError, match=f"mode '{mode}' .* up to 2 steps stale, beyond runtime.max_staleness=1"):
+        _orch(mode, max_staleness=1, **kw)
+    orch, st = _orch(mode, max_staleness=1, staleness_policy="keep", **kw)
+    st, hist = orch.run(st, 6)
+    assert _staleness(hist) == [0.0, 1.0, 2.0] * 2
+    assert [m["runtime/over_stale"] for m in hist] == [0, 0, 1, 1, 1, 2]  # cumulative
+    assert all(m["runtime/dropped"] == 0 for m in hist)
+
+
+def test_sync_and_simulated_respect_the_bound_in_every_step():
+    for mode, bound in (("sync", 0), ("simulated", 2)):
+        orch, st = _orch(mode, max_staleness=bound, delay=dict(kind="fixed", value=5.0, min=1.0, max=8.0,
+                                                               weibull_shape=1.5))
+        st, hist = orch.run(st, 4)
+        assert all(m["staleness/max"] <= bound and m["runtime/over_stale"] == 0 for m in hist), mode
+    assert [m["staleness/max"] for m in hist] == [0.0, 1.0, 2.0, 2.0]  # min(5 steps, bound, version)
+
+
+def test_async_drop_trains_nothing_beyond_the_bound():
+    orch, st = _orch("async", max_staleness=0, queue_size=2, num_samplers=2)
+    st, hist = orch.run(st, 4)
+    assert all(m["staleness/max"] == 0.0 and m["runtime/over_stale"] == 0 for m in hist)
+    dropped = [m["runtime/dropped"] for m in hist]
+    assert dropped == sorted(dropped) and int(st.version) == 4  # cumulative count from the queue

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm import staleness as staleness_lib
 from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch
 
 sg = jax.lax.stop_gradient
@@ -122,10 +123,8 @@ def masked_var(x, mask):
 
 
 def staleness(policy: PolicyOutput, batch: TrajectoryBatch):
-    """d = v(pi_theta) - v(pi_behav) per token (A-3PO Eq. 4); 0 on prompt/pad (version -1)
-    and clamped at 0 for tokens that claim to be newer than the learner."""
-    d = jnp.asarray(policy.version, jnp.int32) - batch.versions
-    return jnp.where(batch.versions < 0, 0, jnp.maximum(d, 0))
+    """d = v(pi_theta) - v(pi_behav) per token (`jaxrl_llm.staleness`, A-3PO Eq. 4)."""
+    return staleness_lib.staleness(jnp.asarray(policy.version, jnp.int32), batch.versions)
 
 
 def finish(

@@ -1,1 +1,6 @@
-"""Asynchronous runtime pieces: version-aware queue, delay models (orchestrator: issue #5)."""
+"""The runtime: who samples with which policy version and when the learner sees it.
+
+queue.py (bounded, version-aware), weights.py (published versions), delay.py (network-delay
+models), orchestrator.py (the training modes), async_mode.py (sampler threads and the learner
+loop of the async mode).
+"""

@@ -2,14 +2,18 @@
 
   sync        v=1, i=1: generate with the newest params, train, repeat (on-policy baseline).
   iterative   v=1, i>1: each batch is trained on `reuse` times (staleness 0..i-1).
-  offpolicy   v>1, i=1: sampler params refreshed every `refresh_every` steps (seed 003).
+  offpolicy   v>1, i=1: sampler params refreshed every `refresh_every` steps (Mroueh et al.,
+              "Revisiting Group Relative Policy Optimization", arXiv:2505.22257).
   simulated   each batch's staleness d is drawn from the delay model (in learner steps, capped
               by max_staleness) and realised by sampling with the params of version k - d,
               retained in the weight store: deterministic, bit-reproducible sweeps.
   async       `num_samplers` sampler threads and the learner run concurrently through the
-              bounded VersionedQueue; samplers pick up new weights between batches (and, with
-              refresh_mid_generation, between decode segments), after the delay model's delay
-              (seconds) has elapsed since publication.
+              bounded VersionedQueue (see async_mode.py).
+
+Staleness (`jaxrl_llm.staleness`) means the same in every mode: `max_staleness` bounds it and
+`staleness_policy` drops or keeps (and counts) batches beyond it. Where a mode's schedule fixes
+the staleness (iterative: up to reuse - 1, offpolicy: up to refresh_every - 1) a bound below
+it cannot be met by dropping, so that combination fails at start-up.
 
 A task supplies prompts and rewards: `task.prompts(rng, n) -> list[list[int]]` and
 `task.reward(prompt, completion) -> float`. A reward that raises scores 0 and is counted.
@@ -17,7 +21,6 @@ A task supplies prompts and rewards: `task.prompts(rng, n) -> list[list[int]]` a
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable, Optional
 
@@ -26,9 +29,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from jaxrl_llm import advantages, tasks
+from jaxrl_llm import advantages, staleness, tasks
+from jaxrl_llm.runtime import async_mode
 from jaxrl_llm.runtime import delay as delay_lib
-from jaxrl_llm.runtime.queue import QueueClosed, QueueTimeout, VersionedQueue
 from jaxrl_llm.runtime.weights import WeightStore
 
 MODES = ("sync", "iterative", "offpolicy", "simulated", "async")
@@ -40,8 +43,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.prompts_per_batch = 4
     c.reuse = 1  # i (iterative)
     c.refresh_every = 1  # v (offpolicy)
-    c.max_staleness = 8  # -1: unbounded
-    c.staleness_policy = "drop"  # drop | keep (async queue)
+    c.max_staleness = 8  # bound on d = v(learner) - v(token), every mode; -1: unbounded
+    c.staleness_policy = "drop"  # drop | keep (and count) batches beyond max_staleness
     c.queue_size = 2
     c.num_samplers = 1
     c.refresh_mid_generation = False  # async: also swap weights between decode segments
@@ -69,9 +72,25 @@ def validate(c) -> None:
         raise ValueError(f"runtime.refresh_mid_generation needs mode='async' (mode is {c.mode!r})")
     if c.mode == "simulated" and c.max_staleness < 0:
         raise ValueError("mode='simulated' needs a finite runtime.max_staleness (past params are retained)")
+    _validate_staleness(c)
     if c.advantage not in advantages.names():
         raise ValueError(f"unknown advantage {c.advantage!r}; valid: {', '.join(advantages.names())}")
     _delay(c)  # unknown delay kinds / bad bounds fail here
+
+
+def _validate_staleness(c) -> None:
+    if c.staleness_policy not in staleness.POLICIES:
+        raise ValueError(f"unknown runtime.staleness_policy {c.staleness_policy!r}; "
+                         f"valid: {', '.join(staleness.POLICIES)}")
+    if c.max_staleness < -1:
+        raise ValueError(f"runtime.max_staleness must be >= 0, or -1 for unbounded; got {c.max_staleness}")
+    fixed = {"iterative": ("reuse", c.reuse), "offpolicy": ("refresh_every", c.refresh_every)}.get(c.mode)
+    if fixed and c.staleness_policy == "drop" and staleness.exceeds(fixed[1] - 1, c.max_staleness):
+        name, value = fixed
+        raise ValueError(
+            f"mode {c.mode!r} with runtime.{name}={value} trains on batches up to {value - 1} steps stale, beyond "
+            f"runtime.max_staleness={c.max_staleness}; dropping them cannot yield fresher ones in this mode. Set "
+            f"max_staleness >= {value - 1} (or -1), or staleness_policy='keep' to train on them (runtime/over_stale)")
 
 
 def _delay(c) -> delay_lib.DelayModel:
@@ -80,6 +99,8 @@ def _delay(c) -> delay_lib.DelayModel:
 
 
 class Orchestrator:
+    """Runs the learner on batches produced by `sampler` from `task`, in the configured mode."""
+
     def __init__(self, learner, sampler, task, cfg=None, placement=None):
         self.cfg = cfg or default_config()
         validate(self.cfg)
@@ -87,35 +108,54 @@ class Orchestrator:
         self.delay = _delay(self.cfg)
         keep = self.cfg.max_staleness + 1 if self.cfg.mode == "simulated" else 1
         self.store = WeightStore(keep=keep, placement=placement)
-        self.reward_failures = 0
         self.schedule: list[int] = []  # simulated: the staleness drawn for each step
         self.state = None
+        self.over_stale = 0  # batches trained beyond max_staleness (policy keep)
+        self._reward_failures = 0  # from this (the learner's) thread; sampler threads count their own
+        self._workers: list = []
         self._key = jax.random.key(self.cfg.seed)
+
+    @property
+    def reward_failures(self) -> int:
+        return self._reward_failures + sum(w.reward_failures for w in self._workers)
+
+    def add_workers(self, workers) -> None:
+        """Sampler threads whose reward-failure counts belong to this run's total."""
+        self._workers.extend(workers)
+
+    def retire_workers(self, workers) -> None:
+        """Joined threads: fold their counts in and drop them (and the params they hold)."""
+        for w in workers:
+            self._workers.remove(w)
+            self._reward_failures += w.reward_failures
 
     # ------------------------------------------------------------------ one batch
     def produce(self, params, version: int, worker: int, counter: int, refresh=None):
         """Prompts -> completions (policy `version`; `refresh` may swap weights mid-generation,
-        see Sampler.generate) -> rewards -> advantages."""
+        see Sampler.generate) -> rewards -> advantages. Returns (batch, failed rewards); a
+        failing reward scores 0 and is counted by the caller."""
         rng = np.random.default_rng([self.cfg.seed, worker, counter])
         prompts = self.task.prompts(rng, self.cfg.prompts_per_batch)
         key = jax.random.fold_in(jax.random.fold_in(self._key, worker), counter)
         batch = self.sampler.generate(params, prompts, key, version, refresh=refresh)
         rewards, failures = tasks.score(self.task, prompts, np.asarray(batch.tokens),
                                         np.asarray(batch.loss_mask) > 0, self.sampler.cfg.num_samples)
-        self.reward_failures += failures  # a failing reward scores 0 and is counted
         adv = advantages.compute(self.cfg.advantage, rewards, batch.group_ids, batch.loss_mask,
                                  mask_zero_variance=self.cfg.mask_zero_variance)
-        return batch.replace(rewards=jnp.asarray(rewards), advantages=adv)
+        return batch.replace(rewards=jnp.asarray(rewards), advantages=adv), failures
 
-    def _train(self, state, batch, extra):
+    def train(self, state, batch, dropped: int = 0):
+        """One learner step on `batch`, then publish the new version. Returns (state, metrics)."""
+        d = staleness.of_batch(int(state.version), batch.versions, batch.loss_mask)
+        self.over_stale += int(staleness.exceeds(d.max(initial=0), self.cfg.max_staleness))
         state, m = self.learner.train_step(state, batch)
         self.state = state  # newest live state (the previous one was donated), e.g. for Ctrl-C saves
         self.store.publish(int(state.version), self.learner.rollout_params(state))
-        d = np.asarray(int(state.version) - 1 - np.asarray(batch.versions))[np.asarray(batch.loss_mask) > 0]
-        m.update(extra)
-        m["staleness/hist"] = np.bincount(np.maximum(d, 0), minlength=1).tolist()
+        m["staleness/hist"] = np.bincount(d, minlength=1).tolist()
         m["reward/mean"] = float(np.mean(np.asarray(batch.rewards)))
         m["reward/failures"] = float(self.reward_failures)
+        m["runtime/dropped"] = float(dropped)
+        m["runtime/over_stale"] = float(self.over_stale)
         return state, m
 
     # ------------------------------------------------------------------ modes
@@ -125,27 +165,16 @@ class Orchestrator:
         history = []
         emit = (lambda m: (history.append(m), on_metrics and on_metrics(m)))
         if self.cfg.mode == "async":
-            return self._run_async(state, num_steps, emit), history
+            return async_mode.run(self, state, num_steps, emit), history
         rng = np.random.default_rng([self.cfg.seed, 10_007])
-        batch, sampler_version = None, None
+        batch, sampled = None, None
         start, sampling = time.perf_counter(), 0.0
         for step in range(num_steps):
             t0 = time.perf_counter()
             version = int(state.version)
-            mode = self.cfg.mode
-            if mode == "simulated":
-                d = min(int(self.delay.steps(rng, self.cfg.step_seconds, self.cfg.max_staleness)), version)
-                self.schedule.append(d)
-                batch = self.produce(self.store.get(version - d), version - d, 0, step)
-            elif mode == "iterative":
-                if step % self.cfg.reuse == 0:
-                    batch = self.produce(self.store.latest()[1], version, 0, step)
-            else:
-                if mode == "sync" or step % self.cfg.refresh_every == 0:
-                    sampler_version = self.store.latest()
-                batch = self.produce(sampler_version[1], sampler_version[0], 0, step)
+            batch, sampled = self._next_batch(step, version, rng, batch, sampled)
             t1 = time.perf_counter()
-            state, m = self._train(state, batch, {})
+            state, m = self.train(state, batch)
             sampling += t1 - t0
             elapsed = time.perf_counter() - start
             # Cumulative over this run() call, like async: the learner waits while sampling.
@@ -154,82 +183,23 @@ class Orchestrator:
             emit(m)
         return state, history
 
-    def _run_async(self, state, num_steps, emit):
+    def _next_batch(self, step, version, rng, batch, sampled):
+        """The batch of step `step` in the sequential modes; `sampled` = the (version, params)
+        the offpolicy mode samples with until its next refresh."""
         c = self.cfg
-        queue = VersionedQueue(c.queue_size, None if c.max_staleness < 0 else c.max_staleness, c.staleness_policy)
-        stop, errors, busy = threading.Event(), [], [0.0] * c.num_samplers
-        published_at = {int(state.version): time.monotonic()}
+        if c.mode == "simulated":
+            d = min(int(self.delay.steps(rng, c.step_seconds, c.max_staleness)), version)
+            self.schedule.append(d)
+            return self._produce(self.store.get(version - d), version - d, step), sampled
+        if c.mode == "iterative":
+            if step % c.reuse:
+                return batch, sampled
+            return self._produce(self.store.latest()[1], version, step), sampled
+        if c.mode == "sync" or step % c.refresh_every == 0:
+            sampled = self.store.latest()
+        return self._produce(sampled[1], sampled[0], step), sampled
 
-        def sampler_loop(worker):
-            rng = np.random.default_rng([c.seed, worker, 99])
-            version, params = self.store.latest()
-            delay = self.delay.sample(rng)
-            counter = 0
-
-            def refresh():
-                """Newer weights once the delay since their publication has passed."""
-                nonlocal version, params, delay
-                newest, newest_params = self.store.latest()
-                if newest > version and time.monotonic() >= published_at.get(newest, 0.0) + delay:
-                    version, params, delay = newest, newest_params, self.delay.sample(rng)
-                    return version, params
-                return None
-
-            try:
-                while not stop.is_set():
-                    refresh()
-                    first = version
-                    t = time.perf_counter()
-                    batch = self.produce(params, version, worker + 1, counter,
-                                         refresh=refresh if c.refresh_mid_generation else None)
-                    busy[worker] += time.perf_counter() - t
-                    counter += 1
-                    while not stop.is_set():
-                        try:
-                            queue.put(batch, first, timeout=0.1)  # the oldest version in the batch
-                            break
-                        except QueueTimeout:
-                            continue
-            except QueueClosed:
-                pass
-            except BaseException as e:  # surfaced in the learner thread
-                errors.append((worker, e))
-                stop.set()
-                queue.close()
-
-        threads = [threading.Thread(target=sampler_loop, args=(w,), daemon=True, name=f"sampler-{w}")
-                   for w in range(c.num_samplers)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        idle, trained = 0.0, 0
-        try:
-            for _ in range(num_steps):
-                t0 = time.perf_counter()
-                while True:
-                    if errors:
-                        w, e = errors[0]
-                        raise RuntimeError(f"sampler {w} failed: {type(e).__name__}: {e}") from e
-                    try:
-                        batch, _ = queue.get(int(state.version), timeout=0.1)
-                        break
-                    except QueueTimeout:
-                        continue
-                    except QueueClosed:
-                        continue  # errors is set; raised above
-                idle += time.perf_counter() - t0
-                state, m = self._train(state, batch, {})
-                published_at[int(state.version)] = time.monotonic()
-                elapsed = time.perf_counter() - start
-                trained += batch.shape[0]
-                m.update({"runtime/queue_depth": float(len(queue)), "runtime/dropped": float(queue.stats.dropped),
-                          "runtime/samples_per_s": trained / elapsed,
-                          "runtime/learner_idle": idle / elapsed,
-                          "runtime/sampler_busy": sum(busy) / (elapsed * c.num_samplers)})
-                emit(m)
-        finally:
-            stop.set()
-            queue.close()
-            for t in threads:
-                t.join(timeout=30)
-        return state
+    def _produce(self, params, version, counter):
+        batch, failures = self.produce(params, version, 0, counter)
+        self._reward_failures += failures
+        return batch

@@ -1,9 +1,9 @@
 """A bounded, thread-safe, version-aware queue between samplers and the learner.
 
 Producers block when it is full (backpressure: memory stays bounded). At consumption the
-staleness of the head item, `learner_version - item.version`, is checked against
-`max_staleness`: policy "drop" discards it (and counts it), "keep" returns it and counts it
-as over-stale. Every accepted item is returned exactly once or counted as dropped; none is
+staleness of the head item (`jaxrl_llm.staleness`, with the item's version = its oldest
+token's) is checked against `max_staleness`: policy "drop" discards it (and counts it),
+"keep" returns it and counts it as over-stale. Every accepted item is returned exactly once or counted as dropped; none is
 lost or duplicated. `close()` wakes everyone: producers get QueueClosed, consumers drain what
 is left and then get QueueClosed.
 """
@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Optional
 
-POLICIES = ("drop", "keep")
+from jaxrl_llm.staleness import POLICIES, exceeds, staleness
 
 
 class QueueClosed(Exception):
@@ -63,7 +63,7 @@ class VersionedQueue:
         return self._closed
 
     def put(self, item: Any, version: int, timeout: Optional[float] = None) -> None:
-        """Enqueue `item` produced by policy `version`; blocks while full."""
+        """Enqueue `item` whose oldest token came from policy `version`; blocks while full."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._not_full:
             while len(self._items) >= self.maxsize and not self._closed:
@@ -91,7 +91,7 @@ class VersionedQueue:
                     self._not_empty.wait(remaining)
                 version, item = self._items.popleft()
                 self._not_full.notify()
-                stale = self.max_staleness is not None and learner_version - version > self.max_staleness
+                stale = exceeds(staleness(learner_version, version), self.max_staleness)
                 if stale and self.policy == "drop":
                     self.stats.dropped += 1
                     continue

@@ -2,12 +2,14 @@
 
 Publishing copies the params onto the sampler's placement (its devices / shardings), so the
 learner's next donated step cannot invalidate what samplers hold. The newest `keep` versions
-are retained: simulated-staleness runs sample from past versions.
+are retained: simulated-staleness runs sample from past versions. Each publication's time is
+recorded, so samplers can take a version only after a (simulated) network delay.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Optional
 
 import jax
@@ -24,6 +26,7 @@ class WeightStore:
             raise ValueError(f"keep must be >= 1; got {keep}")
         self.keep, self.placement = keep, placement
         self._versions: dict[int, Any] = {}
+        self._published_at: dict[int, float] = {}  # time.monotonic() of each publication
         self._cond = threading.Condition()
         self._copy = jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p))
 
@@ -36,8 +39,9 @@ class WeightStore:
                 copy = jax.device_put(copy, self.placement)
         with self._cond:
             self._versions[int(version)] = copy
+            self._published_at[int(version)] = time.monotonic()
             for old in sorted(self._versions)[: -self.keep]:
-                del self._versions[old]
+                del self._versions[old], self._published_at[old]
             self._cond.notify_all()
 
     @property
@@ -52,6 +56,12 @@ class WeightStore:
                 raise LookupError("nothing published yet")
             v = max(self._versions)
             return v, self._versions[v]
+
+    def latest_timed(self):
+        """(version, params, time.monotonic() of its publication) of the newest publication."""
+        with self._cond:
+            v, params = self.latest()
+            return v, params, self._published_at[v]
 
     def get(self, version: int):
         with self._cond:
