@@ -166,7 +166,7 @@ def _skewed_logp(v, rows, seed, keep=None):
 def test_inverse_cdf_matches_numpy_searchsorted(v, keep, block):
     """The inverse CDF (two-level where V splits into blocks) picks the token NumPy's float64
     CDF picks."""
-    from jaxrl_llm.rollout.sampler import _cdf_block, _inverse_cdf
+    from jaxrl_llm.rollout.sampling import cdf_block as _cdf_block, inverse_cdf as _inverse_cdf
 
     assert _cdf_block(v) == block
     logp = _skewed_logp(v, 64, seed=v + (keep or 0), keep=keep)
@@ -182,7 +182,7 @@ def test_inverse_cdf_matches_numpy_searchsorted(v, keep, block):
 
 @pytest.mark.parametrize("v,keep", [(512, None), (8192, None), (32768, None), (8192, 3)])
 def test_top_k_equals_lax_top_k(v, keep):
-    from jaxrl_llm.rollout.sampler import top_k
+    from jaxrl_llm.rollout.sampling import top_k
 
     logp = jnp.asarray(_skewed_logp(v, 16, seed=v, keep=keep))
     vals, ids = jax.jit(top_k, static_argnums=1)(logp, 8)

@@ -1,3 +1,4 @@
 """Rollout: the jitted sampler that produces version-tagged TrajectoryBatches."""
 
-from jaxrl_llm.rollout.sampler import Sampler, SamplerConfig, sampling_logprobs  # noqa: F401
+from jaxrl_llm.rollout.sampler import DecodeState, Sampler  # noqa: F401
+from jaxrl_llm.rollout.sampling import SamplerConfig, sampling_logprobs  # noqa: F401

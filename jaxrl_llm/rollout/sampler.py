@@ -10,129 +10,49 @@ top-K, and the version of the params that produced it.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm import sharding
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.models import decoder
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.rollout.sampling import SamplerConfig, sample
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplerConfig:
-    max_new_tokens: int = 96
-    temperature: float = 1.0  # 0 -> greedy (recorded log-prob 0: a point mass)
-    top_k: int = 0  # 0: no top-k truncation
-    top_p: float = 1.0  # 1: no nucleus truncation
-    capture_topk: int = 0  # K of the recorded behaviour top-K (0 allowed)
-    num_samples: int = 1  # G completions per prompt
-    prompt_buckets: tuple = (16, 32, 64, 128, 256, 512, 1024, 2048)
-    eos_token_id: Optional[int] = None
-    pad_token_id: int = 0
-    cache_dtype: str = "float32"
-    decode_segment: int = 32  # decode steps per attention-window growth (0: one window)
+@struct.dataclass
+class DecodeState:
+    """The decode loop's carry. B rows, N = max_new_tokens, W = prompt bucket + decoded width
+    of the cache, K = capture_topk. Row-wise fields split over the sampler mesh."""
 
-    def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.capture_topk < 0:
-            raise ValueError(f"invalid sampling options: {self}")
-        if self.max_new_tokens < 1 or self.num_samples < 1:
-            raise ValueError("max_new_tokens and num_samples must be >= 1")
+    step: jax.Array  # i32[]: decode steps taken (= the next token's column)
+    uniforms_NxB: jax.Array  # f32[N, B]: the draw of each (step, row), fixed at prefill
+    cache: Any  # per layer {"k": [B, KV, Dh, W], "v": [B, KV, W, Dh]}
+    logits_BxV: jax.Array  # f32: the next token's logits
+    logits_version: jax.Array  # i32[]: the params version that computed `logits_BxV`
+    key_valid_BxW: jax.Array  # bool: cache positions a query may attend to
+    positions_B: jax.Array  # i32: RoPE position of the next token (skips left padding)
+    done_B: jax.Array  # bool: row has emitted EOS
+    tokens_BxN: jax.Array  # i32: generated tokens (pad after EOS)
+    valid_BxN: jax.Array  # bool: a generated (not padded) token
+    logp_BxN: jax.Array  # f32: log-prob under the distribution sampled from
+    versions_BxN: jax.Array  # i32: params version of each token (-1 on padding)
+    topk_ids_BxNxK: jax.Array  # i32: top-K of that distribution
+    topk_logp_BxNxK: jax.Array  # f32
 
-
-def sampling_logprobs(logits_BxV, cfg: SamplerConfig):
-    """log-probs of the distribution actually sampled from: softmax(logits / T) restricted to
-    the top-k and then to the smallest nucleus with mass >= top_p, renormalised."""
-    scaled = logits_BxV.astype(jnp.float32) / (cfg.temperature if cfg.temperature > 0 else 1.0)
-    if cfg.top_k:
-        kth = top_k(scaled, cfg.top_k)[0][..., -1:]
-        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
-    if cfg.top_p < 1.0:
-        sorted_desc = -jnp.sort(-scaled, axis=-1)
-        probs = jax.nn.softmax(sorted_desc, -1)
-        mass_before = jnp.cumsum(probs, -1) - probs  # keep a token if the mass before it < top_p
-        keep = mass_before < cfg.top_p
-        cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), -1, keepdims=True)
-        scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-    return jax.nn.log_softmax(scaled, -1)
-
-
-def _vocab_block(v: int):
-    """Block size for top-k screening (and two-level sampling) at large vocabularies: a power of
-    two dividing V (so no padded entries exist), or None (small or awkward V: one-level top-k)."""
-    if v < 4096:
-        return None
-    return next((c for c in (256, 128, 64) if v % c == 0), None)
-
-
-def _cdf_block(v: int):
-    """Block size of the two-level inverse CDF. Even at small V a cumsum over V lowers to a
-    chain of reduce-windows on CPU (53 us at [32, 512] against 11 us in two levels of 32)."""
-    return _vocab_block(v) or next((c for c in (32, 16) if v % c == 0 and v >= 4 * c), None)
-
-
-def _inverse_cdf(logp_BxV, u_B):
-    """Exact categorical draw from one uniform per row (the Gumbel trick needs V of them, which
-    dominates decode time at large vocabularies on CPU). Where V splits into blocks, the inverse
-    CDF is taken in two levels, blocks then tokens within the chosen block: a cumsum over V
-    lowers to a slow log-depth scan on CPU, while block sums are one fused reduction."""
-    p = jnp.exp(logp_BxV)
-    b, v = p.shape
-    c = _cdf_block(v)
-    if c is None:
-        cdf = jnp.cumsum(p, -1)
-        # u strictly below the total mass, so the first index with cdf > u exists and has p > 0.
-        u = u_B[:, None] * cdf[:, -1:] * (1.0 - 1e-6)
-        return jnp.sum(cdf <= u, -1).astype(jnp.int32)
-    p_BxNxC = p.reshape(b, v // c, c)
-    cdf_blocks = jnp.cumsum(p_BxNxC.sum(-1), -1)
-    u = u_B * cdf_blocks[:, -1] * (1.0 - 1e-6)
-    blk = jnp.sum(cdf_blocks <= u[:, None], -1)  # first block whose cdf exceeds u: mass > 0
-    before = jnp.where(blk > 0, jnp.take_along_axis(cdf_blocks, jnp.maximum(blk - 1, 0)[:, None], 1)[:, 0], 0.0)
-    within = jnp.take_along_axis(p_BxNxC, blk[:, None, None], 1)[:, 0]  # [B, C]
-    idx = jnp.sum(before[:, None] + jnp.cumsum(within, -1) <= u[:, None], -1)
-    # Rounding between the block sum and the in-block cumsum may leave idx one past the end:
-    # fall back to the block's last token of positive probability.
-    last = c - 1 - jnp.argmax((within > 0)[:, ::-1], -1)
-    return (blk * c + jnp.minimum(idx, last)).astype(jnp.int32)
-
-
-def top_k(x_BxV, k: int):
-    """`lax.top_k` over the last axis (values, ids). At large V it first keeps the k blocks with
-    the largest maxima (every top-k entry lies in one of them) and ranks only their entries:
-    XLA:CPU's TopK scans the whole row serially, a fused block max is far cheaper."""
-    b, v = x_BxV.shape
-    c = _vocab_block(v)
-    if c is None or k > c or k * c >= v:
-        return jax.lax.top_k(x_BxV, k)
-    blocks = x_BxV.reshape(b, v // c, c)
-    # Ascending block order: ties among candidates then go to the lower vocabulary id.
-    chosen = jnp.sort(jax.lax.top_k(blocks.max(-1), k)[1], -1)  # [B, k]
-    cand = jnp.take_along_axis(blocks, chosen[:, :, None], 1).reshape(b, k * c)
-    vals, j = jax.lax.top_k(cand, k)
-    return vals, jnp.take_along_axis(chosen, j // c, 1) * c + j % c
-
-
-def _sample(logits_BxV, u_B, cfg: SamplerConfig):
-    if cfg.temperature == 0:
-        tok = jnp.argmax(logits_BxV, -1).astype(jnp.int32)
-        logp_all = jnp.where(jnp.arange(logits_BxV.shape[-1]) == tok[:, None], 0.0, -jnp.inf)
-    else:
-        logp_all = sampling_logprobs(logits_BxV, cfg)
-        tok = _inverse_cdf(logp_all, u_B)
-    logp = jnp.take_along_axis(logp_all, tok[:, None], -1)[:, 0]
-    if cfg.capture_topk:
-        top_logp, top_ids = top_k(logp_all, cfg.capture_topk)
-    else:
-        b = logits_BxV.shape[0]
-        top_logp, top_ids = jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32)
-    return tok, logp, top_ids.astype(jnp.int32), top_logp
+    @classmethod
+    def specs(cls, rows) -> "DecodeState":
+        """PartitionSpecs with the rows split over the mesh axes `rows`."""
+        r = PartitionSpec(rows)
+        fields = {f: r for f in cls.__dataclass_fields__}
+        return cls(**{**fields, "step": PartitionSpec(), "logits_version": PartitionSpec(),
+                      "uniforms_NxB": PartitionSpec(None, rows)})
 
 
 def _pad_cache(cache, key_valid, width):
@@ -144,7 +64,7 @@ def _pad_cache(cache, key_valid, width):
 
 
 def _prefill(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfig, scfg: SamplerConfig, rows=None):
-    """Run the prompt through the model; the decode state for `_decode_segment`. `rows`: the
+    """Run the prompt through the model -> the DecodeState for `_decode_segment`. `rows`: the
     mesh axes the batch is split over (inside `shard_map`), so draws follow global row ids."""
     b, p = prompt_BxP.shape
     n = scfg.max_new_tokens
@@ -163,14 +83,13 @@ def _prefill(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfi
     # segment boundaries nor on rows padded for a mesh, and no PRNG rounds run in the loop.
     row0 = jax.lax.axis_index(rows) * b if rows else 0
     u_NxB = jax.vmap(lambda r: jax.random.uniform(jax.random.fold_in(key, r), (n,)), out_axes=1)(row0 + jnp.arange(b))
-    return dict(
-        i=jnp.int32(0), u=u_NxB, cache=cache, logits=hidden[:, -1].astype(jnp.float32) @ unembed,
-        key_valid=key_valid,
-        pos=positions[:, -1] + 1, done=jnp.zeros((b,), bool),
-        logits_version=jnp.asarray(version, jnp.int32),  # the params version that computed `logits`
-        tokens=jnp.full((b, n), scfg.pad_token_id, jnp.int32), valid=jnp.zeros((b, n), bool),
-        logp=jnp.zeros((b, n), jnp.float32), versions=jnp.full((b, n), -1, jnp.int32),
-        topk_ids=jnp.zeros((b, n, k), jnp.int32), topk_logp=jnp.zeros((b, n, k), jnp.float32),
+    return DecodeState(
+        step=jnp.int32(0), uniforms_NxB=u_NxB, cache=cache, logits_BxV=hidden[:, -1].astype(jnp.float32) @ unembed,
+        logits_version=jnp.asarray(version, jnp.int32), key_valid_BxW=key_valid, positions_B=positions[:, -1] + 1,
+        done_B=jnp.zeros((b,), bool), tokens_BxN=jnp.full((b, n), scfg.pad_token_id, jnp.int32),
+        valid_BxN=jnp.zeros((b, n), bool), logp_BxN=jnp.zeros((b, n), jnp.float32),
+        versions_BxN=jnp.full((b, n), -1, jnp.int32), topk_ids_BxNxK=jnp.zeros((b, n, k), jnp.int32),
+        topk_logp_BxNxK=jnp.zeros((b, n, k), jnp.float32),
     )
 
 
@@ -181,38 +100,38 @@ def _segment_ends(n: int, scfg: SamplerConfig) -> list:
     return list(range(seg, n, seg)) + [n]
 
 
-def _decode_segment(params, st, version, p: int, end: int, mcfg: ModelConfig, scfg: SamplerConfig):
+def _decode_segment(params, st: DecodeState, version, p: int, end: int, mcfg: ModelConfig, scfg: SamplerConfig):
     """Decode steps up to `end` with `params` (p = prompt bucket; both static), growing the
     cache to p + end first. A token is tagged with the version of the params whose logits it
     was sampled from, so a mid-generation weight swap tags tokens exactly."""
-    if st["key_valid"].shape[1] < p + end:
-        st = dict(st)
-        st["cache"], st["key_valid"] = _pad_cache(st["cache"], st["key_valid"], p + end)
+    if st.key_valid_BxW.shape[1] < p + end:
+        cache, key_valid = _pad_cache(st.cache, st.key_valid_BxW, p + end)
+        st = st.replace(cache=cache, key_valid_BxW=key_valid)
     model = decoder.Decoder(mcfg)
     unembed = decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
     version = jnp.asarray(version, jnp.int32)
 
-    def body(st):
-        i = st["i"]
-        tok, logp, top_ids, top_logp = _sample(st["logits"], st["u"][i], scfg)
-        live = ~st["done"]
+    def body(st: DecodeState) -> DecodeState:
+        i = st.step
+        tok, logp, top_ids, top_logp = sample(st.logits_BxV, st.uniforms_NxB[i], scfg)
+        live = ~st.done_B
         tok = jnp.where(live, tok, scfg.pad_token_id)
-        done = st["done"] | ((tok == scfg.eos_token_id) if scfg.eos_token_id is not None else False)
-        key_valid = st["key_valid"].at[:, p + i].set(live)
+        eos = (tok == scfg.eos_token_id) if scfg.eos_token_id is not None else False
+        key_valid = st.key_valid_BxW.at[:, p + i].set(live)
         # Cache slots past p + i are not yet valid, so the key mask alone is causal.
-        h, cache = model.apply({"params": params}, tok[:, None], st["pos"][:, None], key_valid[:, None, :],
-                               st["cache"], p + i)
-        col = (slice(None), i)
-        return dict(
-            i=i + 1, u=st["u"], cache=cache, logits=h[:, 0].astype(jnp.float32) @ unembed, key_valid=key_valid,
-            pos=st["pos"] + 1, done=done, logits_version=version,
-            tokens=st["tokens"].at[col].set(tok), valid=st["valid"].at[col].set(live),
-            logp=st["logp"].at[col].set(jnp.where(live, logp, 0.0)),
-            versions=st["versions"].at[col].set(jnp.where(live, st["logits_version"], -1)),
-            topk_ids=st["topk_ids"].at[col].set(top_ids), topk_logp=st["topk_logp"].at[col].set(top_logp),
+        h, cache = model.apply({"params": params}, tok[:, None], st.positions_B[:, None], key_valid[:, None, :],
+                               st.cache, p + i)
+        return st.replace(
+            step=i + 1, cache=cache, logits_BxV=h[:, 0].astype(jnp.float32) @ unembed, logits_version=version,
+            key_valid_BxW=key_valid, positions_B=st.positions_B + 1, done_B=st.done_B | eos,
+            tokens_BxN=st.tokens_BxN.at[:, i].set(tok), valid_BxN=st.valid_BxN.at[:, i].set(live),
+            logp_BxN=st.logp_BxN.at[:, i].set(jnp.where(live, logp, 0.0)),
+            versions_BxN=st.versions_BxN.at[:, i].set(jnp.where(live, st.logits_version, -1)),
+            topk_ids_BxNxK=st.topk_ids_BxNxK.at[:, i].set(top_ids),
+            topk_logp_BxNxK=st.topk_logp_BxNxK.at[:, i].set(top_logp),
         )
 
-    return jax.lax.while_loop(lambda st: (st["i"] < end) & ~jnp.all(st["done"]), body, st)
+    return jax.lax.while_loop(lambda st: (st.step < end) & ~jnp.all(st.done_B), body, st)
 
 
 def _generate(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfig, scfg: SamplerConfig, rows=None):
@@ -222,15 +141,9 @@ def _generate(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConf
     return _outputs(st)
 
 
-def _outputs(st):
-    return {k: st[k] for k in ("tokens", "valid", "logp", "versions", "topk_ids", "topk_logp", "done")}
-
-
-def _state_specs(rows):
-    """PartitionSpecs of the decode state with its rows split over the mesh axes `rows`."""
-    r = PartitionSpec(rows)
-    return dict(i=PartitionSpec(), u=PartitionSpec(None, rows), cache=r, logits=r, key_valid=r, pos=r, done=r,
-                logits_version=PartitionSpec(), tokens=r, valid=r, logp=r, versions=r, topk_ids=r, topk_logp=r)
+def _outputs(st: DecodeState) -> dict:
+    return dict(tokens=st.tokens_BxN, valid=st.valid_BxN, logp=st.logp_BxN, versions=st.versions_BxN,
+                topk_ids=st.topk_ids_BxNxK, topk_logp=st.topk_logp_BxNxK, done=st.done_B)
 
 
 class Sampler:
@@ -258,11 +171,11 @@ class Sampler:
 
         def prefill(params, prompt, mask, key, version, mcfg, scfg):
             f = functools.partial(_prefill, mcfg=mcfg, scfg=scfg, rows=rows)
-            return local(f, (rep, r, r, rep, rep), _state_specs(rows))(params, prompt, mask, key, version)
+            return local(f, (rep, r, r, rep, rep), DecodeState.specs(rows))(params, prompt, mask, key, version)
 
         def segment(params, st, version, p, end, mcfg, scfg):
             f = functools.partial(_decode_segment, p=p, end=end, mcfg=mcfg, scfg=scfg)
-            return local(f, (rep, _state_specs(rows), rep), _state_specs(rows))(params, st, version)
+            return local(f, (rep, DecodeState.specs(rows), rep), DecodeState.specs(rows))(params, st, version)
 
         self._fn = jax.jit(generate, static_argnames=("mcfg", "scfg"))
         # Host-driven pieces for mid-generation weight refresh (same code, one jit per segment).
