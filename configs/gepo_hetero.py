@@ -1,4 +1,4 @@
-"""GEPO under seed 002's heterogeneous-network delays, simulated deterministically: the delay
+"""GEPO under the heterogeneous-network delays of its paper (arXiv:2508.17850), simulated deterministically: the delay
 before a sampler sees new weights is log-normal, bounded to [60 s, 1800 s] with 99.5% of the
 mass inside; 1800 s corresponds to 64 learner steps (28.1 s per step), and each batch's
 staleness is capped at `arg` steps (the paper sweeps 0, 4, 8, 16, 32, 64). KL is off here;

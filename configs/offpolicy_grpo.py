@@ -1,5 +1,6 @@
 """Off-policy GRPO with the sampler's weights refreshed every v = 10 learner steps and each
-batch used once (i = 1): seed 003's v > 1, i = 1 setting. `:V` sets v.
+batch used once (i = 1): the v > 1, i = 1 setting of
+Revisiting GRPO (arXiv:2505.22257). `:V` sets v.
 
     python -m jaxrl_llm.main --config=configs/offpolicy_grpo.py --workdir=runs/offpolicy_grpo
     python -m jaxrl_llm.main --config=configs/offpolicy_grpo.py:4 ...

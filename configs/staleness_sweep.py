@@ -1,6 +1,6 @@
 """Staleness sweep: objectives x max_staleness on the embedded task, simulated mode, so every
 cell is deterministic and each batch is exactly k steps stale (`:fixed`, the default) or has a
-random delay in [1, k] steps (`:lognormal`, `:weibull`, `:exponential`, as in seed 002).
+random delay in [1, k] steps (`:lognormal`, `:weibull`, `:exponential`, as in GEPO, arXiv:2508.17850).
 
     python -m jaxrl_llm.sweep --config=configs/staleness_sweep.py --workdir=runs/sweep
     python -m jaxrl_llm.sweep --config=configs/staleness_sweep.py:lognormal \

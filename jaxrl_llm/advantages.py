@@ -51,7 +51,7 @@ def rloo(rewards_B, group_ids_B, **_):
 
 
 def nonzero_variance(rewards_B, group_ids_B, tol: float = 1e-6):
-    """f32[B]: 1 where the sequence's group has reward spread > tol (DAPO / seed 003 Eq. 7)."""
+    """f32[B]: 1 where the sequence's group has reward spread > tol (DAPO; Revisiting GRPO, arXiv:2505.22257, Eq. 7)."""
     return (groups.spread(rewards_B, groups.membership(group_ids_B)) > tol).astype(jnp.float32)
 
 

@@ -1,6 +1,6 @@
 """The two data contracts every objective reads: `TrajectoryBatch` and `PolicyOutput`.
 
-Alignment (see DESIGN.md): index ``t`` of every per-token array describes token
+Alignment: index ``t`` of every per-token array describes token
 ``tokens[:, t]`` given ``tokens[:, :t]``. Prompt and pad positions have ``loss_mask == 0``
 and ``versions == -1``.
 

@@ -9,3 +9,8 @@ from hypothesis import settings  # noqa: E402
 # jit compilation makes first examples slow; correctness, not speed, is under test.
 settings.register_profile("ci", deadline=None, max_examples=40, derandomize=True)
 settings.load_profile("ci")
+
+import jax  # noqa: E402
+
+# Implicit rank promotion hides shape bugs ([B] + [B, L] broadcasting silently): make it an error.
+jax.config.update("jax_numpy_rank_promotion", "raise")

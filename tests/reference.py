@@ -159,7 +159,7 @@ def offpolicy_grpo(x, xs, s, cfg):
     rp = np.exp(f64(bt.prox_logp) - alpha) if o.r_prime == "prox" else np.ones_like(r)
     a = f64(bt.advantages)
     lo, hi = np.maximum(rp - cfg.clip.eps_low, 0.0), rp + cfg.clip.eps_high
-    f = np.minimum(r * a, np.clip(r, lo, hi) * a)  # seed 003's f_eps(r, r', A)
+    f = np.minimum(r * a, np.clip(r, lo, hi) * a)  # Revisiting GRPO's f_eps(r, r', A)
     keep = zero_variance_keep(np.asarray(bt.rewards), np.asarray(bt.group_ids)) if o.zero_var_mask else np.ones(r.shape[0])
     return finish(-f * keep[:, None], x, s, cfg, kl_scale=keep[:, None])
 

@@ -32,8 +32,12 @@ def _tiny(name="a3po", mode="sync"):
 
 @pytest.mark.parametrize("name", objectives.BUILTIN)
 def test_every_objective_runs_and_writes_metrics(name, tmp_path):
-    summary = experiment.run(_tiny(name, mode="async" if name == "a3po" else "sync"), str(tmp_path), log=lambda *_: None)
+    c = _tiny(name, mode="async" if name == "a3po" else "sync")
+    c.sampler.temperature = 0.9  # the learner must read it, not have it written into config.learner
+    given = c.to_dict()
+    summary = experiment.run(c, str(tmp_path), log=lambda *_: None)
     assert summary["version"] == 2
+    assert c.to_dict() == given and json.load(open(tmp_path / "config.json")) == json.loads(c.to_json())
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     steps = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval/reward" in r]

@@ -1,5 +1,6 @@
 """The sharded learner step: equivalence, bookkeeping, extra passes, robustness."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +53,7 @@ def test_sharded_step_equals_single_device_and_params_are_sharded():
 
 def test_minibatches_versions_staleness_and_no_retrace():
     lrn = _learner({"name": "ppo"}, num_minibatches=4)
+    lrn._train_step = chex.assert_max_traces(lrn._train_step, n=1)  # jitted by init(); a retrace raises
     st = lrn.init(jax.random.key(1))
     for i in range(3):
         batch = testing.model_batch(st.params, CFG, seed=i, version=i, max_staleness=0)

@@ -15,7 +15,7 @@ from jaxrl_llm.objectives.ppo import a3po_prox_logp
 from jaxrl_llm.objectives.sequence import group_expectation_logq
 from tests import reference as R
 
-# ---------------------------------------------------------------- A-3PO (seed 000)
+# ---------------------------------------------------------------- A-3PO (arXiv:2512.06547)
 logps = st.floats(min_value=-12.0, max_value=-0.0009765625, allow_nan=False, width=32)
 
 
@@ -64,7 +64,7 @@ def test_a3po_is_decoupled_ppo_with_interpolated_prox():
     assert float(ma["is_weight/max"]) == pytest.approx(float(md["is_weight/max"]))
 
 
-# ---------------------------------------------------------------- GEPO (seed 002)
+# ---------------------------------------------------------------- GEPO (arXiv:2508.17850)
 def test_gepo_group_expectation_per_group():
     rng = np.random.default_rng(0)
     log_q = rng.uniform(-6, -0.1, size=10)
@@ -113,7 +113,7 @@ def test_gepo_theorem1_variance_reduction(n):
         assert var_std > var_new
 
 
-# ---------------------------------------------------------------- OBRS / Jackpot (seed 004)
+# ---------------------------------------------------------------- OBRS / Jackpot (arXiv:2602.06107)
 def _kl(p, q):
     return float((p * np.log(p / q)).sum())
 

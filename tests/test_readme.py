@@ -44,3 +44,13 @@ def test_sampling_example(capsys):
 def test_learner_example(capsys):
     exec(compile(_example("learner"), "README.md", "exec"), {})
     assert "1 ['staleness/max', 'staleness/mean']" in capsys.readouterr().out
+
+
+def test_auxiliary_model_example(capsys):
+    try:
+        exec(compile(_example("aux"), "README.md", "exec"), {})
+        first, last = (float(x) for x in capsys.readouterr().out.split()[1::2])
+        assert last < 0.8 * first  # the head learns the rewards (0.46 -> 0.34 here)
+        assert objectives.get("ppo").aux is None and objectives.get("ppo_value").aux.name == "value"
+    finally:
+        objectives.unregister("ppo_value")

@@ -1,5 +1,6 @@
 """The jitted sampler against transformers, the learner-side head, and the softmax it claims."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,7 +103,10 @@ def test_eos_stops_rows_and_truncation_flags(tmp_path):
     np.testing.assert_array_equal(batch.input_mask[:, 4:], batch.loss_mask[:, 4:])
 
 
-def test_reproducible_and_no_retrace_within_a_bucket(qwen):
+def test_reproducible_and_no_retrace_within_a_bucket(qwen, monkeypatch):
+    from jaxrl_llm.rollout import sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "_generate", chex.assert_max_traces(sampler_mod._generate, n=1))
     _, params, cfg = qwen
     sampler = Sampler(cfg, SamplerConfig(max_new_tokens=6, prompt_buckets=(8, 16), capture_topk=2))
     a = sampler.generate(params, PROMPTS[:3], jax.random.key(4))

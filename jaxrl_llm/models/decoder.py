@@ -45,7 +45,7 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 
 def rope_tables(positions_BxT, cfg: ModelConfig):
-    angles = positions_BxT.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
+    angles = positions_BxT.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)[None, None, :]
     angles = jnp.concatenate([angles, angles], -1)  # HF rotate_half layout
     return jnp.sin(angles), jnp.cos(angles)
 
@@ -68,7 +68,8 @@ class RMSNorm(nn.Module):
         scale = self.param("scale", _part(nn.initializers.ones, (self.axis,)), (x.shape[-1],), self.param_dtype)
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), -1, keepdims=True) + self.eps)
-        return (xf.astype(x.dtype) * scale.astype(x.dtype)).astype(x.dtype)
+        scale = scale.astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+        return (xf.astype(x.dtype) * scale).astype(x.dtype)
 
 
 class Attention(nn.Module):

@@ -1,4 +1,5 @@
-"""Off-policy GRPO (Mroueh et al., "Revisiting GRPO", seed 003 §3.2)."""
+"""Off-policy GRPO (Mroueh et al., "Revisiting Group Relative Policy Optimization: Insights into
+On-Policy and Off-Policy Training", arXiv:2505.22257, §3.2)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def _passes(cfg) -> frozenset:
 
 @register("offpolicy_grpo", passes=_passes)
 def offpolicy_grpo(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
-    """Seed 003 §3.2 clipped off-policy surrogate, as a loss:
+    """§3.2 clipped off-policy surrogate, as a loss:
 
         f_eps(r, r', A) = min(r A, clip(r, max(r' - eps_low, 0), r' + eps_high) A),
         r = pi_theta / alpha,  r' = pi_k / alpha,

@@ -1,4 +1,8 @@
-"""Token-level clipped objectives: coupled PPO/GRPO, decoupled PPO and A-3PO."""
+"""Token-level clipped objectives: coupled PPO/GRPO, decoupled PPO and A-3PO.
+
+Equation numbers are those of Li et al., "A-3PO: Accelerating Asynchronous LLM Training with
+Staleness-aware Proximal Policy Approximation", arXiv:2512.06547. Decoupled PPO is Hilton et al.,
+"Batch size-invariance for policy optimization", arXiv:2110.00641."""
 
 from __future__ import annotations
 

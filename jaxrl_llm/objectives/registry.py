@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable, Optional
 
 import ml_collections
@@ -33,6 +34,8 @@ def register(name: str, needs: Iterable[str] = (), passes: Optional[Callable] = 
     def deco(fn: Callable) -> Callable:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"objective {name!r} is already registered")
+        if getattr(fn, "objective_name", name) != name:  # registered under another name: leave that entry be
+            fn = functools.wraps(fn)(functools.partial(fn))
         fn.needs = frozenset(needs)
         fn.passes = passes
         fn.aux = aux

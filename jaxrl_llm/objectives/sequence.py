@@ -1,4 +1,6 @@
-"""Sequence-level importance weighting: GSPO and GEPO (group expectation, HeteroRL)."""
+"""Sequence-level importance weighting: GSPO (Zheng et al., "Group Sequence Policy Optimization",
+arXiv:2507.18071) and GEPO (Zhang et al., "Group Expectation Policy Optimization for Stable
+Heterogeneous Reinforcement Learning in LLMs", arXiv:2508.17850)."""
 
 from __future__ import annotations
 

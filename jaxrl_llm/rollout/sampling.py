@@ -111,7 +111,7 @@ def sample(logits_BxV, u_B, cfg: SamplerConfig):
     distribution (greedy when temperature is 0: a point mass, log-prob 0)."""
     if cfg.temperature == 0:
         tok = jnp.argmax(logits_BxV, -1).astype(jnp.int32)
-        logp_all = jnp.where(jnp.arange(logits_BxV.shape[-1]) == tok[:, None], 0.0, -jnp.inf)
+        logp_all = jnp.where(jnp.arange(logits_BxV.shape[-1])[None, :] == tok[:, None], 0.0, -jnp.inf)
     else:
         logp_all = sampling_logprobs(logits_BxV, cfg)
         tok = inverse_cdf(logp_all, u_B)

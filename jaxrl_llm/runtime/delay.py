@@ -1,4 +1,4 @@
-"""Network-delay models (HeteroRL / GEPO, seed 002 §4.1), seeded and bounded.
+"""Network-delay models (HeteroRL / GEPO, arXiv:2508.17850, §4.1), seeded and bounded.
 
 A delay governs when a sampler sees a new policy version: seconds in real asynchronous runs,
 learner steps in simulated runs. The paper draws delays from a log-normal bounded to
