@@ -119,3 +119,19 @@ def test_ctrl_c_saves_the_live_state(tmp_path, monkeypatch):
     lines = []
     assert experiment.run(c, str(tmp_path), log=lines.append)["version"] == 6
     assert any("resumed" in line and "version 3" in line for line in lines)
+
+
+def test_build_reads_the_config_and_writes_nothing_back():
+    c = _tiny("jackpot")
+    c.sampler.temperature = 0.7
+    c.aux_model.update(dict(hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1, head_dim=4, num_layers=1))
+    given = c.to_dict()
+    b = experiment.build(c)
+    assert c.to_dict() == given
+    lrn = b["learner"]
+    assert lrn.temperature == 0.7 and lrn.aux.name == "actor"
+    assert b["orchestrator"].sampler.model_cfg == lrn.rollout_model_cfg == b["aux_cfg"]  # the actor samples
+    c.objective.name = "ppo"
+    with pytest.raises(ValueError, match="config.aux_model sets a second model, but objective 'ppo' trains none; "
+                                         "objectives that do: jackpot"):
+        experiment.validate(c)
