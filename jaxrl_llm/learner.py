@@ -111,6 +111,7 @@ class Learner:
         self.objective = objectives.get(self.obj_cfg.name)
         self.needs = objectives.required_passes(self.obj_cfg)
         self.aux = _active_aux(self.objective, aux_model_cfg)
+        self._aux_samples = self.aux is not None and self.aux.samples
         self.aux_ctx = AuxContext(model_cfg, aux_model_cfg, temperature, self.cfg.logprob_chunk)
         self.opt = make_optimizer(self.cfg)
         self.mesh = mesh or sharding.make_mesh(mesh_cfg)
@@ -129,11 +130,11 @@ class Learner:
     @property
     def rollout_model_cfg(self) -> ModelConfig:
         """The model the samplers run: the auxiliary's when it samples, else the policy."""
-        return self.aux_ctx.model_cfg if self.aux is not None and self.aux.samples else self.model_cfg
+        return self.aux_ctx.model_cfg if self._aux_samples else self.model_cfg
 
     def rollout_params(self, state: TrainState):
         """The params the samplers generate with (see `rollout_model_cfg`)."""
-        return state.aux.params if self.aux is not None and self.aux.samples else state.params
+        return state.aux.params if self._aux_samples else state.params
 
     # ------------------------------------------------------------------ state
     def init(self, key, params=None, aux_params=None) -> TrainState:
