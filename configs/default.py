@@ -9,7 +9,7 @@ task, asynchronous sampling, A-3PO. Runs on a 2-core CPU with no downloads.
 
 import ml_collections
 
-from jaxrl_llm import learner, objectives, sharding, tasks
+from jaxrl_llm import distributed, learner, objectives, sharding, tasks
 from jaxrl_llm.runtime import orchestrator
 
 
@@ -42,6 +42,7 @@ def get_config(arg: str = "a3po"):
     c.runtime.prompts_per_batch = 32
     c.runtime.max_staleness = 4
     c.mesh = sharding.default_config()
+    c.distributed = distributed.default_config()  # many hosts: see README "Many hosts"
     c.train = ml_collections.ConfigDict(dict(steps=300, eval_every=50, save_every=50, keep=2,
                                              tensorboard=True, progress=True))
     return c

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm import learner as learner_lib
-from jaxrl_llm import models, objectives, sharding, tasks
+from jaxrl_llm import distributed, models, objectives, sharding, tasks
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.metrics import MetricsWriter, Progress
 from jaxrl_llm.rollout import Sampler, SamplerConfig
@@ -41,15 +41,19 @@ def validate(config) -> None:
 
 
 def devices(config):
-    """(learner devices, sampler devices): `runtime.sampler_devices` = n > 0 gives the last n
-    devices to the samplers and the rest to the learner; 0 shares all of them."""
-    n, all_devices = config.runtime.sampler_devices, jax.devices()
+    """(learner devices, this process's sampler devices): `runtime.sampler_devices` = n > 0
+    gives each process's last n devices to its samplers and the rest of every process's to
+    the learner's mesh; 0 shares them. Samplers only ever use their own process's devices."""
+    n, local = config.runtime.sampler_devices, jax.local_devices()
     if n == 0:
-        return all_devices, all_devices
-    if n >= len(all_devices):
-        raise ValueError(f"runtime.sampler_devices={n} leaves no device for the learner: {len(all_devices)} "
+        return jax.devices(), local
+    if n >= len(local):
+        raise ValueError(f"runtime.sampler_devices={n} leaves no device for the learner: {len(local)} "
                          "available (on CPU, set --config.cpu_devices, e.g. -1 for one device per core)")
-    return all_devices[:-n], all_devices[-n:]
+    by_process = {}
+    for d in jax.devices():
+        by_process.setdefault(d.process_index, []).append(d)
+    return [d for p in sorted(by_process) for d in by_process[p][:-n]], local[-n:]
 
 
 def set_cpu_devices(n: int) -> None:
@@ -96,7 +100,8 @@ def build(config):
     # Samplers split rows over their devices (data parallel); with devices of their own, the
     # weight store publishes each version onto them.
     mesh = Mesh(np.asarray(sampler_devices), ("data",))
-    placement = NamedSharding(mesh, PartitionSpec()) if config.runtime.sampler_devices else None
+    own = config.runtime.sampler_devices or distributed.count() > 1  # samplers hold copies of their own
+    placement = NamedSharding(mesh, PartitionSpec()) if own else None
     orch = orchestrator.Orchestrator(lrn, Sampler(lrn.rollout_model_cfg, _sampler_cfg(config, task), mesh), task,
                                      config.runtime, placement=placement)
     # A sampling auxiliary (a rollout model) is evaluated beside the policy.
@@ -114,7 +119,7 @@ def _initial_params(config, params, cfg, task, key):
     w = config.warm_start
     if w.steps and hasattr(task, "supervised"):
         params, _ = warmstart.warm_start(params, cfg, task, w.steps, w.batch_size, w.lr, config.seed)
-    return params
+    return distributed.broadcast(params)  # every process starts from process 0's weights
 
 
 def run(config, workdir: str, log=None) -> dict:
@@ -135,21 +140,28 @@ def run(config, workdir: str, log=None) -> dict:
         aux = (_initial_params(config, b["aux_params"], b["aux_cfg"], task, jax.random.fold_in(key, 1))
                if b["aux_cfg"] else None)
         state = lrn.init(key, params=params, aux_params=aux)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
-    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard)
+    main = distributed.is_main()  # process 0 alone writes and prints
+    if main:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=main)
     progress = Progress(config.train.steps, int(state.version),
-                        enabled=None if config.train.progress and log is None else False)  # None: if a tty
-    log = log or progress.write
+                        enabled=None if config.train.progress and log is None and main else False)  # None: a tty
+    log = log or (progress.write if main else (lambda line: None))
     if resumed:
         log(f"resumed from {workdir} at version {int(state.version)}")
-    eval_prompts = task.eval_prompts()
+    # Each process evaluates its share of the held-out set; the mean is over all of it.
+    eval_prompts = task.eval_prompts()[distributed.index()::distributed.count()]
+
+    def accuracy(params, sampler) -> float:
+        local = warmstart.accuracy(distributed.to_local(params), sampler, task, eval_prompts)
+        total, n = distributed.host_sum(np.array([local * len(eval_prompts), len(eval_prompts)]))
+        return float(total / n)
 
     def evaluate(state) -> dict:
-        rec = {"eval/reward": warmstart.accuracy(state.params, b["greedy"], task, eval_prompts)}
+        rec = {"eval/reward": accuracy(state.params, b["greedy"])}
         if b["aux_greedy"]:
-            rec[f"eval/{lrn.aux.name}_reward"] = warmstart.accuracy(state.aux.params, b["aux_greedy"], task,
-                                                                    eval_prompts)
+            rec[f"eval/{lrn.aux.name}_reward"] = accuracy(state.aux.params, b["aux_greedy"])
         rec.update(step=int(state.version), time_s=time.time() - t_start)
         writer.write(rec)
         log(f"step {rec['step']} " + " ".join(f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("eval/")))

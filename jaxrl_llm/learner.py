@@ -28,7 +28,7 @@ import numpy as np
 import optax
 from flax import struct
 
-from jaxrl_llm import objectives, sharding
+from jaxrl_llm import distributed, objectives, sharding
 from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch
 from jaxrl_llm.models import decoder, heads
 from jaxrl_llm.models.config import ModelConfig
@@ -164,6 +164,8 @@ class Learner:
     def _own(params, shardings):
         """A private copy in `shardings`: the step donates its state, so the caller's arrays
         (e.g. the sampler's published params) must not be aliased."""
+        if distributed.count() > 1:  # host values every process holds -> global arrays
+            return distributed.put_global(jax.device_get(params), shardings)
         return jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p), out_shardings=shardings)(params)
 
     def _opt_init(self, params, param_sh):
@@ -263,7 +265,7 @@ class Learner:
     def prepare(self, state: TrainState, batch: TrajectoryBatch):
         """Validate, shard, and run the extra passes the objective needs. Returns (batch, timings)."""
         batch.validate()
-        b = batch.shape[0]
+        b = batch.shape[0] * distributed.count()  # every process contributes its rows
         if b % self.cfg.num_minibatches:
             raise ValueError(f"TrajectoryBatch.tokens: {b} sequences do not split into "
                              f"num_minibatches={self.cfg.num_minibatches}")
@@ -285,6 +287,7 @@ class Learner:
     def train_step(self, state: TrainState, batch: TrajectoryBatch):
         """One training step (num_minibatches updates). Returns (new_state, metrics)."""
         t0 = time.perf_counter()
+        tokens = float(distributed.host_sum(np.asarray(batch.loss_mask).sum()))
         batch, timings = self.prepare(state, batch)
         state, metrics = self._step(state, batch)
         metrics = jax.device_get(metrics)
@@ -294,7 +297,7 @@ class Learner:
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics.update(timings, step_time_s=elapsed, skipped_updates=float(state.skipped),
                        version=float(state.version),
-                       tokens_per_s=float(np.asarray(batch.loss_mask).sum()) / elapsed)
+                       tokens_per_s=tokens / elapsed)
         return state, metrics
 
 

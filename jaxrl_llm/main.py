@@ -6,7 +6,7 @@ Logic lives in jaxrl_llm/experiment.py; this file only parses flags.
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxrl_llm import experiment
+from jaxrl_llm import distributed, experiment
 
 CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "experiment config file")
 WORKDIR = flags.DEFINE_string("workdir", "runs/default", "metrics, checkpoints; resumed if present")
@@ -16,8 +16,10 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
     experiment.set_cpu_devices(CONFIG.value.cpu_devices)
+    distributed.initialize(CONFIG.value.distributed)  # many processes, when asked; else a no-op
     summary = experiment.run(CONFIG.value, WORKDIR.value)
-    print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
+    if distributed.is_main():
+        print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
 
 
 if __name__ == "__main__":

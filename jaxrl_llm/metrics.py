@@ -14,18 +14,21 @@ import numpy as np
 
 class MetricsWriter:
     """Appends records (dicts with a "step") to metrics.jsonl and, unless `tensorboard=False`,
-    writes every scalar and the staleness histogram as TensorBoard events. Appends on resume."""
+    writes every scalar and the staleness histogram as TensorBoard events. Appends on resume.
+    `enabled=False` (every process but 0 of a many-process run) writes nothing."""
 
-    def __init__(self, workdir: str, tensorboard: bool = True):
+    def __init__(self, workdir: str, tensorboard: bool = True, enabled: bool = True):
         self.path = os.path.join(workdir, "metrics.jsonl")
-        self._f = open(self.path, "a")
+        self._f = open(self.path, "a") if enabled else None
         self._tb = None
-        if tensorboard:
+        if tensorboard and enabled:
             from tensorboardX import SummaryWriter  # imported lazily: only runs that log need it
 
             self._tb = SummaryWriter(logdir=os.path.join(workdir, "tb"), flush_secs=10)
 
     def write(self, record: dict) -> None:
+        if self._f is None:
+            return
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
         if self._tb is None:
@@ -40,7 +43,8 @@ class MetricsWriter:
                 _add_counts_histogram(self._tb, name, np.asarray(value, np.float64), step)
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
         if self._tb is not None:
             self._tb.close()
 

@@ -16,6 +16,8 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxrl_llm import distributed
+
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
@@ -77,10 +79,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def shard_batch(batch, mesh: Mesh):
-    """Put every batch leaf on the mesh: [B, ...] arrays split over data x fsdp."""
-    spec = batch_sharding(mesh)
-    rep = replicated(mesh)
-    return jax.tree_util.tree_map(lambda x: jax.device_put(x, spec if np.ndim(x) >= 1 else rep), batch)
+    """Put every batch leaf on the mesh: [B, ...] arrays split over data x fsdp. With many
+    processes, `batch` holds this process's rows and the result all processes' rows."""
+    return distributed.global_batch(batch, mesh, P(BATCH_AXES))
 
 
 def placer(shardings):

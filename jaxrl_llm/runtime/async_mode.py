@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from jaxrl_llm import staleness
+from jaxrl_llm import distributed, staleness
 from jaxrl_llm.runtime.queue import QueueClosed, QueueTimeout, VersionedQueue
 
 POLL_S = 0.1  # how often blocked calls re-check for a stop or a failed worker
@@ -76,13 +76,23 @@ def _raise_failed(workers) -> None:
 
 
 def _next_batch(queue: VersionedQueue, workers, learner_version: int):
-    """The next acceptable batch for the learner; raises a worker's error instead of waiting."""
+    """The next acceptable batch for the learner, once every process holds one (one small
+    collective per poll, so no process enters a learner step another will not); a failed
+    worker, here or in another process, raises instead of waiting."""
+    batch = None
     while True:
-        _raise_failed(workers)
-        try:
-            return queue.get(learner_version, timeout=POLL_S)[0]
-        except (QueueTimeout, QueueClosed):  # closed only after a worker failed: raised above
-            continue
+        failed = any(w.error is not None for w in workers)
+        if batch is None and not failed:
+            try:
+                batch = queue.get(learner_version, timeout=POLL_S)[0]
+            except (QueueTimeout, QueueClosed):  # closed only after a worker failed
+                pass
+        status = distributed.agree(-1 if failed else int(batch is not None))
+        if (status < 0).any():
+            _raise_failed(workers)
+            raise RuntimeError(f"process {int(np.argmin(status))}'s sampler failed; see its log")
+        if (status == 1).all():
+            return batch
 
 
 def run(orch, state, num_steps: int, emit):

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from jaxrl_llm import advantages, staleness, tasks
+from jaxrl_llm import advantages, distributed, staleness, tasks
 from jaxrl_llm.runtime import async_mode
 from jaxrl_llm.runtime import delay as delay_lib
 from jaxrl_llm.runtime.weights import WeightStore
@@ -133,10 +133,13 @@ class Orchestrator:
     def produce(self, params, version: int, worker: int, counter: int, refresh=None):
         """Prompts -> completions (policy `version`; `refresh` may swap weights mid-generation,
         see Sampler.generate) -> rewards -> advantages. Returns (batch, failed rewards); a
-        failing reward scores 0 and is counted by the caller."""
-        rng = np.random.default_rng([self.cfg.seed, worker, counter])
+        failing reward scores 0 and is counted by the caller. With many processes each draws
+        prompts and samples of its own (`distributed.seed_ids`)."""
+        rng = np.random.default_rng(distributed.seed_ids(self.cfg.seed, worker, counter))
         prompts = self.task.prompts(rng, self.cfg.prompts_per_batch)
-        key = jax.random.fold_in(jax.random.fold_in(self._key, worker), counter)
+        key = self._key
+        for i in distributed.seed_ids(worker, counter):
+            key = jax.random.fold_in(key, i)
         batch = self.sampler.generate(params, prompts, key, version, refresh=refresh)
         rewards, failures = tasks.score(self.task, prompts, np.asarray(batch.tokens),
                                         np.asarray(batch.loss_mask) > 0, self.sampler.cfg.num_samples)
@@ -145,17 +148,23 @@ class Orchestrator:
         return batch.replace(rewards=jnp.asarray(rewards), advantages=adv), failures
 
     def train(self, state, batch, dropped: int = 0):
-        """One learner step on `batch`, then publish the new version. Returns (state, metrics)."""
+        """One learner step on `batch` (with many processes: this process's rows of the global
+        batch), then publish the new version. Host-side metrics are over every process.
+        Returns (state, metrics)."""
         d = staleness.of_batch(int(state.version), batch.versions, batch.loss_mask)
-        self.over_stale += int(staleness.exceeds(d.max(initial=0), self.cfg.max_staleness))
+        d_max = int(distributed.host_max(d.max(initial=0)))
+        self.over_stale += int(staleness.exceeds(d_max, self.cfg.max_staleness))
         state, m = self.learner.train_step(state, batch)
         self.state = state  # newest live state (the previous one was donated), e.g. for Ctrl-C saves
         self.store.publish(int(state.version), self.learner.rollout_params(state))
-        m["staleness/hist"] = np.bincount(d, minlength=1).tolist()
-        m["reward/mean"] = float(np.mean(np.asarray(batch.rewards)))
-        m["reward/failures"] = float(self.reward_failures)
-        m["runtime/dropped"] = float(dropped)
+        rewards = np.asarray(batch.rewards, np.float64)
+        totals = distributed.host_sum(np.array([rewards.sum(), rewards.size, self.reward_failures, dropped]))
+        m["staleness/hist"] = distributed.sum_histograms(np.bincount(d, minlength=1))
+        m["reward/mean"] = float(totals[0] / totals[1])
+        m["reward/failures"] = float(totals[2])
+        m["runtime/dropped"] = float(totals[3])
         m["runtime/over_stale"] = float(self.over_stale)
+        m["processes"] = distributed.count()
         return state, m
 
     # ------------------------------------------------------------------ modes

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import sharding
+from jaxrl_llm import distributed, sharding
 
 
 class WeightStore:
@@ -31,6 +31,9 @@ class WeightStore:
         self._copy = jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p))
 
     def publish(self, version: int, params) -> None:
+        """Every process publishes each version (with many processes the learner's global
+        params are first gathered onto this process's devices: a collective)."""
+        params = distributed.to_local(params)
         if sharding.shares_host_copy(self.placement):
             copy = sharding.put(params, self.placement)  # already private: one host copy for all devices
         else:

@@ -1,0 +1,50 @@
+"""One process of a many-process learner run: `python -m tests.multihost_worker PID N PORT DEVICES OUT`.
+
+Every process builds the same 16-row global batch and feeds the learner its own rows; the
+learner's mesh (data=2 x fsdp=2) spans all processes' devices. Process 0 writes the params
+after 3 steps (gathered onto its devices) and the losses to OUT (.npz). With N=1 the one
+process feeds all rows: the reference the many-process run must equal.
+"""
+
+import sys
+
+import jax
+
+
+def main(pid, n, port, devices, out):
+    jax.config.update("jax_num_cpu_devices", int(devices))
+    from jaxrl_llm import distributed
+
+    cfg = distributed.default_config()
+    if int(n) > 1:
+        cfg.update(dict(coordinator_address=f"127.0.0.1:{port}", num_processes=int(n), process_id=int(pid)))
+    distributed.initialize(cfg)
+    import numpy as np
+
+    from jaxrl_llm import learner as L
+    from jaxrl_llm import models, sharding, testing
+    from jaxrl_llm.models.config import ModelConfig
+
+    model = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=8)
+    c = L.default_config()
+    c.lr, c.num_minibatches = 3e-3, 2
+    mesh = sharding.make_mesh(dict(data=2, fsdp=2, tensor=1, rules=sharding.DEFAULT_RULES))
+    lrn = L.Learner(model, {"name": "decoupled_ppo", "kl": {"coef": 0.05}}, c, mesh=mesh)
+    state = lrn.init(jax.random.key(0))
+    data_params = models.init_params(model, jax.random.key(7))
+    rows = 16 // distributed.count()
+    mine = slice(distributed.index() * rows, (distributed.index() + 1) * rows)
+    losses = []
+    for i in range(3):
+        batch = testing.model_batch(data_params, model, seed=i, num_prompts=4, group_size=4, version=i)
+        state, m = lrn.train_step(state, jax.tree_util.tree_map(lambda x: np.asarray(x)[mine], batch))
+        losses.append(m["loss"])
+    params = distributed.to_local(state.params)
+    if distributed.is_main():
+        flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)}
+        np.savez(out, losses=np.asarray(losses), **flat)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

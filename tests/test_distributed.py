@@ -1,0 +1,115 @@
+"""Many processes on JAX's multi-controller runtime, as local processes with gloo collectives."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxrl_llm import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # devices come from cpu_devices
+TINY = ["--config=configs/default.py", "--config.task.eval_size=8", "--config.model.hidden_size=16",
+        "--config.model.intermediate_size=32", "--config.model.num_heads=2", "--config.model.num_kv_heads=1",
+        "--config.model.head_dim=8", "--config.model.num_layers=1", "--config.warm_start.steps=5",
+        "--config.runtime.prompts_per_batch=2", "--config.sampler.num_samples=4",
+        "--config.learner.num_minibatches=2", "--config.train.progress=False", "--config.train.tensorboard=False"]
+
+
+def _launch(args, processes=2, devices=1, timeout=300):
+    cmd = [sys.executable, "-m", "jaxrl_llm.launch", f"--processes={processes}",
+           f"--devices_per_process={devices}", "--", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def _records(workdir):
+    return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+
+
+def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path):
+    def run(n, devices):
+        port = launch.free_port()
+        out = str(tmp_path / f"p{n}.npz")
+        cmds = [[sys.executable, "-m", "tests.multihost_worker", str(i), str(n), str(port), str(devices), out]
+                for i in range(n)]
+        procs = [subprocess.Popen(c, cwd=ROOT, env=ENV) for c in cmds]
+        assert all(p.wait(timeout=300) == 0 for p in procs)
+        return np.load(out)
+
+    one, two = run(1, 4), run(2, 2)  # 1 x 4 devices vs 2 x 2 devices, mesh data=2 x fsdp=2
+    assert set(one.files) == set(two.files) and len(one.files) > 10
+    for k in one.files:
+        np.testing.assert_allclose(two[k], one[k], atol=1e-5, rtol=0, err_msg=k)
+
+
+@pytest.mark.parametrize("mode,extra", [
+    ("sync", []), ("iterative", ["--config.runtime.reuse=2"]), ("offpolicy", ["--config.runtime.refresh_every=2"]),
+    ("simulated", []), ("async", []),
+])
+def test_every_mode_runs_on_two_processes(mode, extra, tmp_path):
+    r = _launch([*TINY, f"--workdir={tmp_path}", "--config.train.steps=3", "--config.train.eval_every=3",
+                 f"--config.runtime.mode={mode}", *extra])
+    assert r.returncode == 0, r.stdout[-3000:]
+    recs = _records(tmp_path)
+    steps = [x for x in recs if "loss" in x]
+    assert [x["step"] for x in steps] == [1, 2, 3] and all(x["processes"] == 2 for x in steps)
+    assert [x["step"] for x in recs if "eval/reward" in x] == [0, 3]
+    assert "[0] " in r.stdout and "[1] " not in r.stdout.replace("[1] [Gloo]", "")  # only process 0 prints
+
+
+def test_resume_on_two_processes_continues_as_an_uninterrupted_run(tmp_path):
+    args = [*TINY, "--config.runtime.mode=sync", "--config.train.eval_every=2", "--config.train.save_every=2"]
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    assert _launch([*args, f"--workdir={straight}", "--config.train.steps=4"]).returncode == 0
+    assert _launch([*args, f"--workdir={resumed}", "--config.train.steps=2"]).returncode == 0
+    r = _launch([*args, f"--workdir={resumed}", "--config.train.steps=4"])
+    assert r.returncode == 0 and "resumed" in r.stdout
+    a, b = ([x for x in _records(w) if "loss" in x] for w in (straight, resumed))
+    assert [x["step"] for x in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b):
+        for k in ("loss", "grad_norm", "param_norm", "reward/mean"):
+            assert x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-7), (x["step"], k)
+
+
+def test_a_killed_process_ends_the_others_naming_it(tmp_path):
+    args = [*TINY, f"--workdir={tmp_path}", "--config.runtime.mode=sync", "--config.train.steps=100000",
+            "--config.train.eval_every=100000", "--config.distributed.heartbeat_timeout_s=10"]
+    cmds = launch.commands(2, 1, args, launch.free_port())
+    procs = [subprocess.Popen(c, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in cmds]
+    deadline = time.monotonic() + 240
+    path = tmp_path / "metrics.jsonl"
+    while time.monotonic() < deadline and not (path.exists() and '"loss"' in path.read_text()):
+        time.sleep(0.5)
+    assert path.exists(), "no training step within the deadline"
+    procs[1].send_signal(signal.SIGKILL)
+    t = time.monotonic()
+    try:
+        out, _ = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode != 0 and time.monotonic() - t < 120
+    assert "unhealthy" in out and "stopped sending heartbeats" in out and "\n1\n" in out  # names task 1
+
+
+def test_launcher_names_the_process_that_died_first():
+    code = "import os, sys, time; i = int(sys.argv[-1].split('=')[-1]); time.sleep(0.5 if i else 60); sys.exit(3)"
+    cmds = [[sys.executable, "-c", code, f"--config.distributed.process_id={i}"] for i in range(2)]
+    lines = []
+
+    class Out:
+        def write(self, s):
+            lines.append(s)
+
+        def flush(self):
+            pass
+
+    t = time.monotonic()
+    assert launch.run(cmds, out=Out()) == 3 and time.monotonic() - t < 30  # the sleeper was ended
+    assert any("process 1 died first (exit code 3)" in line for line in lines)
