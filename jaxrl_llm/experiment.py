@@ -117,7 +117,7 @@ def _initial_params(config, params, cfg, task, key):
         return params
     params = models.init_params(cfg, key)
     w = config.warm_start
-    if w.steps and hasattr(task, "supervised"):
+    if w.steps and hasattr(task, "supervised") and distributed.is_main():  # the others take process 0's
         params, _ = warmstart.warm_start(params, cfg, task, w.steps, w.batch_size, w.lr, config.seed)
     return distributed.broadcast(params)  # every process starts from process 0's weights
 
