@@ -144,7 +144,9 @@ def run(config, workdir: str, log=None) -> dict:
     if main:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
-    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=main)
+    # Records past the restored version (or all, starting afresh) belong to a run that died.
+    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=main,
+                           resume_at=int(state.version) if resumed else -1)
     progress = Progress(config.train.steps, int(state.version),
                         enabled=None if config.train.progress and log is None and main else False)  # None: a tty
     log = log or (progress.write if main else (lambda line: None))
@@ -182,8 +184,8 @@ def run(config, workdir: str, log=None) -> dict:
 
     try:
         while int(state.version) < config.train.steps:
-            todo = min(config.train.eval_every - int(state.version) % config.train.eval_every,
-                       config.train.steps - int(state.version))
+            v, t = int(state.version), config.train
+            todo = min(t.eval_every - v % t.eval_every, t.save_every - v % t.save_every, t.steps - v)
             state, _ = orch.run(state, todo, on_metrics)
             ckpt.save(state)
             if int(state.version) % config.train.eval_every == 0 or int(state.version) == config.train.steps:

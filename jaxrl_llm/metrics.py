@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -14,25 +15,40 @@ import numpy as np
 
 class MetricsWriter:
     """Appends records (dicts with a "step") to metrics.jsonl and, unless `tensorboard=False`,
-    writes every scalar and the staleness histogram as TensorBoard events. Appends on resume.
-    `enabled=False` (every process but 0 of a many-process run) writes nothing."""
+    writes every scalar and the staleness histogram as TensorBoard events.
 
-    def __init__(self, workdir: str, tensorboard: bool = True, enabled: bool = True):
+    `resume_at=v` (a run restored from its checkpoint at version v): records past step v were
+    written after that checkpoint by a run that died, and the resumed run writes those steps
+    again, so they are dropped first (the TensorBoard events are rebuilt from what is kept):
+    the log of a resumed run equals an uninterrupted one. `enabled=False` (every process but 0
+    of a many-process run) writes nothing."""
+
+    def __init__(self, workdir: str, tensorboard: bool = True, enabled: bool = True, resume_at=None):
         self.path = os.path.join(workdir, "metrics.jsonl")
-        self._f = open(self.path, "a") if enabled else None
-        self._tb = None
-        if tensorboard and enabled:
+        self._f, self._tb = None, None
+        if not enabled:
+            return
+        kept = truncate(self.path, resume_at) if resume_at is not None else None
+        self._f = open(self.path, "a")
+        if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: only runs that log need it
 
-            self._tb = SummaryWriter(logdir=os.path.join(workdir, "tb"), flush_secs=10)
+            tb_dir = os.path.join(workdir, "tb")
+            if kept is not None:
+                shutil.rmtree(tb_dir, ignore_errors=True)
+            self._tb = SummaryWriter(logdir=tb_dir, flush_secs=10)
+            for record in kept or ():
+                self._write_tb(record)
 
     def write(self, record: dict) -> None:
         if self._f is None:
             return
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
-        if self._tb is None:
-            return
+        if self._tb is not None:
+            self._write_tb(record)
+
+    def _write_tb(self, record: dict) -> None:
         step = int(record["step"])
         for name, value in record.items():
             if name == "step":
@@ -47,6 +63,19 @@ class MetricsWriter:
             self._f.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def truncate(path: str, step: int) -> list:
+    """Keep the records of `path` with step <= `step` (rewritten atomically); returns them."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        kept = [r for r in (json.loads(line) for line in f if line.strip()) if r.get("step", 0) <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)
+    return kept
 
 
 def _add_counts_histogram(tb, name: str, counts, step: int) -> None:

@@ -79,7 +79,9 @@ def decoupled_ppo(x, xs, s, cfg):
 
 
 def a3po_alpha(version, versions):
-    alpha = np.zeros(versions.shape)
+    """Weight of log pi_behav in log pi_prox: 1/d for d >= 1, 1 (pi_prox = pi_behav) on fresh
+    tokens, as the A-3PO paper's prose and AReaL's loglinear approximation agree."""
+    alpha = np.ones(versions.shape)
     for idx, v in np.ndenumerate(versions):
         d = version - v
         if v >= 0 and d >= 1:

@@ -135,3 +135,28 @@ def test_build_reads_the_config_and_writes_nothing_back():
     with pytest.raises(ValueError, match="config.aux_model sets a second model, but objective 'ppo' trains none; "
                                          "objectives that do: jackpot"):
         experiment.validate(c)
+
+
+def test_kill_9_and_resume_logs_every_step_once(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_distributed import ENV, ROOT, TINY
+
+    cmd = [sys.executable, "-m", "jaxrl_llm.main", *TINY, f"--workdir={tmp_path}", "--config.runtime.mode=sync",
+           "--config.train.save_every=2", "--config.train.eval_every=1000"]
+    p = subprocess.Popen([*cmd, "--config.train.steps=1000"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    path, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 240
+    while time.monotonic() < deadline and (not path.exists() or path.read_text().count('"loss"') < 5):
+        time.sleep(0.2)
+    p.kill()  # SIGKILL: no chance to save or clean up
+    p.wait()
+    logged = path.read_text().count('"loss"')
+    assert logged >= 5
+    r = subprocess.run([*cmd, f"--config.train.steps={logged + 3}"], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in open(path) if '"loss"' in line]
+    assert steps == list(range(1, logged + 4))

@@ -22,7 +22,7 @@ logps = st.floats(min_value=-12.0, max_value=-0.0009765625, allow_nan=False, wid
 @given(st.lists(st.tuples(logps, logps, st.integers(0, 64)), min_size=1, max_size=16))
 def test_a3po_sandwich_and_r_equals_w_pow_alpha(rows):
     """Eq. 6: pi_prox in [min(pi_behav, pi_theta), max(...)]; Eq. 7: r = w^alpha with
-    w = pi_theta/pi_behav; alpha = 0 at d = 0 and 1/d otherwise."""
+    w = pi_theta/pi_behav; alpha = 1/d for d >= 1 and 1 (pi_prox = pi_behav) at d = 0."""
     theta, behav, d = (np.array(c) for c in zip(*rows))
     version = 64
     s = testing.random_batch(0)  # only used for its dataclass layout
@@ -33,7 +33,8 @@ def test_a3po_sandwich_and_r_equals_w_pow_alpha(rows):
     theta32, behav32 = np.float32(theta).astype(np.float64), np.float32(behav).astype(np.float64)
     lo, hi = np.minimum(theta32, behav32), np.maximum(theta32, behav32)
     assert np.all(prox >= lo - 1e-5) and np.all(prox <= hi + 1e-5)
-    np.testing.assert_allclose(alpha, np.where(d >= 1, 1.0 / np.maximum(d, 1), 0.0), rtol=1e-6)
+    np.testing.assert_allclose(alpha, 1.0 / np.maximum(d, 1), rtol=1e-6)
+    np.testing.assert_allclose(prox[d <= 1], behav32[d <= 1], atol=1e-6)  # d = 0 and d = 1: pi_prox = pi_behav
     w = np.exp(theta32 - behav32)
     np.testing.assert_allclose(np.exp(theta32 - prox), w**alpha, rtol=2e-5)
 
@@ -52,6 +53,25 @@ def test_a3po_at_zero_staleness_is_on_policy_ppo():
         np.testing.assert_allclose(float(vals[0][0]), float(vals[1][0]), rtol=1e-6)
         np.testing.assert_allclose(np.asarray(vals[0][1]), np.asarray(vals[1][1]), rtol=1e-6, atol=1e-9)
         assert np.abs(np.asarray(vals[0][1])).sum() > 0
+
+
+def test_a3po_on_fresh_tokens_after_an_update_is_ppo():
+    """A later minibatch on fresh data (d = 0, pi_theta != pi_behav): A-3PO equals PPO and
+    decoupled PPO with pi_prox = pi_behav in loss and gradient (the literal Eq. 5, alpha = 0,
+    would give ratio 1 and no clipping here), and it clips."""
+    s = testing.random_batch(3, drift=0.6)
+    fresh = s.batch.replace(versions=jnp.where(s.batch.versions >= 0, s.policy.version, -1))
+    assert np.abs(np.asarray(s.policy.logp - fresh.behav_logp))[np.asarray(fresh.loss_mask) > 0].min() > 0
+    runs = {}
+    for name, batch in (("a3po", fresh), ("ppo", fresh), ("decoupled_ppo", fresh.replace(prox_logp=fresh.behav_logp))):
+        cfg = O.make_config(name=name)
+        f = jax.value_and_grad(lambda lp: O.get(name)(s.policy.replace(logp=lp), batch, cfg), has_aux=True)
+        (loss, metrics), grad = f(s.policy.logp)
+        runs[name] = (float(loss), np.asarray(grad), float(metrics["clip_frac"]))
+    for other in ("ppo", "decoupled_ppo"):
+        np.testing.assert_allclose(runs["a3po"][0], runs[other][0], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(runs["a3po"][1], runs[other][1], rtol=1e-5, atol=1e-8)
+    assert runs["a3po"][2] > 0  # the trust region acts
 
 
 def test_a3po_is_decoupled_ppo_with_interpolated_prox():

@@ -94,3 +94,23 @@ def test_summary_and_histogram_from_handwritten_records(tmp_path):
 def test_report_on_a_missing_run_says_what_is_wrong(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl not found"):
         report.load_run(str(tmp_path))
+
+
+def test_resume_drops_records_written_after_the_checkpoint(tiny_run, tmp_path):
+    """A run killed after its checkpoint at step 2 had logged steps 3-4; resuming at 2 keeps
+    steps <= 2 in metrics.jsonl and rebuilds TensorBoard from them."""
+    import shutil
+
+    from jaxrl_llm.metrics import MetricsWriter
+
+    shutil.copytree(tiny_run, tmp_path / "run")
+    before = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    w = MetricsWriter(str(tmp_path / "run"), resume_at=2)
+    w.write({"step": 3, "loss": 0.5})
+    w.close()
+    after = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert after == [r for r in before if r["step"] <= 2] + [{"step": 3, "loss": 0.5}]
+    assert max(r["step"] for r in before) == 4
+    scalars, _ = _tb_scalars(tmp_path / "run")
+    assert scalars[("loss", 3)] == [0.5] and not any(step == 4 for _, step in scalars)
+    assert all(len(v) <= 2 for v in scalars.values())  # no step logged twice (time_s: train + eval)

@@ -202,3 +202,29 @@ def test_async_drop_trains_nothing_beyond_the_bound():
     assert all(m["staleness/max"] == 0.0 and m["runtime/over_stale"] == 0 for m in hist)
     dropped = [m["runtime/dropped"] for m in hist]
     assert dropped == sorted(dropped) and int(st.version) == 4  # cumulative count from the queue
+
+
+class RecordingTask(TargetTask):
+    def __init__(self):
+        super().__init__()
+        self.drawn = []
+
+    def prompts(self, rng, n):
+        self.drawn.append(super().prompts(rng, n))
+        return self.drawn[-1]
+
+
+@pytest.mark.parametrize("mode,kw", [("sync", {}), ("offpolicy", dict(refresh_every=2))])
+def test_chunked_runs_follow_the_version_not_the_call(mode, kw):
+    """Training in chunks (eval / checkpoint boundaries) draws new prompts and keeps the
+    schedule: two run(1) calls == one run(2)."""
+    runs = []
+    for chunks in ((1, 1, 1), (3,)):
+        orch, st = _orch(mode, task=RecordingTask(), **kw)
+        hist = []
+        for n in chunks:
+            st, h = orch.run(st, n)
+            hist += h
+        runs.append((orch.task.drawn, _staleness(hist)))
+    assert runs[0] == runs[1]
+    assert runs[0][0][0] != runs[0][0][1]  # no prompt batch repeats at a chunk boundary

@@ -75,14 +75,25 @@ def decoupled_ppo(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
 
 
 def a3po_prox_logp(policy: PolicyOutput, batch: TrajectoryBatch):
-    """A-3PO Eq. 3-5: log pi_prox = alpha log pi_behav + (1 - alpha) sg(log pi_theta),
-    alpha = 0 if d = 0 else 1/d, d = v(pi_theta) - v(pi_behav) per token.
+    """A-3PO (Li et al., arXiv:2512.06547) Eq. 3-5: log pi_prox = alpha log pi_behav +
+    (1 - alpha) sg(log pi_theta), d = v(pi_theta) - v(pi_behav) per token, with
 
-    Returns (prox_logp, alpha). Prompt/pad tokens (version -1) get alpha = 0 (and are off the
-    loss mask anyway). sg: pi_prox is an anchor, not a path for gradients.
+        alpha = 1/d for d >= 1,   alpha = 1 (pi_prox = pi_behav) for d = 0.
+
+    Eq. 5 read literally sets alpha = 0 at d = 0, i.e. pi_prox = sg(pi_theta): the ratio is then
+    1 and nothing is clipped, so on the second and later minibatches of a step on fresh data the
+    trust region vanishes. The paper's prose for Eq. 5 (pi_prox is the policy one version behind
+    the learner, which for fresh tokens is the behaviour policy itself) and AReaL's reference
+    "loglinear" approximation (alpha_AReaL = (v_prox - v_behav)/(v_theta - v_behav) when
+    v_theta > v_behav, else pi_prox = pi_behav; its 1 - alpha_AReaL is our alpha = 1/d) agree
+    on pi_prox = pi_behav there, which makes A-3PO exactly PPO on fresh data. This is what is
+    built; tests check the d = 0 case where the two readings differ.
+
+    Returns (prox_logp, alpha). Prompt/pad tokens (version -1, d = 0) get alpha = 1; they are
+    off the loss mask. sg: pi_prox is an anchor, not a path for gradients.
     """
     d = common.staleness(policy, batch).astype(jnp.float32)
-    alpha = jnp.where(d >= 1.0, 1.0 / jnp.maximum(d, 1.0), 0.0)
+    alpha = 1.0 / jnp.maximum(d, 1.0)
     prox = alpha * sg(batch.behav_logp) + (1.0 - alpha) * sg(policy.logp)
     return prox, alpha
 

@@ -30,6 +30,7 @@ class SamplerWorker(threading.Thread):
         self.version, self.params, _ = orch.store.latest_timed()
         self.delay = orch.delay.sample(self.rng)
         self.busy_s, self.reward_failures, self.error = 0.0, 0, None
+        self.produced = orch.produced.get(index, 0)
 
     def refresh(self):
         """Switch to the newest weights once their delay has passed; returns (version, params)
@@ -43,7 +44,7 @@ class SamplerWorker(threading.Thread):
     def run(self):
         mid = self.refresh if self.orch.cfg.refresh_mid_generation else None
         try:
-            counter = 0
+            counter = self.produced  # draws continue across run() calls
             while not self.stop.is_set():
                 self.refresh()
                 t = time.perf_counter()
@@ -51,6 +52,7 @@ class SamplerWorker(threading.Thread):
                 self.busy_s += time.perf_counter() - t
                 self.reward_failures += failures
                 counter += 1
+                self.produced = counter
                 self._put(batch)
         except QueueClosed:
             pass

@@ -114,6 +114,9 @@ class Orchestrator:
         self._reward_failures = 0  # from this (the learner's) thread; sampler threads count their own
         self._workers: list = []
         self._key = jax.random.key(self.cfg.seed)
+        self._delay_rng = np.random.default_rng([self.cfg.seed, 10_007])  # simulated delays
+        self._held = self._sampled = None  # iterative: the reused batch; offpolicy: its sampler params
+        self.produced: dict[int, int] = {}  # async: batches each sampler worker has drawn so far
 
     @property
     def reward_failures(self) -> int:
@@ -128,6 +131,7 @@ class Orchestrator:
         for w in workers:
             self._workers.remove(w)
             self._reward_failures += w.reward_failures
+            self.produced[w.index] = w.produced
 
     # ------------------------------------------------------------------ one batch
     def produce(self, params, version: int, worker: int, counter: int, refresh=None):
@@ -175,13 +179,10 @@ class Orchestrator:
         emit = (lambda m: (history.append(m), on_metrics and on_metrics(m)))
         if self.cfg.mode == "async":
             return async_mode.run(self, state, num_steps, emit), history
-        rng = np.random.default_rng([self.cfg.seed, 10_007])
-        batch, sampled = None, None
         start, sampling = time.perf_counter(), 0.0
         for step in range(num_steps):
             t0 = time.perf_counter()
-            version = int(state.version)
-            batch, sampled = self._next_batch(step, version, rng, batch, sampled)
+            batch = self._next_batch(int(state.version))
             t1 = time.perf_counter()
             state, m = self.train(state, batch)
             sampling += t1 - t0
@@ -192,21 +193,22 @@ class Orchestrator:
             emit(m)
         return state, history
 
-    def _next_batch(self, step, version, rng, batch, sampled):
-        """The batch of step `step` in the sequential modes; `sampled` = the (version, params)
-        the offpolicy mode samples with until its next refresh."""
+    def _next_batch(self, version: int):
+        """The batch the sequential modes train on at learner `version`. Schedules follow the
+        version, not the position within one run() call, so chunked runs (eval / checkpoint
+        boundaries) and resumed runs keep them; prompts are drawn per version."""
         c = self.cfg
         if c.mode == "simulated":
-            d = min(int(self.delay.steps(rng, c.step_seconds, c.max_staleness)), version)
+            d = min(int(self.delay.steps(self._delay_rng, c.step_seconds, c.max_staleness)), version)
             self.schedule.append(d)
-            return self._produce(self.store.get(version - d), version - d, step), sampled
+            return self._produce(self.store.get(version - d), version - d, version)
         if c.mode == "iterative":
-            if step % c.reuse:
-                return batch, sampled
-            return self._produce(self.store.latest()[1], version, step), sampled
-        if c.mode == "sync" or step % c.refresh_every == 0:
-            sampled = self.store.latest()
-        return self._produce(sampled[1], sampled[0], step), sampled
+            if version % c.reuse == 0 or self._held is None:
+                self._held = self._produce(self.store.latest()[1], version, version)
+            return self._held
+        if c.mode == "sync" or version % c.refresh_every == 0 or self._sampled is None:
+            self._sampled = self.store.latest()  # offpolicy: sampler params of the last refresh
+        return self._produce(self._sampled[1], self._sampled[0], version)
 
     def _produce(self, params, version, counter):
         batch, failures = self.produce(params, version, 0, counter)
