@@ -15,8 +15,6 @@ rows, in process order.
 from __future__ import annotations
 
 import os
-from typing import Sequence
-
 import jax
 import ml_collections
 import numpy as np
@@ -151,18 +149,6 @@ def gather(x) -> np.ndarray:
 
 def host_sum(x):
     return gather(x).sum(0)
-
-
-def host_max(x):
-    return gather(x).max(0)
-
-
-def sum_histograms(counts: Sequence[int]) -> list:
-    """Element-wise sum of per-process histograms of different lengths."""
-    n = int(host_max(np.asarray(len(counts))))
-    padded = np.zeros(n, np.int64)
-    padded[: len(counts)] = counts
-    return host_sum(padded).tolist()
 
 
 def agree(status: int) -> np.ndarray:

@@ -24,7 +24,6 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 from flax import struct
 
@@ -259,6 +258,7 @@ class Learner:
         state, ms = jax.lax.scan(one, state, mbs)
         metrics = _reduce_metrics(ms)
         metrics["param_norm"] = optax.global_norm(state.params)
+        metrics["trained_tokens"] = batch.loss_mask.sum()
         return state.replace(version=state.version + 1), metrics
 
     # ------------------------------------------------------------------ host API
@@ -287,10 +287,10 @@ class Learner:
     def train_step(self, state: TrainState, batch: TrajectoryBatch):
         """One training step (num_minibatches updates). Returns (new_state, metrics)."""
         t0 = time.perf_counter()
-        tokens = float(distributed.host_sum(np.asarray(batch.loss_mask).sum()))
         batch, timings = self.prepare(state, batch)
         state, metrics = self._step(state, batch)
         metrics = jax.device_get(metrics)
+        tokens = float(metrics.pop("trained_tokens"))  # over the global batch, from the step itself
         if self.cfg.ref_swap_every and int(state.version) % self.cfg.ref_swap_every == 0:
             state = state.replace(ref_params=jax.tree_util.tree_map(jnp.copy, state.params))
         elapsed = time.perf_counter() - t0

@@ -44,15 +44,14 @@ class SamplerWorker(threading.Thread):
     def run(self):
         mid = self.refresh if self.orch.cfg.refresh_mid_generation else None
         try:
-            counter = self.produced  # draws continue across run() calls
-            while not self.stop.is_set():
+            while not self.stop.is_set():  # `produced` continues across run() calls
                 self.refresh()
                 t = time.perf_counter()
-                batch, failures = self.orch.produce(self.params, self.version, self.index + 1, counter, refresh=mid)
+                batch, failures = self.orch.produce(self.params, self.version, self.index + 1, self.produced,
+                                                    refresh=mid)
                 self.busy_s += time.perf_counter() - t
                 self.reward_failures += failures
-                counter += 1
-                self.produced = counter
+                self.produced += 1
                 self._put(batch)
         except QueueClosed:
             pass

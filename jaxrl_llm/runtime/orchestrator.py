@@ -156,14 +156,18 @@ class Orchestrator:
         batch), then publish the new version. Host-side metrics are over every process.
         Returns (state, metrics)."""
         d = staleness.of_batch(int(state.version), batch.versions, batch.loss_mask)
-        d_max = int(distributed.host_max(d.max(initial=0)))
-        self.over_stale += int(staleness.exceeds(d_max, self.cfg.max_staleness))
+        hist = np.bincount(d, minlength=1)
+        rewards = np.asarray(batch.rewards, np.float64)
+        # One gather for every process's scalars: [max staleness, reward sum, rows, failures,
+        # dropped, histogram length] (each host collective costs ~1-2 ms over gloo).
+        g = distributed.gather(np.array([d.max(initial=0), rewards.sum(), rewards.size, self.reward_failures,
+                                         dropped, hist.size], np.float64))
+        self.over_stale += int(staleness.exceeds(int(g[:, 0].max()), self.cfg.max_staleness))
+        totals = g[:, 1:5].sum(0)
         state, m = self.learner.train_step(state, batch)
         self.state = state  # newest live state (the previous one was donated), e.g. for Ctrl-C saves
         self.store.publish(int(state.version), self.learner.rollout_params(state))
-        rewards = np.asarray(batch.rewards, np.float64)
-        totals = distributed.host_sum(np.array([rewards.sum(), rewards.size, self.reward_failures, dropped]))
-        m["staleness/hist"] = distributed.sum_histograms(np.bincount(d, minlength=1))
+        m["staleness/hist"] = distributed.host_sum(np.pad(hist, (0, int(g[:, 5].max()) - hist.size))).tolist()
         m["reward/mean"] = float(totals[0] / totals[1])
         m["reward/failures"] = float(totals[2])
         m["runtime/dropped"] = float(totals[3])
