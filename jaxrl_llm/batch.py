@@ -34,6 +34,7 @@ _BATCH_SPEC = {
     "ref_logp": (("B", "L"), "f"),
     "truncated": (("B",), "b"),
     "input_mask": (("B", "L"), "f"),
+    "behav_kept": (("B", "L"), "i"),
 }
 
 _POLICY_SPEC = {
@@ -71,6 +72,9 @@ class TrajectoryBatch:
       input_mask      f32[B, L]     1 on real tokens (prompt + generated), 0 on padding; the
                                     learner rebuilds RoPE positions and attention from it.
                                     None means every position is a real token.
+      behav_kept      i32[B, L]     size of the truncated support (top-k / top-p) each token
+                                    was drawn from; 0 on prompt/pad. None: no truncation, or
+                                    not recorded (the learner then re-applies the rule).
     """
 
     tokens: Array
@@ -87,6 +91,7 @@ class TrajectoryBatch:
     ref_logp: Optional[Array] = None
     truncated: Optional[Array] = None
     input_mask: Optional[Array] = None
+    behav_kept: Optional[Array] = None
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -96,7 +96,7 @@ def build(config):
     aux_params, acfg = _model(config.aux_model, task) if _has_aux_model(config) else (None, None)
     learner_devices, sampler_devices = devices(config)
     lrn = learner_lib.Learner(mcfg, config.objective, config.learner, mesh=sharding.make_mesh(config.mesh, learner_devices),
-                              mesh_cfg=config.mesh, aux_model_cfg=acfg, temperature=config.sampler.temperature)
+                              mesh_cfg=config.mesh, aux_model_cfg=acfg, dist=_sampler_cfg(config, task).dist)
     # Samplers split rows over their devices (data parallel); with devices of their own, the
     # weight store publishes each version onto them.
     mesh = Mesh(np.asarray(sampler_devices), ("data",))

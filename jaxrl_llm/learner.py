@@ -31,8 +31,9 @@ from jaxrl_llm import distributed, objectives, sharding
 from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch
 from jaxrl_llm.models import decoder, heads
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.policy_dist import PolicyDist
 from jaxrl_llm.objectives.auxiliary import AuxContext, AuxInputs
-from jaxrl_llm.objectives.common import masked_mean
+from jaxrl_llm.objectives.common import check_choice, masked_mean
 
 
 @struct.dataclass
@@ -63,6 +64,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.total_steps = 1000
     c.num_minibatches = 4  # the A-3PO paper uses 4
     c.logprob_chunk = 128
+    # sampled: pi_theta is the distribution the sampler draws from (temperature, top-k, top-p;
+    #   models/policy_dist.py), so fresh tokens have ratio 1. full: the full temperature softmax
+    #   (under top-k / top-p every fresh ratio is then the kept mass, < 1).
+    c.policy_dist = "sampled"
     c.ref_swap_every = 0  # S: copy params into the reference every S steps (0: never)
     c.seed = 0
     return c
@@ -88,30 +93,52 @@ def _select(ok, new, old):
 
 
 def _reduce_metrics(ms):
-    """Per-minibatch metrics [M] -> one number each (max/min keep their meaning)."""
+    """Per-minibatch metrics [M] -> one number each (max/min keep their meaning). `mismatch/`
+    is the first minibatch's: only there are the params the ones the step started from."""
     out = {}
     for k, v in ms.items():
-        out[k] = v.max() if k.endswith("/max") else v.min() if k.endswith("/min") else v.mean()
+        if k.startswith("mismatch/"):
+            out[k] = v[0]
+        else:
+            out[k] = v.max() if k.endswith("/max") else v.min() if k.endswith("/min") else v.mean()
     return out
+
+
+def mismatch_metrics(logp_BxL, batch: TrajectoryBatch, version, eps_low: float, eps_high: float):
+    """Learner/sampler mismatch on fresh tokens (d = 0: drawn from the params being trained):
+    |log pi_theta - log pi_behav| mean and max, the k3 estimate of KL(behav || theta)
+    (r - 1 - log r, r = pi_theta / pi_behav; Schulman's k3) and the fraction of ratios outside
+    the clip band [1 - eps_low, 1 + eps_high]. 0 in exact arithmetic with `policy_dist` sampled."""
+    fresh = batch.loss_mask * (batch.versions == version)
+    log_r = logp_BxL - batch.behav_logp
+    r = jnp.exp(log_r)
+    outside = ((r < 1.0 - eps_low) | (r > 1.0 + eps_high)).astype(jnp.float32)
+    return {"mismatch/abs_logp_mean": masked_mean(jnp.abs(log_r), fresh),
+            "mismatch/abs_logp_max": jnp.max(jnp.abs(log_r) * fresh),
+            "mismatch/k3_kl": masked_mean(r - 1.0 - log_r, fresh),
+            "mismatch/out_of_clip_frac": masked_mean(outside, fresh),
+            "mismatch/fresh_tokens": fresh.sum()}
 
 
 class Learner:
     """Builds the jitted passes for one (model, objective, mesh) and runs training steps."""
 
     def __init__(self, model_cfg: ModelConfig, objective_cfg, learner_cfg=None, mesh=None, mesh_cfg=None,
-                 aux_model_cfg: Optional[ModelConfig] = None, temperature: float = 1.0):
-        """`temperature`: the sampler's, so the policy's log-probs are those of the distribution
-        the tokens were drawn from. `aux_model_cfg`: the decoder of the objective's auxiliary
-        model, for objectives whose auxiliary needs one (e.g. a separate rollout model)."""
+                 aux_model_cfg: Optional[ModelConfig] = None, dist: PolicyDist = PolicyDist()):
+        """`dist`: the sampler's temperature / top-k / top-p, so the policy's log-probs are those
+        of the distribution the tokens were drawn from (`learner.policy_dist="full"` keeps only
+        the temperature). `aux_model_cfg`: the decoder of the objective's auxiliary model, for
+        objectives whose auxiliary needs one (e.g. a separate rollout model)."""
         self.model_cfg = model_cfg
         self.cfg = learner_cfg or default_config()
-        self.temperature = temperature
+        check_choice("learner.policy_dist", self.cfg.policy_dist, ("sampled", "full"))
+        self.dist = dist if self.cfg.policy_dist == "sampled" else PolicyDist(dist.temperature)
         self.obj_cfg = objectives.make_config(objective_cfg)
         self.objective = objectives.get(self.obj_cfg.name)
         self.needs = objectives.required_passes(self.obj_cfg)
         self.aux = _active_aux(self.objective, aux_model_cfg)
         self._aux_samples = self.aux is not None and self.aux.samples
-        self.aux_ctx = AuxContext(model_cfg, aux_model_cfg, temperature, self.cfg.logprob_chunk)
+        self.aux_ctx = AuxContext(model_cfg, aux_model_cfg, self.dist, self.cfg.logprob_chunk)
         self.opt = make_optimizer(self.cfg)
         self.mesh = mesh or sharding.make_mesh(mesh_cfg)
         self.param_sh = sharding.param_shardings(decoder.logical_axes(model_cfg), self.mesh, mesh_cfg)
@@ -125,6 +152,10 @@ class Learner:
         self._ref = jax.jit(self._ref_pass)
         self._step = None  # built by place(): needs the state's shardings
         self.step_traces = 0
+
+    @property
+    def temperature(self) -> float:
+        return self.dist.temperature
 
     @property
     def rollout_model_cfg(self) -> ModelConfig:
@@ -196,7 +227,7 @@ class Learner:
         self.forward_traces += 1
         gather_ids = batch.topk_ids if gather and batch.topk > 0 else None
         return heads.sequence_logprobs(params, self.model_cfg, batch.tokens, batch.input_mask,
-                                       temperature=self.temperature, topk=topk, gather_ids_BxLxK=gather_ids,
+                                       dist=self.dist, kept_BxL=batch.behav_kept, topk=topk, gather_ids_BxLxK=gather_ids,
                                        chunk=self.cfg.logprob_chunk, return_hidden=return_hidden)
 
     def _prox_pass(self, params, batch):
@@ -219,9 +250,13 @@ class Learner:
         mask = batch.loss_mask
         lp = jax.lax.stop_gradient(s["logp"])
         metrics["kl_behav/sampled"] = masked_mean(batch.behav_logp - lp, mask)  # E_behav[log b - log theta]
+        metrics.update(mismatch_metrics(lp, batch, version, self.obj_cfg.clip.eps_low, self.obj_cfg.clip.eps_high))
         if "logp_at_ids" in s:
             pb = jnp.exp(batch.topk_logp)
-            kl = (pb * (batch.topk_logp - jax.lax.stop_gradient(s["logp_at_ids"]))).sum(-1)
+            # Truncated supports put -inf at some ids: 0 log 0 = 0, and a behaviour token pi_theta
+            # no longer keeps counts at a floor of e^-30 rather than making the metric inf.
+            gap = batch.topk_logp - jnp.maximum(jax.lax.stop_gradient(s["logp_at_ids"]), -30.0)
+            kl = jnp.where(pb > 0, pb * gap, 0.0).sum(-1)
             metrics["kl_behav/topk"] = masked_mean(kl, mask)
         return loss, (metrics, jax.lax.stop_gradient(s.get("hidden")))
 

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-PLOTS = ("reward_vs_step", "reward_vs_time", "is_weight", "clipped_tokens", "entropy", "staleness_hist")
+PLOTS = ("reward_vs_step", "reward_vs_time", "is_weight", "mismatch", "clipped_tokens", "entropy", "staleness_hist")
 
 
 def load_run(workdir: str) -> dict:
@@ -151,6 +151,17 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
     ax.set_yscale("log")
     save(fig, ax, "is_weight", "learner step", "importance weight (log scale)",
          "is_weight max (solid) / min (dashed)", which="both")
+
+    fig, ax = plt.subplots(figsize=(7, 4))  # learner/sampler numerics on fresh tokens (d = 0)
+    for i, run in enumerate(runs):
+        fresh = [r for r in run["steps"] if r.get("mismatch/fresh_tokens", 0) > 0]
+        for key, style in (("mismatch/abs_logp_mean", "o-"), ("mismatch/abs_logp_max", "x--")):
+            pts = [(r["step"], max(r[key], 1e-12)) for r in fresh if key in r]
+            if pts:
+                ax.plot(*zip(*pts), style, color=colors[i % len(colors)], label=f"{run['name']} {key.split('_')[-1]}")
+    ax.set_yscale("log")
+    save(fig, ax, "mismatch", "learner step", "|log pi_theta - log pi_behav| (log scale)",
+         "learner vs sampler on fresh tokens: mean (o) / max (x); exact 0 drawn at 1e-12", which="both")
 
     for key, name, label in (("clip_frac", "clipped_tokens", "fraction of tokens clipped"),
                              ("entropy", "entropy", "policy entropy (nats/token)")):

@@ -113,11 +113,12 @@ def model_batch(params, cfg, seed: int = 0, num_prompts: int = 2, group_size: in
     drift (a stale policy), the model's top-k, mixed versions, GRPO advantages. For learner
     tests and benchmarks that need no sampler."""
     from jaxrl_llm.models import heads
+    from jaxrl_llm.models.policy_dist import PolicyDist
 
     rng = np.random.default_rng(seed)
     b = num_prompts * group_size
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, length)), jnp.int32)
-    stats = heads.sequence_logprobs(params, cfg, tokens, temperature=temperature, topk=topk, entropy=False)
+    stats = heads.sequence_logprobs(params, cfg, tokens, dist=PolicyDist(temperature), topk=topk, entropy=False)
     mask = np.zeros((b, length), np.float32)
     mask[:, prompt:] = 1.0
     for i in range(b):  # ragged completions: some end early (right padding)

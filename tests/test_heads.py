@@ -8,6 +8,7 @@ import pytest
 from jaxrl_llm import models
 from jaxrl_llm.models import heads
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.policy_dist import PolicyDist
 
 
 def _full(hidden, w, targets, temperature):
@@ -22,7 +23,7 @@ def test_stats_match_full_log_softmax(chunk):
     w = jax.random.normal(k[1], (16, 50))
     targets = jax.random.randint(k[2], (2, 37), 0, 50)
     gather = jax.random.randint(k[3], (2, 37, 3), 0, 50)
-    out = heads.logprob_stats(hidden, w, targets, temperature=0.7, topk=5, gather_ids_BxLxK=gather, chunk=chunk)
+    out = heads.logprob_stats(hidden, w, targets, dist=PolicyDist(0.7), topk=5, gather_ids_BxLxK=gather, chunk=chunk)
     logp_all, logp = _full(hidden, w, targets, 0.7)
     np.testing.assert_allclose(out["logp"], logp, atol=1e-5)
     np.testing.assert_allclose(out["entropy"], -(jnp.exp(logp_all) * logp_all).sum(-1), atol=1e-5)
@@ -38,7 +39,7 @@ def test_gradients_match_full_computation():
     targets = jax.random.randint(k[2], (3, 20), 0, 30)
 
     def chunked(h, w):
-        o = heads.logprob_stats(h, w, targets, temperature=1.3, chunk=6)
+        o = heads.logprob_stats(h, w, targets, dist=PolicyDist(1.3), chunk=6)
         return o["logp"].sum() + 0.1 * o["entropy"].sum()
 
     def full(h, w):

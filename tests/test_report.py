@@ -53,6 +53,9 @@ def test_tensorboard_events_mirror_metrics_jsonl(tiny_run):
         if "staleness/hist" in r:
             assert histos[("staleness/hist", r["step"])] == pytest.approx(r["staleness/hist"])
     assert checked > 40
+    # Fresh tokens (every other step) are scored by the learner as the sampler scored them.
+    fresh = [r for r in records if r.get("mismatch/fresh_tokens", 0) > 0]
+    assert len(fresh) == 2 and all(r["mismatch/abs_logp_max"] < 1e-4 for r in fresh)
     # offpolicy v=2: staleness cycles 0, 1
     assert [r["staleness/mean"] for r in records if "loss" in r] == [0.0, 1.0, 0.0, 1.0]
 

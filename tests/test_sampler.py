@@ -9,6 +9,7 @@ import torch
 from scipy import stats
 
 from jaxrl_llm import models
+from jaxrl_llm.models.policy_dist import PolicyDist
 from jaxrl_llm.rollout import Sampler, SamplerConfig, sampling_logprobs
 from tests import hf_fixtures as F
 
@@ -44,7 +45,7 @@ def test_behaviour_logprobs_and_topk_match_learner_head(qwen):
     gen = np.asarray(batch.loss_mask) > 0
     assert gen[:, 16:].all() and not gen[:, :16].any()
     assert set(np.asarray(batch.versions)[gen].tolist()) == {7} and (np.asarray(batch.versions)[~gen] == -1).all()
-    learner = models.sequence_logprobs(params, cfg, batch.tokens, batch.input_mask, temperature=0.8, topk=5,
+    learner = models.sequence_logprobs(params, cfg, batch.tokens, batch.input_mask, dist=PolicyDist(0.8), topk=5,
                                        gather_ids_BxLxK=batch.topk_ids)
     np.testing.assert_allclose(np.asarray(learner["logp"])[gen], np.asarray(batch.behav_logp)[gen], atol=1e-5)
     np.testing.assert_array_equal(np.asarray(learner["topk_ids"])[gen], np.asarray(batch.topk_ids)[gen])
@@ -62,12 +63,18 @@ def test_empirical_frequencies_match_sampling_distribution(qwen, temperature, to
     batch = Sampler(cfg, scfg).generate(params, [prompt], jax.random.key(2))
     first = np.asarray(batch.tokens[:, 8])
     logits = models.full_logits(params, cfg, jnp.asarray([prompt]))[:, -1]
-    logp = np.asarray(sampling_logprobs(logits, scfg)[0], np.float64)
+    logp_all, kept = sampling_logprobs(logits, scfg)
+    logp = np.asarray(logp_all[0], np.float64)
     p = np.exp(logp)
     support = p > 0
     if top_k or top_p < 1:
         assert support.sum() < cfg.vocab_size
     assert support[first].all(), "sampled a token outside the truncated support"
+    assert int(kept[0]) == support.sum()
+    if top_k or top_p < 1:  # the batch records each token's support size for the learner
+        np.testing.assert_array_equal(np.asarray(batch.behav_kept[:, 8]), support.sum())
+    else:
+        assert batch.behav_kept is None
     np.testing.assert_allclose(np.asarray(batch.behav_logp[:, 8]), logp[first], atol=1e-5)
     counts = np.bincount(first, minlength=cfg.vocab_size)
     big = support & (p * n >= 5)  # chi-square needs expected counts >= 5; pool the tail

@@ -1,8 +1,9 @@
-"""Float32, temperature-aware log-prob heads, chunked over the sequence.
+"""Float32 log-prob heads under the sampling distribution, chunked over the sequence.
 
-The sampler and the learner both go through `logprob_stats`, so a token's log-prob is the same
-function of (hidden state, unembedding, temperature) on both sides. Logits exist one chunk at a
-time ([B, C, V]); under `jax.grad` each chunk is rematerialised rather than stored.
+A token's log-prob is taken under the distribution the sampler drew it from (temperature, then
+top-k / top-p truncation: `policy_dist`), so pi_theta / pi_behav is 1 on unchanged params.
+Logits exist one chunk at a time ([B, C, V]); under `jax.grad` each chunk is rematerialised
+rather than stored.
 """
 
 from __future__ import annotations
@@ -10,30 +11,41 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models import decoder
+from jaxrl_llm.models import decoder, policy_dist
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.policy_dist import PolicyDist
 
 
-def logprob_stats(hidden_BxLxD, unembed_DxV, targets_BxL, *, temperature: float = 1.0, topk: int = 0,
-                  gather_ids_BxLxK=None, entropy: bool = True, chunk: int = 128):
-    """Per position t, with logits = hidden[:, t] @ W / temperature (float32):
+def logprob_stats(hidden_BxLxD, unembed_DxV, targets_BxL, *, dist: PolicyDist = PolicyDist(), kept_BxL=None,
+                  topk: int = 0, gather_ids_BxLxK=None, entropy: bool = True, chunk: int = 128):
+    """Per position t, with logits = hidden[:, t] @ W / T (float32), truncated as `dist` says
+    (`policy_dist.restrict` to the kept_BxL[:, t] most likely tokens plus the target; without
+    kept_BxL, to the support the sampler's own rule gives):
 
       logp        log softmax(logits)[targets[:, t]]              f32[B, L]
       entropy     -sum p log p                                    f32[B, L]   (if entropy)
       topk_ids    / topk_logp: lax.top_k of the log-softmax       [B, L, topk] (if topk)
-      logp_at_ids log softmax(logits) at gather_ids               f32[B, L, K] (if given)
+      logp_at_ids log softmax(logits) at gather_ids               f32[B, L, K] (if given;
+                  -inf outside the truncated support)
     """
     xs = {"h": hidden_BxLxD, "t": targets_BxL}
     if gather_ids_BxLxK is not None:
         xs["g"] = gather_ids_BxLxK
+    if dist.truncated and kept_BxL is not None:
+        xs["n"] = kept_BxL
     w = unembed_DxV.astype(jnp.float32)
 
     def one(x):
-        logits = jnp.einsum("bcd,dv->bcv", x["h"].astype(jnp.float32), w) / temperature
+        logits = dist.scale(jnp.einsum("bcd,dv->bcv", x["h"].astype(jnp.float32), w))
+        if dist.truncated:
+            b, c, v = logits.shape
+            flat = logits.reshape(b * c, v)
+            n = x["n"].reshape(-1) if "n" in x else policy_dist.kept_count(policy_dist.truncate(flat, dist))
+            logits = policy_dist.restrict(flat, n, x["t"].reshape(-1), dist).reshape(b, c, v)
         logp_all = jax.nn.log_softmax(logits, -1)
         out = {"logp": jnp.take_along_axis(logp_all, x["t"][..., None], -1)[..., 0]}
-        if entropy:
-            out["entropy"] = -(jnp.exp(logp_all) * logp_all).sum(-1)
+        if entropy:  # 0 log 0 = 0 outside a truncated support
+            out["entropy"] = -(jnp.exp(logp_all) * jnp.where(jnp.isfinite(logp_all), logp_all, 0.0)).sum(-1)
         if topk:
             out["topk_logp"], out["topk_ids"] = jax.lax.top_k(logp_all, topk)
         if "g" in x:
@@ -61,18 +73,20 @@ def map_chunks(fn, xs, chunk: int):
     return jax.tree_util.tree_map(merge, ys)
 
 
-def sequence_logprobs(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL=None, *, temperature: float = 1.0,
-                      topk: int = 0, gather_ids_BxLxK=None, entropy: bool = True, chunk: int = 128,
+def sequence_logprobs(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL=None, *, dist: PolicyDist = PolicyDist(),
+                      kept_BxL=None, topk: int = 0, gather_ids_BxLxK=None, entropy: bool = True, chunk: int = 128,
                       return_hidden: bool = False):
     """Teacher-forced stats aligned with `tokens` (the batch contract): index t describes token
     t given tokens[:, :t]; column 0 has no context and is 0 (it is always a prompt position).
+    `kept_BxL` (aligned the same way: `TrajectoryBatch.behav_kept`) sizes the truncated support.
     `return_hidden` adds the final hidden states [B, L, D] (for callers reusing the forward)."""
     if input_mask_BxL is None:
         input_mask_BxL = jnp.ones(tokens_BxL.shape, jnp.int32)
     hidden = decoder.forward(params, cfg, tokens_BxL, input_mask_BxL)
     gather = None if gather_ids_BxLxK is None else gather_ids_BxLxK[:, 1:]
-    stats = logprob_stats(hidden[:, :-1], decoder.unembed_matrix(params, cfg), tokens_BxL[:, 1:],
-                          temperature=temperature, topk=topk, gather_ids_BxLxK=gather, entropy=entropy, chunk=chunk)
+    kept = None if kept_BxL is None else kept_BxL[:, 1:]
+    stats = logprob_stats(hidden[:, :-1], decoder.unembed_matrix(params, cfg), tokens_BxL[:, 1:], dist=dist,
+                          kept_BxL=kept, topk=topk, gather_ids_BxLxK=gather, entropy=entropy, chunk=chunk)
     stats = jax.tree_util.tree_map(lambda y: jnp.pad(y, [(0, 0), (1, 0)] + [(0, 0)] * (y.ndim - 2)), stats)
     if return_hidden:
         stats["hidden"] = hidden

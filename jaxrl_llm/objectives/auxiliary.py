@@ -18,7 +18,7 @@ class AuxContext(NamedTuple):
 
     policy_cfg: Any  # the policy's ModelConfig
     model_cfg: Any  # the auxiliary's own ModelConfig, when it is a decoder (else None)
-    temperature: float  # the sampling temperature the policy's log-probs use
+    dist: Any  # models.PolicyDist: temperature / truncation the log-probs are taken under
     chunk: int  # sequence chunk for [B, C, V] logits (never the whole [B, L, V])
 
 

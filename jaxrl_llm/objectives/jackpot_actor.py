@@ -80,12 +80,13 @@ def actor_loss(actor_params, inputs: AuxInputs, batch: TrajectoryBatch, cfg, ctx
     a = ctx.model_cfg
     h_act = decoder.forward(actor_params, a, batch.tokens, batch.input_mask)[:, :-1]
     w_act = decoder.unembed_matrix(actor_params, a)
-    stats = heads.logprob_stats(h_act, w_act, batch.tokens[:, 1:], temperature=ctx.temperature, entropy=False,
+    kept = None if batch.behav_kept is None else batch.behav_kept[:, 1:]  # the actor sampled the batch
+    stats = heads.logprob_stats(h_act, w_act, batch.tokens[:, 1:], dist=ctx.dist, kept_BxL=kept, entropy=False,
                                 chunk=ctx.chunk)
     logp = jnp.pad(stats["logp"], [(0, 0), (1, 0)])
     ppo, metrics = actor_ppo_loss(logp, batch, cfg)
     kl = distill_kl(inputs.hidden_BxLxD[:, :-1], decoder.unembed_matrix(inputs.params, ctx.policy_cfg), h_act, w_act,
-                    temperature=ctx.temperature, chunk=ctx.chunk)
+                    temperature=ctx.dist.temperature, chunk=ctx.chunk)
     distill = common.masked_mean(jnp.pad(kl, [(0, 0), (1, 0)]), batch.loss_mask)
     metrics["actor/distill_kl"] = distill
     return ppo + cfg.jackpot.distill_coef * distill, metrics

@@ -42,6 +42,7 @@ class DecodeState:
     tokens_BxN: jax.Array  # i32: generated tokens (pad after EOS)
     valid_BxN: jax.Array  # bool: a generated (not padded) token
     logp_BxN: jax.Array  # f32: log-prob under the distribution sampled from
+    kept_BxN: jax.Array  # i32: size of that distribution's support (top-k / top-p; 0 on padding)
     versions_BxN: jax.Array  # i32: params version of each token (-1 on padding)
     topk_ids_BxNxK: jax.Array  # i32: top-K of that distribution
     topk_logp_BxNxK: jax.Array  # f32
@@ -87,7 +88,7 @@ def _prefill(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfi
         step=jnp.int32(0), uniforms_NxB=u_NxB, cache=cache, logits_BxV=hidden[:, -1].astype(jnp.float32) @ unembed,
         logits_version=jnp.asarray(version, jnp.int32), key_valid_BxW=key_valid, positions_B=positions[:, -1] + 1,
         done_B=jnp.zeros((b,), bool), tokens_BxN=jnp.full((b, n), scfg.pad_token_id, jnp.int32),
-        valid_BxN=jnp.zeros((b, n), bool), logp_BxN=jnp.zeros((b, n), jnp.float32),
+        valid_BxN=jnp.zeros((b, n), bool), logp_BxN=jnp.zeros((b, n), jnp.float32), kept_BxN=jnp.zeros((b, n), jnp.int32),
         versions_BxN=jnp.full((b, n), -1, jnp.int32), topk_ids_BxNxK=jnp.zeros((b, n, k), jnp.int32),
         topk_logp_BxNxK=jnp.zeros((b, n, k), jnp.float32),
     )
@@ -113,7 +114,7 @@ def _decode_segment(params, st: DecodeState, version, p: int, end: int, mcfg: Mo
 
     def body(st: DecodeState) -> DecodeState:
         i = st.step
-        tok, logp, top_ids, top_logp = sample(st.logits_BxV, st.uniforms_NxB[i], scfg)
+        tok, logp, kept, top_ids, top_logp = sample(st.logits_BxV, st.uniforms_NxB[i], scfg)
         live = ~st.done_B
         tok = jnp.where(live, tok, scfg.pad_token_id)
         eos = (tok == scfg.eos_token_id) if scfg.eos_token_id is not None else False
@@ -126,6 +127,7 @@ def _decode_segment(params, st: DecodeState, version, p: int, end: int, mcfg: Mo
             key_valid_BxW=key_valid, positions_B=st.positions_B + 1, done_B=st.done_B | eos,
             tokens_BxN=st.tokens_BxN.at[:, i].set(tok), valid_BxN=st.valid_BxN.at[:, i].set(live),
             logp_BxN=st.logp_BxN.at[:, i].set(jnp.where(live, logp, 0.0)),
+            kept_BxN=st.kept_BxN.at[:, i].set(jnp.where(live, kept, 0)),
             versions_BxN=st.versions_BxN.at[:, i].set(jnp.where(live, st.logits_version, -1)),
             topk_ids_BxNxK=st.topk_ids_BxNxK.at[:, i].set(top_ids),
             topk_logp_BxNxK=st.topk_logp_BxNxK.at[:, i].set(top_logp),
@@ -138,12 +140,15 @@ def _generate(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConf
     st = _prefill(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg, scfg, rows)
     for end in _segment_ends(scfg.max_new_tokens, scfg):
         st = _decode_segment(params, st, version, prompt_BxP.shape[1], end, mcfg, scfg)
-    return _outputs(st)
+    return _outputs(st, scfg)
 
 
-def _outputs(st: DecodeState) -> dict:
-    return dict(tokens=st.tokens_BxN, valid=st.valid_BxN, logp=st.logp_BxN, versions=st.versions_BxN,
-                topk_ids=st.topk_ids_BxNxK, topk_logp=st.topk_logp_BxNxK, done=st.done_B)
+def _outputs(st: DecodeState, scfg: SamplerConfig) -> dict:
+    out = dict(tokens=st.tokens_BxN, valid=st.valid_BxN, logp=st.logp_BxN, versions=st.versions_BxN,
+               topk_ids=st.topk_ids_BxNxK, topk_logp=st.topk_logp_BxNxK, done=st.done_B)
+    if scfg.dist.truncated:  # the learner restricts pi_theta to supports of these sizes
+        out["kept"] = st.kept_BxN
+    return out
 
 
 class Sampler:
@@ -218,7 +223,7 @@ class Sampler:
             if newer is not None and newer[0] > version:
                 version, params = newer[0], self._place(toks, mask, newer[1])[2]
             st = self._segment(params, st, version, p=toks.shape[1], end=end, mcfg=self.model_cfg, scfg=self.cfg)
-        return to_batch(toks, mask, group_ids, _outputs(st))
+        return to_batch(toks, mask, group_ids, _outputs(st, self.cfg))
 
     def _place(self, toks, mask, params):
         """Device arrays for the program: on the mesh, rows split (padded with copies of the
@@ -254,4 +259,5 @@ def to_batch(prompt_BxP, prompt_mask_BxP, group_ids_B, out) -> TrajectoryBatch:
         advantages=jnp.zeros((b, p + valid.shape[1])),
         input_mask=jnp.concatenate([jnp.asarray(prompt_mask_BxP, jnp.float32), gen_mask], 1),
         truncated=~out["done"],
+        behav_kept=jnp.concatenate([jnp.zeros((b, p), jnp.int32), out["kept"]], 1) if "kept" in out else None,
     )

@@ -11,6 +11,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.models import policy_dist
+from jaxrl_llm.models.policy_dist import PolicyDist, top_k  # noqa: F401  (top_k: re-exported)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
@@ -32,36 +35,25 @@ class SamplerConfig:
         if self.max_new_tokens < 1 or self.num_samples < 1:
             raise ValueError("max_new_tokens and num_samples must be >= 1")
 
+    @property
+    def dist(self) -> PolicyDist:
+        return PolicyDist(self.temperature, self.top_k, self.top_p)
+
 
 def sampling_logprobs(logits_BxV, cfg: SamplerConfig):
-    """log-probs of the distribution actually sampled from: softmax(logits / T) restricted to
-    the top-k and then to the smallest nucleus with mass >= top_p, renormalised."""
-    scaled = logits_BxV.astype(jnp.float32) / (cfg.temperature if cfg.temperature > 0 else 1.0)
-    if cfg.top_k:
-        kth = top_k(scaled, cfg.top_k)[0][..., -1:]
-        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
-    if cfg.top_p < 1.0:
-        sorted_desc = -jnp.sort(-scaled, axis=-1)
-        probs = jax.nn.softmax(sorted_desc, -1)
-        mass_before = jnp.cumsum(probs, -1) - probs  # keep a token if the mass before it < top_p
-        keep = mass_before < cfg.top_p
-        cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), -1, keepdims=True)
-        scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-    return jax.nn.log_softmax(scaled, -1)
-
-
-def _vocab_block(v: int):
-    """Block size for top-k screening (and two-level sampling) at large vocabularies: a power of
-    two dividing V (so no padded entries exist), or None (small or awkward V: one-level top-k)."""
-    if v < 4096:
-        return None
-    return next((c for c in (256, 128, 64) if v % c == 0), None)
+    """(log-probs of the distribution actually sampled from, its support size per row):
+    softmax(logits / T) restricted to the top-k and then to the smallest nucleus with mass
+    >= top_p, renormalised (`policy_dist.truncate`, the rule the learner mirrors)."""
+    truncated = policy_dist.truncate(cfg.dist.scale(logits_BxV), cfg.dist)
+    v = logits_BxV.shape[-1]
+    kept = policy_dist.kept_count(truncated) if cfg.dist.truncated else jnp.full(logits_BxV.shape[:-1], v, jnp.int32)
+    return jax.nn.log_softmax(truncated, -1), kept
 
 
 def cdf_block(v: int):
     """Block size of the two-level inverse CDF. Even at small V a cumsum over V lowers to a
     chain of reduce-windows on CPU (53 us at [32, 512] against 11 us in two levels of 32)."""
-    return _vocab_block(v) or next((c for c in (32, 16) if v % c == 0 and v >= 4 * c), None)
+    return policy_dist.vocab_block(v) or next((c for c in (32, 16) if v % c == 0 and v >= 4 * c), None)
 
 
 def inverse_cdf(logp_BxV, u_B):
@@ -90,30 +82,15 @@ def inverse_cdf(logp_BxV, u_B):
     return (blk * c + jnp.minimum(idx, last)).astype(jnp.int32)
 
 
-def top_k(x_BxV, k: int):
-    """`lax.top_k` over the last axis (values, ids). At large V it first keeps the k blocks with
-    the largest maxima (every top-k entry lies in one of them) and ranks only their entries:
-    XLA:CPU's TopK scans the whole row serially, a fused block max is far cheaper."""
-    b, v = x_BxV.shape
-    c = _vocab_block(v)
-    if c is None or k > c or k * c >= v:
-        return jax.lax.top_k(x_BxV, k)
-    blocks = x_BxV.reshape(b, v // c, c)
-    # Ascending block order: ties among candidates then go to the lower vocabulary id.
-    chosen = jnp.sort(jax.lax.top_k(blocks.max(-1), k)[1], -1)  # [B, k]
-    cand = jnp.take_along_axis(blocks, chosen[:, :, None], 1).reshape(b, k * c)
-    vals, j = jax.lax.top_k(cand, k)
-    return vals, jnp.take_along_axis(chosen, j // c, 1) * c + j % c
-
-
 def sample(logits_BxV, u_B, cfg: SamplerConfig):
-    """One token per row -> (token, its log-prob, top-K ids, top-K log-probs) of the sampled
-    distribution (greedy when temperature is 0: a point mass, log-prob 0)."""
+    """One token per row -> (token, its log-prob, support size, top-K ids, top-K log-probs) of
+    the sampled distribution (greedy when temperature is 0: a point mass, log-prob 0)."""
     if cfg.temperature == 0:
         tok = jnp.argmax(logits_BxV, -1).astype(jnp.int32)
         logp_all = jnp.where(jnp.arange(logits_BxV.shape[-1])[None, :] == tok[:, None], 0.0, -jnp.inf)
+        kept = jnp.ones(tok.shape, jnp.int32)
     else:
-        logp_all = sampling_logprobs(logits_BxV, cfg)
+        logp_all, kept = sampling_logprobs(logits_BxV, cfg)
         tok = inverse_cdf(logp_all, u_B)
     logp = jnp.take_along_axis(logp_all, tok[:, None], -1)[:, 0]
     if cfg.capture_topk:
@@ -121,4 +98,4 @@ def sample(logits_BxV, u_B, cfg: SamplerConfig):
     else:
         b = logits_BxV.shape[0]
         top_logp, top_ids = jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32)
-    return tok, logp, top_ids.astype(jnp.int32), top_logp
+    return tok, logp, kept, top_ids.astype(jnp.int32), top_logp
