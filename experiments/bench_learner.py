@@ -5,7 +5,13 @@
 Same random-init Qwen2-architecture model as bench_sampler (vocab 512, ~3.4M params), a batch
 of B = 32 sequences x L = 128 tokens (96 trained), 4 minibatch updates per step with the
 GRPO clipped loss and AdamW + global-norm clipping on both sides (PyTorch on every core).
-Also: A-3PO vs decoupled PPO (recompute), prox computation time and whole-step time.
+Also: A-3PO vs decoupled PPO (recompute), prox computation time and whole-step time. The peer
+comparison runs both sides on padded rows (`learner.packing=off`): the same work.
+
+Heavy tail: B = 32 sequences of a 32-token prompt and log-normal completion lengths (median 64,
+sigma 1, clipped to [1, 512]: L = 544), trained packed (`learner.packing=auto`) and padded;
+`packed_vs_padded_heavy_tail` is trained (non-padding) tokens per second packed over padded,
+steps interleaved, median and range over the repeats.
 """
 
 from __future__ import annotations
@@ -26,10 +32,59 @@ from common import flops_per_token, hf_model, matmul_peak_flops, parse_args, rep
 B, LEN, PROMPT, MINIBATCHES = 32, 128, 32, 4
 
 
-def _learner(cfg, name):
+def _learner(cfg, name, packing="off"):
     c = L.default_config()
-    c.lr, c.num_minibatches = 1e-5, MINIBATCHES
+    c.lr, c.num_minibatches, c.packing = 1e-5, MINIBATCHES, packing
     return L.Learner(cfg, {"name": name}, c)
+
+
+def heavy_tail_batch(params, cfg, seed=0, new_max=512, prompt=PROMPT):
+    """Model-consistent batch whose completion lengths are log-normal (median 64, sigma 1)."""
+    rng = np.random.default_rng(seed)
+    length = prompt + new_max
+    batch = testing.model_batch(params, cfg, seed=seed, num_prompts=B // 8, group_size=8, length=length,
+                                prompt=prompt, topk=0, version=4, max_staleness=4)
+    gen = np.clip(np.round(rng.lognormal(np.log(64), 1.0, B)), 1, new_max).astype(int)
+    cols = np.arange(length)[None, :]
+    loss = ((cols >= prompt) & (cols < prompt + gen[:, None])).astype(np.float32)
+    inp = np.maximum(loss, (cols < prompt).astype(np.float32))
+    m = jax.numpy.asarray(loss)
+    return batch.replace(input_mask=jax.numpy.asarray(inp), loss_mask=m, behav_logp=batch.behav_logp * m,
+                         advantages=batch.advantages * m), gen
+
+
+def time_heavy_tail(cfg, params, repeats):
+    """Trained tokens/s of packed over padded steps on the heavy-tailed batch, interleaved."""
+    batch, gen = heavy_tail_batch(params, cfg)
+    trained = float(gen.sum())
+    runs = {}
+    for mode in ("auto", "off"):
+        lrn = _learner(cfg, "ppo", mode)
+        state, _ = lrn.train_step(lrn.init(jax.random.key(0), params=params), batch)  # compile
+        runs[mode] = [lrn, state, []]
+    for _ in range(repeats):
+        for mode in ("auto", "off"):
+            lrn, state, times = runs[mode]
+            t = time.perf_counter()
+            state, _ = lrn.train_step(state, batch)
+            jax.block_until_ready(state.params)
+            times.append(time.perf_counter() - t)
+            runs[mode][1] = state
+    ratios = np.array(runs["off"][2]) / np.array(runs["auto"][2])
+    from jaxrl_llm import packing as packing_lib
+    plan = packing_lib.plan(batch.input_mask, MINIBATCHES)
+    rows = plan.rows * MINIBATCHES if plan is not None else B
+    return {
+        "heavy_tail_trained_tokens": trained,
+        "heavy_tail_mean_completion": float(gen.mean()),
+        "heavy_tail_packed_rows": rows,
+        "heavy_tail_padded_rows": B,
+        "packed_tokens_per_s": trained / float(np.median(runs["auto"][2])),
+        "padded_tokens_per_s": trained / float(np.median(runs["off"][2])),
+        "packed_vs_padded_heavy_tail": float(np.median(ratios)),
+        "packed_vs_padded_heavy_tail_min": float(ratios.min()),
+        "packed_vs_padded_heavy_tail_max": float(ratios.max()),
+    }
 
 
 def time_ours(cfg, params, batch, names, repeats):
@@ -130,6 +185,7 @@ def main():
         "a3po_prox_speedup": prox_dec / prox_a3po,
         "a3po_step_speedup": t_dec / t_a3po,
     }
+    res.update(time_heavy_tail(cfg, params, max(args.repeats, 5)))
     report(res, args.json)
 
 

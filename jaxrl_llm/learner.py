@@ -27,7 +27,10 @@ import ml_collections
 import optax
 from flax import struct
 
-from jaxrl_llm import distributed, objectives, sharding
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_llm import distributed, objectives, packing, sharding
 from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch
 from jaxrl_llm.models import decoder, heads
 from jaxrl_llm.models.config import ModelConfig
@@ -59,6 +62,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.lr = 1e-5
     c.b1, c.b2, c.eps, c.weight_decay = 0.9, 0.999, 1e-8, 0.0
     c.max_grad_norm = 1.0
+    c.max_bad_steps = 10  # the run stops after this many steps in a row skipped a non-finite update (0: never)
     c.schedule = "constant"  # constant | cosine (with warmup_steps, total_steps updates)
     c.warmup_steps = 0
     c.total_steps = 1000
@@ -68,6 +72,9 @@ def default_config() -> ml_collections.ConfigDict:
     #   models/policy_dist.py), so fresh tokens have ratio 1. full: the full temperature softmax
     #   (under top-k / top-p every fresh ratio is then the kept mass, < 1).
     c.policy_dist = "sampled"
+    # auto: the decoder runs on packed rows (packing.py) when that removes rows (one process;
+    #   objectives still see the padded layout). off: always the padded layout.
+    c.packing = "auto"
     c.ref_swap_every = 0  # S: copy params into the reference every S steps (0: never)
     c.seed = 0
     return c
@@ -133,6 +140,7 @@ class Learner:
         self.cfg = learner_cfg or default_config()
         check_choice("learner.policy_dist", self.cfg.policy_dist, ("sampled", "full"))
         self.dist = dist if self.cfg.policy_dist == "sampled" else PolicyDist(dist.temperature)
+        check_choice("learner.packing", self.cfg.packing, ("auto", "off"))
         self.obj_cfg = objectives.make_config(objective_cfg)
         self.objective = objectives.get(self.obj_cfg.name)
         self.needs = objectives.required_passes(self.obj_cfg)
@@ -223,26 +231,45 @@ class Learner:
         return jax.device_put(state, shardings)
 
     # ------------------------------------------------------------------ passes
-    def _stats(self, params, batch, topk=0, gather=True, return_hidden=False):
+    def _stats(self, params, batch, topk=0, gather=True, return_hidden=False, plan=None):
+        """Per-token stats in the padded [B, L] layout; with a (one-minibatch) `plan` the
+        decoder runs on the packed rows and the results are scattered back."""
         self.forward_traces += 1
         gather_ids = batch.topk_ids if gather and batch.topk > 0 else None
-        return heads.sequence_logprobs(params, self.model_cfg, batch.tokens, batch.input_mask,
-                                       dist=self.dist, kept_BxL=batch.behav_kept, topk=topk, gather_ids_BxLxK=gather_ids,
-                                       chunk=self.cfg.logprob_chunk, return_hidden=return_hidden)
+        kw = dict(dist=self.dist, topk=topk, chunk=self.cfg.logprob_chunk, return_hidden=return_hidden)
+        if plan is None:
+            return heads.sequence_logprobs(params, self.model_cfg, batch.tokens, batch.input_mask,
+                                           kept_BxL=batch.behav_kept, gather_ids_BxLxK=gather_ids, **kw)
+        rows = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(sharding.BATCH_AXES)))
+        pack = lambda x: None if x is None else rows(packing.pack(x, plan.src))
+        s = heads.sequence_logprobs(params, self.model_cfg, pack(batch.tokens), kept_BxL=pack(batch.behav_kept),
+                                    gather_ids_BxLxK=pack(gather_ids),
+                                    segments=(rows(plan.segment), rows(plan.position)), **kw)
+        return {k: packing.unpack(v, plan.dst) for k, v in s.items()}
 
-    def _prox_pass(self, params, batch):
+    def _batch_stats(self, params, batch, plan, **kw):
+        """`_stats` over a whole batch: with a plan, minibatch by minibatch (plans are per
+        minibatch), the results concatenated back to [B, ...]."""
+        if plan is None:
+            return self._stats(params, batch, **kw)
+        m = plan.src.shape[0]
+        mbs = jax.tree_util.tree_map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+        out = jax.lax.map(lambda a: self._stats(params, a[0], plan=a[1], **kw), (mbs, plan))
+        return jax.tree_util.tree_map(lambda y: y.reshape(-1, *y.shape[2:]), out)
+
+    def _prox_pass(self, params, batch, plan):
         """pi_prox = the policy at the start of the step (decoupled PPO's recompute pass)."""
-        s = self._stats(params, batch, gather="prox_topk_logp" in self.needs)
+        s = self._batch_stats(params, batch, plan, gather="prox_topk_logp" in self.needs)
         return s["logp"], s.get("logp_at_ids")
 
-    def _ref_pass(self, ref_params, batch):
-        return self._stats(ref_params, batch, gather=False)["logp"]
+    def _ref_pass(self, ref_params, batch, plan):
+        return self._batch_stats(ref_params, batch, plan, gather=False)["logp"]
 
-    def _loss(self, params, batch, version, rng):
+    def _loss(self, params, batch, version, rng, plan=None):
         """Objective loss; aux = (metrics, sg(final hidden states)), the latter handed to the
         auxiliary model's loss instead of a second policy forward."""
         topk = batch.topk if "topk" in self.needs else 0
-        s = self._stats(params, batch, topk=topk, return_hidden=self.aux is not None)
+        s = self._stats(params, batch, topk=topk, return_hidden=self.aux is not None, plan=plan)
         policy = PolicyOutput(logp=s["logp"], version=version, entropy=s["entropy"],
                               logp_at_behav_topk=s.get("logp_at_ids"), topk_ids=s.get("topk_ids"),
                               topk_logp=s.get("topk_logp"), rng=rng)
@@ -260,7 +287,7 @@ class Learner:
             metrics["kl_behav/topk"] = masked_mean(kl, mask)
         return loss, (metrics, jax.lax.stop_gradient(s.get("hidden")))
 
-    def _train_step(self, state: TrainState, batch: TrajectoryBatch):
+    def _train_step(self, state: TrainState, batch: TrajectoryBatch, plan: Optional[packing.PackPlan] = None):
         self.step_traces += 1
         m_count = self.cfg.num_minibatches
         mbs = jax.tree_util.tree_map(lambda x: x.reshape(m_count, x.shape[0] // m_count, *x.shape[1:]), batch)
@@ -271,11 +298,11 @@ class Learner:
             new_params = optax.apply_updates(params, updates)
             return _select(ok, new_params, params), _select(ok, new_opt, opt_state), ok, updates
 
-        def one(carry, mb):
-            st = carry
+        def one(carry, xs):
+            st, (mb, pl) = carry, xs
             rng = jax.random.fold_in(st.rng, st.step)
             (loss, (metrics, hidden)), grads = jax.value_and_grad(self._loss, has_aux=True)(
-                st.params, mb, st.version, rng)
+                st.params, mb, st.version, rng, pl)
             params, opt_state, ok, updates = update(st.params, st.opt_state, grads, loss)
             metrics.update({"grad_norm": optax.global_norm(grads), "update_norm": optax.global_norm(updates)})
             aux = st.aux
@@ -290,7 +317,7 @@ class Learner:
                             skipped=st.skipped + (~ok).astype(jnp.int32))
             return st, metrics
 
-        state, ms = jax.lax.scan(one, state, mbs)
+        state, ms = jax.lax.scan(one, state, (mbs, plan))
         metrics = _reduce_metrics(ms)
         metrics["param_norm"] = optax.global_norm(state.params)
         metrics["trained_tokens"] = batch.loss_mask.sum()
@@ -298,7 +325,8 @@ class Learner:
 
     # ------------------------------------------------------------------ host API
     def prepare(self, state: TrainState, batch: TrajectoryBatch):
-        """Validate, shard, and run the extra passes the objective needs. Returns (batch, timings)."""
+        """Validate, plan the packing, shard, and run the extra passes the objective needs.
+        Returns (batch, plan or None, timings)."""
         batch.validate()
         b = batch.shape[0] * distributed.count()  # every process contributes its rows
         if b % self.cfg.num_minibatches:
@@ -306,24 +334,33 @@ class Learner:
                              f"num_minibatches={self.cfg.num_minibatches}")
         if batch.input_mask is None:
             batch = batch.replace(input_mask=jnp.ones(batch.shape, jnp.float32))
+        plan = None
+        if self.cfg.packing == "auto" and distributed.count() == 1:
+            plan = packing.plan(jax.device_get(batch.input_mask), self.cfg.num_minibatches,
+                                multiple=sharding.batch_size(self.mesh))
         batch = sharding.shard_batch(batch, self.mesh)
+        if plan is not None:  # packed rows split over the batch axes like the batch's rows
+            row_sh = NamedSharding(self.mesh, P(None, sharding.BATCH_AXES))
+            plan = plan.replace(src=jax.device_put(plan.src, row_sh), segment=jax.device_put(plan.segment, row_sh),
+                                position=jax.device_put(plan.position, row_sh),
+                                dst=jax.device_put(plan.dst, sharding.replicated(self.mesh)))
         timings = {}
         if "prox_logp" in self.needs:
             t = time.perf_counter()
-            prox, prox_topk = jax.block_until_ready(self._prox(state.params, batch))
+            prox, prox_topk = jax.block_until_ready(self._prox(state.params, batch, plan))
             timings["prox_time_s"] = time.perf_counter() - t
             batch = batch.replace(prox_logp=prox, prox_topk_logp=prox_topk)
         else:
             timings["prox_time_s"] = 0.0
         if "ref_logp" in self.needs:
-            batch = batch.replace(ref_logp=self._ref(state.ref_params, batch))
-        return batch, timings
+            batch = batch.replace(ref_logp=self._ref(state.ref_params, batch, plan))
+        return batch, plan, timings
 
     def train_step(self, state: TrainState, batch: TrajectoryBatch):
         """One training step (num_minibatches updates). Returns (new_state, metrics)."""
         t0 = time.perf_counter()
-        batch, timings = self.prepare(state, batch)
-        state, metrics = self._step(state, batch)
+        batch, plan, timings = self.prepare(state, batch)
+        state, metrics = self._step(state, batch, plan)
         metrics = jax.device_get(metrics)
         tokens = float(metrics.pop("trained_tokens"))  # over the global batch, from the step itself
         if self.cfg.ref_swap_every and int(state.version) % self.cfg.ref_swap_every == 0:

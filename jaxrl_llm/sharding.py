@@ -74,6 +74,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
+def batch_size(mesh: Mesh) -> int:
+    """How many ways the batch's rows are split (the product of the batch axes)."""
+    return int(np.prod([mesh.shape[a] for a in BATCH_AXES if a in mesh.shape]))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -18,6 +18,7 @@ CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layer
 def _learner(objective, mesh=None, **lc):
     c = L.default_config()
     c.lr, c.num_minibatches = 3e-3, 2
+    c.packing = "off"  # one program per shape here; packed steps: tests/test_packing.py
     c.update(lc)
     return L.Learner(CFG, objective, c, mesh=mesh)
 
@@ -70,7 +71,7 @@ def test_prox_pass_equals_policy_at_step_start_and_a3po_adds_no_forward():
     dec = _learner({"name": "decoupled_ppo"})
     st = dec.init(jax.random.key(2))
     batch = testing.model_batch(st.params, CFG, seed=3)
-    prepared, timings = dec.prepare(st, batch)
+    prepared, _, timings = dec.prepare(st, batch)
     want = models.sequence_logprobs(st.params, CFG, batch.tokens, batch.input_mask)["logp"]
     np.testing.assert_allclose(np.asarray(prepared.prox_logp), np.asarray(want), atol=1e-6)
     assert timings["prox_time_s"] > 0

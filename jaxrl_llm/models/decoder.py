@@ -211,3 +211,19 @@ def forward(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL):
     hidden, _ = Decoder(cfg).apply(
         {"params": params}, tokens_BxL, padding_positions(input_mask_BxL), causal_mask(input_mask_BxL))
     return hidden
+
+
+def segment_mask(segment_BxL):
+    """[B, L, L] attention mask of packed rows: causal, within one segment, never onto padding
+    (segment 0). A padding query attends nothing (its output is finite and unused)."""
+    length = segment_BxL.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    same = segment_BxL[:, :, None] == segment_BxL[:, None, :]
+    return causal[None] & same & (segment_BxL[:, None, :] > 0)
+
+
+def forward_packed(params, cfg: ModelConfig, tokens_BxL, segment_BxL, position_BxL):
+    """Full-sequence forward over packed rows (several sequences per row, `packing.py`)."""
+    hidden, _ = Decoder(cfg).apply({"params": params}, tokens_BxL, position_BxL, segment_mask(segment_BxL))
+    return hidden
+
