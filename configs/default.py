@@ -43,6 +43,10 @@ def get_config(arg: str = "a3po"):
     c.runtime.max_staleness = 4
     c.mesh = sharding.default_config()
     c.distributed = distributed.default_config()  # many hosts: see README "Many hosts"
+    # resume: auto continues from the newest readable checkpoint in the workdir (damaged newer
+    # ones are reported and moved aside); fresh moves the checkpoints aside and starts over.
+    # preempt_grace_s: after SIGTERM / Ctrl-C, the seconds the final save may take.
     c.train = ml_collections.ConfigDict(dict(steps=300, eval_every=50, save_every=50, keep=2,
-                                             tensorboard=True, progress=True))
+                                             tensorboard=True, progress=True, resume="auto",
+                                             preempt_grace_s=30.0))
     return c

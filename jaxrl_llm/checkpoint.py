@@ -13,7 +13,31 @@ from typing import Optional
 import jax
 import orbax.checkpoint as ocp
 
+from jaxrl_llm import distributed
 from jaxrl_llm.learner import TrainState
+
+
+class CheckpointError(RuntimeError):
+    """Checkpoints exist but none can be restored."""
+
+
+def _move_aside(path: str) -> str:
+    aside, n = path + ".damaged", 1
+    while os.path.exists(aside):
+        aside, n = f"{path}.damaged{n}", n + 1
+    os.rename(path, aside)
+    return aside
+
+
+def move_all_aside(directory: str) -> Optional[str]:
+    """`--config.train.resume=fresh`: the whole checkpoint directory is renamed, not deleted."""
+    if not os.path.isdir(directory) or not os.listdir(directory):
+        return None
+    aside, n = directory + ".old", 1
+    while os.path.exists(aside):
+        aside, n = f"{directory}.old{n}", n + 1
+    os.rename(directory, aside)
+    return aside
 
 
 class Checkpointer:
@@ -39,6 +63,29 @@ class Checkpointer:
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, template)
         return self.manager.restore(version, args=ocp.args.StandardRestore(abstract))
 
+
+    def restore_newest_readable(self, template: TrainState, log=print) -> Optional[TrainState]:
+        """The newest checkpoint that restores, or None when there is none at all. A damaged
+        newer one (truncated, overwritten, a file missing) is reported by version and path and
+        moved aside to `<version>.damaged` (kept for inspection, out of the manager's view);
+        with checkpoints present but none readable, CheckpointError names the directory."""
+        tried = []
+        for version in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                return self.restore(template, version)
+            except Exception as e:  # orbax/tensorstore raise many types for damaged files
+                path = os.path.join(self.directory, str(version))
+                aside = _move_aside(path) if distributed.is_main() else path + ".damaged"
+                msg = str(e).splitlines()[0][:200] if str(e) else ""
+                log(f"checkpoint at version {version} ({path}) is unreadable ({type(e).__name__}: {msg}); "
+                    f"moved to {aside}, trying the previous one")
+                tried.append(version)
+                self.manager.reload()
+        if tried:
+            raise CheckpointError(
+                f"no readable checkpoint in {self.directory} (damaged versions {tried}, moved aside as "
+                "<version>.damaged); --config.train.resume=fresh starts afresh and keeps them")
+        return None
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

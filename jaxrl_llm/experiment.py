@@ -4,6 +4,9 @@ evaluation, metrics, checkpoints (resumed automatically from the workdir)."""
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
 import time
 
 import jax
@@ -11,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm import learner as learner_lib
-from jaxrl_llm import distributed, models, objectives, sharding, tasks
+from jaxrl_llm import checkpoint, distributed, models, objectives, sharding, tasks
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.metrics import MetricsWriter, Progress
 from jaxrl_llm.rollout import Sampler, SamplerConfig
@@ -19,6 +22,77 @@ from jaxrl_llm.runtime import orchestrator
 from jaxrl_llm.tasks import warmstart
 
 _MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+class Preempted(KeyboardInterrupt):
+    """SIGTERM arrived: take the Ctrl-C path once the step in flight is recorded."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Grace:
+    """Preemption. SIGTERM only sets a flag: the run stops after the step in flight has been
+    trained and logged (`check`, from the metrics callback), so the checkpoint and
+    metrics.jsonl agree. From the first signal (or Ctrl-C) the run has `seconds` to save and
+    clean up; past that the process exits anyway (code 1, saying so), so a preempted run never
+    outlives its grace period. Exit codes (main.py): 128 + signal number, i.e. 143 / 130."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.previous, self.timer, self.signum = seconds, None, None, None
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum or signal.SIGINT).name
+
+    def install(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {signal.SIGINT: signal.getsignal(signal.SIGINT),
+                             signal.SIGTERM: signal.signal(signal.SIGTERM, self._requested)}
+
+    def _requested(self, signum, frame):
+        if self.signum is None:
+            self.signum = signum
+            self._start_timer()
+
+    def check(self):
+        if self.signum is not None:
+            raise Preempted(self.signum)
+
+    def start(self, exc):
+        """In the interrupt handler: the save begins; further signals must not break it."""
+        if self.signum is None:
+            self.signum = getattr(exc, "signum", signal.SIGINT)
+            self._start_timer()
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def _start_timer(self):
+        def expire():
+            sys.stderr.write(f"{self.signal_name}: the run did not save and exit within {self.seconds:g} s "
+                             "(train.preempt_grace_s); exiting without a final checkpoint\n")
+            sys.stderr.flush()
+            os._exit(1)
+
+        self.timer = threading.Timer(self.seconds, expire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def uninstall(self):
+        if self.previous is not None:
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
+            self.previous = None
+
+    def cancel(self):
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+class BadStepsError(RuntimeError):
+    """Too many consecutive training steps with non-finite loss or gradients."""
 
 
 def validate(config) -> None:
@@ -38,6 +112,8 @@ def validate(config) -> None:
                          "--config.aux_model.hidden_size=0 and --config.aux_model.hf_path='')")
     if config.train.steps < 1 or config.train.eval_every < 1:
         raise ValueError("train.steps and train.eval_every must be >= 1")
+    if config.train.get("resume", "auto") not in ("auto", "fresh"):
+        raise ValueError(f"unknown train.resume {config.train.resume!r}; valid: auto, fresh")
 
 
 def devices(config):
@@ -129,12 +205,18 @@ def run(config, workdir: str, log=None) -> dict:
     t_start = time.time()
     b = build(config)
     task, lrn, orch = b["task"], b["learner"], b["orchestrator"]
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.save_every,
-                        keep=config.train.keep)
+    ckdir, notes = os.path.join(workdir, "checkpoints"), []
+    if config.train.get("resume", "auto") == "fresh" and distributed.is_main():
+        aside = checkpoint.move_all_aside(ckdir)
+        if aside:
+            notes.append(f"starting afresh: earlier checkpoints moved to {aside}")
+    distributed.agree(0)  # nobody opens the directory while process 0 moves it
+    ckpt = Checkpointer(ckdir, save_every=config.train.save_every, keep=config.train.keep)
     key = jax.random.key(config.seed)
-    resumed = ckpt.latest_version() is not None
+    restored = ckpt.restore_newest_readable(lrn.init(key), log=notes.append)
+    resumed = restored is not None
     if resumed:
-        state = lrn.place(ckpt.restore(lrn.init(key)))
+        state = lrn.place(restored)
     else:
         params = _initial_params(config, b["params"], b["model_cfg"], task, key)
         aux = (_initial_params(config, b["aux_params"], b["aux_cfg"], task, jax.random.fold_in(key, 1))
@@ -150,6 +232,8 @@ def run(config, workdir: str, log=None) -> dict:
     progress = Progress(config.train.steps, int(state.version),
                         enabled=None if config.train.progress and log is None and main else False)  # None: a tty
     log = log or (progress.write if main else (lambda line: None))
+    for note in notes:
+        log(note)
     if resumed:
         log(f"resumed from {workdir} at version {int(state.version)}")
     # Each process evaluates its share of the held-out set; the mean is over all of it.
@@ -173,16 +257,37 @@ def run(config, workdir: str, log=None) -> dict:
     if int(state.version) == 0:
         summary["eval/reward_start"] = evaluate(state)["eval/reward"]
 
+    bad = {"run": 0, "skipped": int(state.skipped)}
+
+    def stop_after_bad_steps(m):
+        """Non-finite updates are skipped; `learner.max_bad_steps` steps in a row with a skipped
+        update stop the run instead of training on forever."""
+        skipped = int(m["skipped_updates"])
+        bad["run"] = bad["run"] + 1 if skipped > bad["skipped"] else 0
+        bad["skipped"] = skipped
+        limit = config.learner.max_bad_steps
+        if limit and bad["run"] >= limit:
+            raise BadStepsError(
+                f"{bad['run']} consecutive steps up to step {int(m['version'])} had a non-finite loss or gradient "
+                f"(their updates were skipped); last good checkpoint: version {ckpt.latest_version()} in "
+                f"{ckpt.directory}. Check the rewards, the learning rate and the data; raise "
+                "--config.learner.max_bad_steps (0: never stop) to tolerate more")
+
     def on_metrics(m):
+        stop_after_bad_steps(m)
         rec = {"step": int(m["version"]), "time_s": time.time() - t_start}
         rec.update({k: v for k, v in m.items() if isinstance(v, (int, float, list))})
         writer.write(rec)
         progress.update(rec["step"], m)
         if not progress.enabled:
-            log(f"step {rec['step']:4d} reward={m['reward/mean']:.3f} loss={m['loss']:+.4f} "
-                f"staleness={m['staleness/mean']:.2f} tok/s={m['tokens_per_s']:.0f}")
+            g = lambda k: m.get(k, float("nan"))  # noqa: E731  (an objective may log less)
+            log(f"step {rec['step']:4d} reward={g('reward/mean'):.3f} loss={g('loss'):+.4f} "
+                f"staleness={g('staleness/mean'):.2f} tok/s={g('tokens_per_s'):.0f}")
+        grace.check()  # preempted: stop here, with this step trained and recorded
 
+    grace = _Grace(config.train.get("preempt_grace_s", 30.0))
     try:
+        grace.install()
         while int(state.version) < config.train.steps:
             v, t = int(state.version), config.train
             todo = min(t.eval_every - v % t.eval_every, t.save_every - v % t.save_every, t.steps - v)
@@ -190,16 +295,20 @@ def run(config, workdir: str, log=None) -> dict:
             ckpt.save(state)
             if int(state.version) % config.train.eval_every == 0 or int(state.version) == config.train.steps:
                 summary["eval/reward"] = evaluate(state)["eval/reward"]
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (preemption) through `_Grace`
+        grace.start(e)
         state = orch.state or state  # `state` itself may have been donated mid-chunk
-        log(f"interrupted at version {int(state.version)}: saving a checkpoint")
+        log(f"interrupted ({grace.signal_name}) at version {int(state.version)}: saving a checkpoint")
         ckpt.save(state, force=True)
+        summary["interrupted_by"] = grace.signal_name
     finally:
+        grace.uninstall()
         progress.close()
         ckpt.close()
         writer.close()
         if hasattr(task, "close"):  # e.g. the math task's scoring process
             task.close()
+        grace.cancel()
     summary.update(version=int(state.version), time_s=time.time() - t_start,
                    reward_failures=orch.reward_failures)
     return summary

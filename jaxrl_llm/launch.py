@@ -50,26 +50,39 @@ def run(cmds: list, out=sys.stdout) -> int:
     pumps = [threading.Thread(target=_pump, args=(i, p.stdout, out), daemon=True) for i, p in enumerate(procs)]
     for t in pumps:
         t.start()
-    forward = lambda sig, _frame: [p.send_signal(sig) for p in procs if p.poll() is None]  # noqa: E731
-    old = signal.signal(signal.SIGINT, forward)
+    signalled = []
+
+    def forward(sig, _frame):  # Ctrl-C / preemption: every process saves and exits by itself
+        signalled.append(sig)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         failed = None
         while failed is None:
             codes = [p.poll() for p in procs]  # poll every process: returncode is set by poll()
-            failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
+            if not signalled:
+                failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
             if all(c is not None for c in codes):
+                failed = failed or next(((i, c) for i, c in enumerate(codes) if c != 0), None)
                 break
             time.sleep(0.2)
-        if failed:
+        if failed and not signalled:
             _end(procs)
     finally:
-        signal.signal(signal.SIGINT, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
         for t in pumps:
             t.join(timeout=5)
     if failed:
         i, code = failed
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        out.write(f"launch: process {i} died first ({how}); ended the others\n")
+        if signalled:  # the processes' own exit code (130 / 143: saved, resumable)
+            out.write(f"launch: stopped by {signal.Signals(signalled[0]).name} ({how} from process {i})\n")
+        else:
+            out.write(f"launch: process {i} died first ({how}); ended the others\n")
         return code if code > 0 else 1
     return 0
 

@@ -3,6 +3,9 @@
 Logic lives in jaxrl_llm/experiment.py; this file only parses flags.
 """
 
+import signal
+import sys
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -20,6 +23,8 @@ def main(argv):
     summary = experiment.run(CONFIG.value, WORKDIR.value)
     if distributed.is_main():
         print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
+    if "interrupted_by" in summary:  # saved and resumable: 130 after Ctrl-C, 143 after SIGTERM
+        sys.exit(128 + signal.Signals[summary["interrupted_by"]].value)
 
 
 if __name__ == "__main__":

@@ -115,3 +115,20 @@ def test_launcher_names_the_process_that_died_first():
     t = time.monotonic()
     assert launch.run(cmds, out=Out()) == 3 and time.monotonic() - t < 30  # the sleeper was ended
     assert any("process 1 died first (exit code 3)" in line for line in lines)
+
+
+def test_launcher_forwards_sigterm_and_lets_every_process_save():
+    """Preemption of the launcher: each process gets SIGTERM, finishes its save (here: 1 s) and
+    exits 143; the launcher waits for all of them instead of ending the slower one."""
+    child = ("import signal, sys, time\n"
+             "def done(*_):\n    time.sleep(1.0 + float(sys.argv[1])); print('saved', flush=True); sys.exit(143)\n"
+             "signal.signal(signal.SIGTERM, done)\nprint('ready', flush=True)\ntime.sleep(60)\n")
+    parent = (f"import sys; from jaxrl_llm import launch; child = {child!r}\n"
+              "sys.exit(launch.run([[sys.executable, '-c', child, str(i)] for i in range(2)]))")
+    p = subprocess.Popen([sys.executable, "-c", parent], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+    seen = [p.stdout.readline() for _ in range(2)]  # both children have their handler installed
+    assert all("ready" in line for line in seen), seen
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 143, out
+    assert out.count("saved") == 2 and "stopped by SIGTERM" in out, out

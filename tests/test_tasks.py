@@ -30,6 +30,17 @@ def test_tokenizer_round_trip_and_rewards():
         A.encode("1/2")
 
 
+def test_digits_reward_gives_partial_credit():
+    task = A.Arithmetic(digits=2, reward_kind="digits")
+    prompt = [A.BOS] + A.encode("37+48=")  # 85
+    assert task.reward(prompt, A.encode("85") + [A.EOS]) == 1.0
+    assert task.reward(prompt, A.encode("84") + [A.EOS]) == 0.5
+    assert task.reward(prompt, A.encode("850") + [A.EOS]) == pytest.approx(2 / 3)  # too long: penalised
+    assert task.reward(prompt, [A.EOS]) == 0.0
+    with pytest.raises(ValueError, match="valid: exact, digits"):
+        A.Arithmetic(reward_kind="partial")
+
+
 def test_warm_start_learns_and_accuracy_is_measured():
     task = A.Arithmetic(digits=1, ops="+", eval_size=32)
     cfg = ModelConfig(vocab_size=A.VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -42,3 +53,15 @@ def test_warm_start_learns_and_accuracy_is_measured():
     after = warmstart.accuracy(params, greedy, task, task.eval_prompts())
     assert np.mean(losses[-20:]) < 0.5 * np.mean(losses[:5])
     assert after > before + 0.3, (before, after)
+
+
+def test_raising_and_non_finite_rewards_score_zero_and_are_counted():
+    from jaxrl_llm import tasks
+
+    class Task:
+        def reward(self, prompt, completion):
+            return {0: 1.0, 1: float("nan"), 2: float("inf")}.get(completion[0]) if completion[0] < 3 else 1 / 0
+
+    tokens = np.array([[0], [1], [2], [3]])
+    rewards, failures = tasks.score(Task(), [[9]] * 4, tokens, np.ones_like(tokens, bool), 1)
+    assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0] and failures == 3

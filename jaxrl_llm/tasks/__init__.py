@@ -19,8 +19,8 @@ def default_config() -> ml_collections.ConfigDict:
     """Every task's fields, so any of them can be set from the command line."""
     return ml_collections.ConfigDict(dict(
         name="arithmetic", eval_size=128,
-        # arithmetic
-        digits=2, ops="+",
+        # arithmetic (reward: exact | digits, partial credit per answer position)
+        digits=2, ops="+", reward="exact",
         # math: a local dataset path; the tokenizer comes from model.hf_path unless `tokenizer` is set
         path="", tokenizer="", split="train", eval_split="test", question_key="", answer_key="",
         max_prompt_len=512, max_answer_len=512, chat_template=True, system_prompt="",
@@ -46,7 +46,7 @@ def make(c, hf_path: str = ""):
     if c.name == "arithmetic":
         from jaxrl_llm.tasks.arithmetic import Arithmetic
 
-        return Arithmetic(digits=c.digits, ops=c.ops, eval_size=c.eval_size)
+        return Arithmetic(digits=c.digits, ops=c.ops, eval_size=c.eval_size, reward_kind=c.reward)
     from jaxrl_llm.models import load_tokenizer
     from jaxrl_llm.tasks.math_dataset import MathDataset
 
@@ -59,11 +59,16 @@ def make(c, hf_path: str = ""):
 
 def score(task, prompts, tokens, mask, num_samples: int):
     """Rewards of a sampled batch (row i answers prompts[i // num_samples]) and how many
-    reward calls failed; a failure scores 0 and never stops the run."""
+    reward calls failed (raised, or returned a non-finite value); a failure scores 0 and never
+    stops the run."""
     rewards, failures = np.zeros(len(tokens), np.float32), 0
     for i in range(len(tokens)):
         try:
-            rewards[i] = float(task.reward(prompts[i // num_samples], tokens[i][mask[i]].tolist()))
+            r = float(task.reward(prompts[i // num_samples], tokens[i][mask[i]].tolist()))
         except Exception:
+            r = float("nan")
+        if np.isfinite(r):
+            rewards[i] = r
+        else:
             failures += 1
     return rewards, failures

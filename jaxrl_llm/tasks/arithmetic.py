@@ -1,7 +1,9 @@
 """Embedded verifiable task: multi-digit arithmetic with a character tokenizer (no download).
 
 Prompt "<bos>37+48=", answer "85<eos>"; reward 1 for an exact match of the completion up to
-the first <eos>, else 0. Difficulty: number of digits per operand and the operators.
+the first <eos>, else 0 (`reward="digits"`: partial credit, the fraction of answer positions
+right, over the longer of answer and completion: a dense signal for tiny models and tests).
+Difficulty: number of digits per operand and the operators.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Arithmetic:
     ops: str = "+"
     eval_size: int = 64
     eval_seed: int = 12345
+    reward_kind: str = "exact"  # exact | digits
 
     def __post_init__(self):
         bad = sorted(set(self.ops) - set(OPS))
@@ -50,6 +53,8 @@ class Arithmetic:
             raise ValueError(f"unknown operator(s) {bad}; valid: {', '.join(OPS)}")
         if self.digits < 1:
             raise ValueError("digits must be >= 1")
+        if self.reward_kind not in ("exact", "digits"):
+            raise ValueError(f"unknown task.reward {self.reward_kind!r}; valid: exact, digits")
 
     eos_id, pad_id, vocab_size = EOS, PAD, VOCAB_SIZE
 
@@ -83,7 +88,10 @@ class Arithmetic:
         raise ValueError(f"not an arithmetic prompt: {text!r}")
 
     def reward(self, prompt: Sequence[int], completion: Sequence[int]) -> float:
-        return float(decode(completion) == self.answer(prompt))
+        got, want = decode(completion), self.answer(prompt)
+        if self.reward_kind == "exact":
+            return float(got == want)
+        return sum(a == b for a, b in zip(got, want)) / max(len(got), len(want))
 
     def eval_prompts(self) -> list[list[int]]:
         """A fixed held-out set (its own seed, disjoint from training draws in practice)."""
