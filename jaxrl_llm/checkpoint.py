@@ -50,7 +50,10 @@ class Checkpointer:
     def save(self, state: TrainState, force: bool = False) -> bool:
         """Save if the version is on the save interval, or nothing is saved yet, or `force`.
         Returns whether it saved."""
-        return self.manager.save(int(state.version), args=ocp.args.StandardSave(state), force=force)
+        try:
+            return self.manager.save(int(state.version), args=ocp.args.StandardSave(state), force=force)
+        except OSError as e:  # disk full, no permission, ...: stop clearly; the previous one stays
+            raise self._write_error(int(state.version), e) from e
 
     def latest_version(self) -> Optional[int]:
         return self.manager.latest_step()
@@ -87,9 +90,19 @@ class Checkpointer:
                 "<version>.damaged); --config.train.resume=fresh starts afresh and keeps them")
         return None
 
+    def _write_error(self, version: int, e: OSError) -> "CheckpointError":
+        previous = [v for v in self.manager.all_steps() if v < version]
+        kept = f"version {max(previous)} is intact and resumes" if previous else "no earlier checkpoint exists"
+        return CheckpointError(f"saving the checkpoint of version {version} in {self.directory} failed "
+                               f"({type(e).__name__}: {e}); {kept}. Free space or fix permissions, then run again")
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.manager.wait_until_finished()  # an asynchronous write's error surfaces here
+        except OSError as e:
+            raise self._write_error(-1 if self.latest_version() is None else self.latest_version() + 1, e) from e
+        finally:
+            self.manager.close()

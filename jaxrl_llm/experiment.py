@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm import learner as learner_lib
-from jaxrl_llm import checkpoint, distributed, models, objectives, sharding, tasks
+from jaxrl_llm import checkpoint, distributed, models, objectives, paths, sharding, tasks
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.metrics import MetricsWriter, Progress
 from jaxrl_llm.rollout import Sampler, SamplerConfig
@@ -98,6 +98,7 @@ class BadStepsError(RuntimeError):
 def validate(config) -> None:
     """Fail at startup, naming what to change."""
     tasks.validate(config.task, config.model.hf_path)
+    paths.check(config)
     obj = objectives.make_config(config.objective)
     orchestrator.validate(config.runtime)
     needs = objectives.required_passes(obj)
@@ -201,6 +202,7 @@ def _initial_params(config, params, cfg, task, key):
 def run(config, workdir: str, log=None) -> dict:
     """Train `config` in `workdir` (resuming from its checkpoints) and return a summary.
     `log(line)` receives progress lines; by default they go beside a tqdm bar on a terminal."""
+    paths.check(config, workdir)  # before anything is built or written
     os.makedirs(workdir, exist_ok=True)
     t_start = time.time()
     b = build(config)
@@ -302,13 +304,19 @@ def run(config, workdir: str, log=None) -> dict:
         ckpt.save(state, force=True)
         summary["interrupted_by"] = grace.signal_name
     finally:
+        inflight = sys.exc_info()[1]  # an error already on its way out is the one to report
         grace.uninstall()
         progress.close()
-        ckpt.close()
-        writer.close()
-        if hasattr(task, "close"):  # e.g. the math task's scoring process
-            task.close()
-        grace.cancel()
+        try:
+            ckpt.close()
+        except Exception:
+            if inflight is None:
+                raise
+        finally:
+            writer.close()
+            if hasattr(task, "close"):  # e.g. the math task's scoring process
+                task.close()
+            grace.cancel()
     summary.update(version=int(state.version), time_s=time.time() - t_start,
                    reward_failures=orch.reward_failures)
     return summary

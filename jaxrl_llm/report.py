@@ -163,6 +163,23 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
     save(fig, ax, "mismatch", "learner step", "|log pi_theta - log pi_behav| (log scale)",
          "learner vs sampler on fresh tokens: mean (o) / max (x); exact 0 drawn at 1e-12", which="both")
 
+    # A-3PO's proximal approximation against the recomputed pi_prox (a3po.prox_metrics runs).
+    prox_keys = sorted({k for run in runs for r in run["steps"] for k in r
+                        if k.startswith("a3po_prox/abs_err/d")}, key=lambda k: int(k.split("/d")[-1].split("-")[0].rstrip("+")))
+    if prox_keys:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        styles = ["-", "--", ":", "-.", (0, (1, 3)), (0, (5, 1))]
+        for i, run in enumerate(runs):
+            for j, key in enumerate(prox_keys):
+                n_key = key.replace("/abs_err/", "/tokens/")
+                pts = [(r["step"], max(r[key], 1e-12)) for r in run["steps"] if r.get(n_key, 0) > 0]
+                if pts:
+                    ax.plot(*zip(*pts), linestyle=styles[j % len(styles)], color=colors[i % len(colors)],
+                            label=f"{run['name']} {key.split('/')[-1]}")
+        ax.set_yscale("log")
+        save(fig, ax, "prox_approx", "learner step", "|log pi_prox approx - recomputed| (log scale)",
+             "A-3PO proximal approximation error by staleness d", which="both")
+
     for key, name, label in (("clip_frac", "clipped_tokens", "fraction of tokens clipped"),
                              ("entropy", "entropy", "policy entropy (nats/token)")):
         fig, ax = plt.subplots(figsize=(7, 4))

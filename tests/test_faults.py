@@ -142,3 +142,26 @@ def test_sigterm_saves_the_step_in_flight_and_resumes_bit_identically(tmp_path):
     for g, w in zip(got, want):
         for k in ("loss", "param_norm", "reward/mean"):
             assert g[k] == w[k], (g["step"], k)  # bit-identical in sync mode
+
+
+def test_a_failed_checkpoint_write_stops_clearly_and_the_previous_one_resumes(tmp_path, monkeypatch):
+    import errno
+
+    import orbax.checkpoint as ocp
+
+    real = ocp.CheckpointManager.save
+
+    def disk_full(self, step, *a, **kw):
+        if step == STEPS:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, step, *a, **kw)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=rf"version {STEPS} in .*No space left on device.*version 2 is intact and resumes"):
+        experiment.run(_config(), str(tmp_path), log=lambda *_: None)
+    monkeypatch.setattr(ocp.CheckpointManager, "save", real)
+    lines = []
+    assert experiment.run(_config(), str(tmp_path), log=lines.append)["version"] == STEPS
+    assert any("resumed" in x and "version 2" in x for x in lines)
+    assert [r["step"] for r in _steps(str(tmp_path))] == [1, 2, 3, 4]

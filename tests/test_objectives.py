@@ -173,3 +173,40 @@ def test_offpolicy_grpo_zero_variance_groups_get_no_gradient(kl_coef):
     assert np.all(g_on[zero_var] == 0.0)
     assert np.abs(g_off[zero_var]).sum() > 0
     np.testing.assert_allclose(g_on[~zero_var], g_off[~zero_var], rtol=1e-6, atol=1e-9)
+
+
+def test_a3po_prox_diagnostics_against_numpy():
+    """`a3po.prox_metrics`: the interpolation's errors against the recomputed pi_prox, overall
+    and per staleness bucket; the loss itself is the plain A-3PO loss."""
+    from jaxrl_llm.objectives.ppo import PROX_BUCKETS, bucket_name
+
+    s = testing.random_batch(seed=4, max_staleness=12, learner_version=12)
+    true = np.asarray(s.batch.prox_logp)
+    batch = s.batch.replace(prox_logp=jnp.asarray(true))
+    on = O.make_config(name="a3po", a3po__prox_metrics=True)
+    loss_on, m = O.get("a3po")(s.policy, batch, on)
+    loss_off, m_off = O.get("a3po")(s.policy, batch, O.make_config(name="a3po"))
+    assert float(loss_on) == float(loss_off) and "a3po_prox/abs_err" not in m_off
+    assert O.required_passes(on) == {"prox_logp"} and O.required_passes(O.make_config(name="a3po")) == set()
+    mask = np.asarray(batch.loss_mask) > 0
+    d = np.where(mask, 12 - np.asarray(batch.versions), 0)
+    alpha = 1.0 / np.maximum(d, 1)
+    behav, logp = np.asarray(batch.behav_logp, np.float64), np.asarray(s.policy.logp, np.float64)
+    approx = alpha * behav + (1 - alpha) * logp
+    err = np.abs(approx - true)
+    np.testing.assert_allclose(m["a3po_prox/abs_err"], err[mask].mean(), rtol=1e-5)
+    np.testing.assert_allclose(m["a3po_prox/abs_err/max"], err[mask].max(), rtol=1e-5)
+    np.testing.assert_allclose(m["a3po_prox/rel_err"], (err / np.maximum(np.abs(true), 1e-6))[mask].mean(), rtol=1e-4)
+    iw_err = np.abs(np.exp(approx - behav) - np.exp(true - behav))
+    np.testing.assert_allclose(m["a3po_prox/is_weight_err"], iw_err[mask].mean(), rtol=1e-4)
+    r_err = np.abs(np.exp(logp - approx) - np.exp(logp - true))
+    np.testing.assert_allclose(m["a3po_prox/ratio_err"], r_err[mask].mean(), rtol=1e-4)
+    total = 0
+    for lo, hi in PROX_BUCKETS:
+        inside = mask & (d >= lo) & (d <= (hi if hi is not None else 10**9))
+        name = bucket_name(lo, hi)
+        assert m[f"a3po_prox/tokens/{name}"] == inside.sum()
+        if inside.any():
+            np.testing.assert_allclose(m[f"a3po_prox/abs_err/{name}"], err[inside].mean(), rtol=1e-5)
+        total += inside.sum()
+    assert total == mask.sum() and len({int(x) for x in d[mask]}) >= 5  # several buckets exercised

@@ -117,3 +117,20 @@ def test_resume_drops_records_written_after_the_checkpoint(tiny_run, tmp_path):
     scalars, _ = _tb_scalars(tmp_path / "run")
     assert scalars[("loss", 3)] == [0.5] and not any(step == 4 for _, step in scalars)
     assert all(len(v) <= 2 for v in scalars.values())  # no step logged twice (time_s: train + eval)
+
+
+def test_prox_approximation_plot_when_a3po_logs_it(tmp_path):
+    """Runs with `a3po.prox_metrics` get a prox_approx.png (one line per staleness bucket);
+    runs without it get none."""
+    steps = [{"step": i, "time_s": float(i), "a3po_prox/abs_err/d0": 0.0, "a3po_prox/tokens/d0": 10.0,
+              "a3po_prox/abs_err/d1": 0.0, "a3po_prox/tokens/d1": 5.0,
+              "a3po_prox/abs_err/d3-4": 0.01 * i, "a3po_prox/tokens/d3-4": 4.0} for i in range(1, 6)]
+    paths = report.plot([{"name": "a3po", "steps": steps, "evals": []}], str(tmp_path))
+    assert str(tmp_path / "prox_approx.png") in paths
+    import matplotlib.image
+
+    assert matplotlib.image.imread(tmp_path / "prox_approx.png")[..., :3].std() > 0.01
+    none = tmp_path / "none"
+    none.mkdir()
+    assert not any("prox_approx" in p for p in report.plot([{"name": "x", "steps": steps[:0] + [{"step": 1, "time_s": 1.0}],
+                                                              "evals": []}], str(none)))

@@ -98,13 +98,48 @@ def a3po_prox_logp(policy: PolicyOutput, batch: TrajectoryBatch):
     return prox, alpha
 
 
-@register("a3po")
+# Staleness buckets of the proximal-approximation diagnostics: d = 0, 1, 2, 3-4, 5-8, 9+.
+PROX_BUCKETS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, None))
+
+
+def bucket_name(lo, hi) -> str:
+    return f"d{lo}" if lo == hi else f"d{lo}+" if hi is None else f"d{lo}-{hi}"
+
+
+def prox_diagnostics(approx_BxL, true_BxL, policy: PolicyOutput, batch: TrajectoryBatch):
+    """How far A-3PO's interpolated pi_prox is from the recomputed one (the policy at the step's
+    start), over loss tokens: |log error| mean and max, relative |log error| / |log pi_prox|,
+    and the errors this causes in the behaviour importance weight pi_prox / pi_behav and in the
+    trust-region ratio pi_theta / pi_prox; |log error| mean and token count per staleness bucket."""
+    mask = batch.loss_mask
+    err = jnp.abs(approx_BxL - true_BxL)
+    behav, logp = sg(batch.behav_logp), sg(policy.logp)
+    iw = lambda prox: jnp.exp(jnp.clip(prox - behav, -20.0, 20.0))  # noqa: E731
+    ratio = lambda prox: jnp.exp(jnp.clip(logp - prox, -20.0, 20.0))  # noqa: E731
+    m = {"a3po_prox/abs_err": common.masked_mean(err, mask),
+         "a3po_prox/abs_err/max": jnp.max(err * mask),
+         "a3po_prox/rel_err": common.masked_mean(err / jnp.maximum(jnp.abs(true_BxL), 1e-6), mask),
+         "a3po_prox/is_weight_err": common.masked_mean(jnp.abs(iw(approx_BxL) - iw(true_BxL)), mask),
+         "a3po_prox/ratio_err": common.masked_mean(jnp.abs(ratio(approx_BxL) - ratio(true_BxL)), mask)}
+    d = common.staleness(policy, batch)
+    for lo, hi in PROX_BUCKETS:
+        inside = mask * ((d >= lo) & ((d <= hi) if hi is not None else True))
+        m[f"a3po_prox/abs_err/{bucket_name(lo, hi)}"] = common.masked_mean(err, inside)
+        m[f"a3po_prox/tokens/{bucket_name(lo, hi)}"] = inside.sum()
+    return m
+
+
+@register("a3po", passes=lambda cfg: ("prox_logp",) if cfg.a3po.prox_metrics else ())
 def a3po(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
     """A-3PO: Eq. 2 with the interpolated proximal policy of Eq. 3-5 (no extra forward).
 
     With that pi_prox the trust-region ratio is r = w^alpha (Eq. 7) with w = pi_theta/pi_behav,
-    and pi_prox lies between pi_behav and pi_theta (sandwich property, Eq. 6).
+    and pi_prox lies between pi_behav and pi_theta (sandwich property, Eq. 6). With
+    `a3po.prox_metrics` the learner also recomputes pi_prox (`batch.prox_logp`, diagnostics
+    only: the loss still uses the interpolation).
     """
     prox, alpha = a3po_prox_logp(policy, batch)
     extra = {"a3po/alpha_mean": common.masked_mean(alpha, batch.loss_mask)}
+    if cfg.a3po.prox_metrics and batch.prox_logp is not None:
+        extra.update(prox_diagnostics(prox, sg(batch.prox_logp), policy, batch))
     return decoupled_loss(policy, batch, cfg, prox, extra=extra)

@@ -99,6 +99,9 @@ def default_config(name: str = "ppo") -> ml_collections.ConfigDict:
     c.gepo = ml_collections.ConfigDict(
         dict(eps_mode="const", eps=0.0, eps_var_coef=1.0, eps_max=0.99)
     )
+    # A-3PO: prox_metrics also recomputes the true pi_prox (one extra forward, as decoupled PPO
+    # does) and logs the interpolation's errors per staleness bucket (AReaL's "metrics" mode).
+    c.a3po = ml_collections.ConfigDict(dict(prox_metrics=False))
     # Off-policy GRPO: r' = pi_k/alpha from prox_logp ("prox") or the r' ~ 1 approximation.
     c.offpolicy_grpo = ml_collections.ConfigDict(dict(r_prime="one", zero_var_mask=True))
     # Jackpot (OBRS): lam = lambda, caps c1 (OBRS weight) and c2 (p_ref/p_target);
