@@ -21,6 +21,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxrl_llm import validation as V
+
 # Environment variables that mean "a multi-process launch": JAX's own, SLURM's, Open MPI's and
 # a TPU pod's (where jax.distributed.initialize() auto-detects the rest).
 _LAUNCH_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES",
@@ -37,6 +39,10 @@ def default_config() -> ml_collections.ConfigDict:
         heartbeat_timeout_s=60,  # a process silent this long is declared dead; the others exit
         initialization_timeout_s=300,
     ))
+
+
+RULES = {"coordinator_address": V.text(), "num_processes": V.integer(0), "process_id": V.integer(0, extra=(-1,)),
+         "local_device_ids": V.text(), "heartbeat_timeout_s": V.positive(), "initialization_timeout_s": V.positive()}
 
 
 def wanted(cfg) -> bool:

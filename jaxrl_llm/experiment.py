@@ -14,7 +14,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm import learner as learner_lib
+import ml_collections
+
 from jaxrl_llm import checkpoint, distributed, models, objectives, paths, sharding, tasks
+from jaxrl_llm import validation as V
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.metrics import MetricsWriter, Progress
 from jaxrl_llm.rollout import Sampler, SamplerConfig
@@ -22,6 +25,58 @@ from jaxrl_llm.runtime import orchestrator
 from jaxrl_llm.tasks import warmstart
 
 _MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+def model_config(**over):
+    """`model` section. hf_path: a local Hugging Face directory (config.json + safetensors);
+    empty -> a random model of these sizes (the embedded task warm-starts it)."""
+    c = ml_collections.ConfigDict(dict(hf_path="", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                                       num_kv_heads=2, head_dim=16, dtype="float32"))
+    c.update(over)
+    return c
+
+
+def aux_model_config():
+    """`aux_model`: a second model for objectives that train one (e.g. Jackpot's rollout
+    actor): hf_path, or a random model of hidden_size > 0; off (all 0) by default."""
+    return model_config(hidden_size=0, intermediate_size=0, num_layers=0, num_heads=0, num_kv_heads=0, head_dim=0)
+
+
+def train_config():
+    """`train`. resume: auto continues from the newest readable checkpoint in the workdir
+    (damaged newer ones are reported and moved aside); fresh moves the checkpoints aside and
+    starts over. preempt_grace_s: after SIGTERM / Ctrl-C, the seconds the final save may take."""
+    return ml_collections.ConfigDict(dict(steps=300, eval_every=50, save_every=50, keep=2, tensorboard=True,
+                                          progress=True, resume="auto", preempt_grace_s=30.0))
+
+
+_DTYPES = ("float32", "bfloat16", "float16")
+MODEL_RULES = {"hf_path": V.anything(),  # paths.py
+               "hidden_size": V.integer(1), "intermediate_size": V.integer(1), "num_layers": V.integer(1),
+               "num_heads": V.integer(1), "num_kv_heads": V.integer(1), "head_dim": V.integer(1),
+               "dtype": V.one_of(*_DTYPES)}
+AUX_MODEL_RULES = {**{k: V.integer(0) for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                                  "num_kv_heads", "head_dim")},
+                   "hf_path": V.anything(), "dtype": V.one_of(*_DTYPES)}  # 0: no second model
+TRAIN_RULES = {"steps": V.integer(1), "eval_every": V.integer(1), "save_every": V.integer(1), "keep": V.integer(1),
+               "tensorboard": V.boolean(), "progress": V.boolean(), "resume": V.one_of("auto", "fresh"),
+               "preempt_grace_s": V.positive()}
+TOP_RULES = {"seed": V.integer(0), "cpu_devices": V.integer(0, extra=(-1,))}
+
+
+def config_rules() -> dict:
+    """Every declared constraint of the experiment config, by full dotted key."""
+    from jaxrl_llm.objectives.registry import RULES as OBJECTIVE_RULES
+    from jaxrl_llm.rollout import sampling
+    from jaxrl_llm.sweep import RULES as SWEEP_RULES
+    sections = {"task": tasks.RULES, "model": MODEL_RULES, "aux_model": AUX_MODEL_RULES,
+                "warm_start": warmstart.RULES, "sampler": sampling.RULES, "objective": OBJECTIVE_RULES,
+                "learner": learner_lib.RULES, "runtime": orchestrator.RULES, "mesh": sharding.RULES,
+                "distributed": distributed.RULES, "train": TRAIN_RULES, "sweep": SWEEP_RULES}
+    out = dict(TOP_RULES)
+    for name, rules in sections.items():
+        out.update(V.flatten(rules, name + "."))
+    return out
 
 
 class Preempted(KeyboardInterrupt):
@@ -96,25 +151,47 @@ class BadStepsError(RuntimeError):
 
 
 def validate(config) -> None:
-    """Fail at startup, naming what to change."""
-    tasks.validate(config.task, config.model.hf_path)
-    paths.check(config)
-    obj = objectives.make_config(config.objective)
-    orchestrator.validate(config.runtime)
-    needs = objectives.required_passes(obj)
-    if needs & {"topk", "logp_at_behav_topk"} and config.sampler.capture_topk == 0:
-        raise ValueError(f"objective {obj.name!r} reads behaviour top-k log-probs; set "
-                         "--config.sampler.capture_topk to a positive K")
-    aux = objectives.get(obj.name).aux
-    if _has_aux_model(config) and not (aux and aux.needs_model):
-        with_model = [n for n in objectives.with_aux() if objectives.get(n).aux.needs_model]
-        raise ValueError(f"config.aux_model sets a second model, but objective {obj.name!r} trains none; "
-                         f"objectives that do: {', '.join(with_model) or 'none'} (or set "
-                         "--config.aux_model.hidden_size=0 and --config.aux_model.hf_path='')")
-    if config.train.steps < 1 or config.train.eval_every < 1:
-        raise ValueError("train.steps and train.eval_every must be >= 1")
-    if config.train.get("resume", "auto") not in ("auto", "fresh"):
-        raise ValueError(f"unknown train.resume {config.train.resume!r}; valid: auto, fresh")
+    """Fail at start-up, before any model is built, naming every problem: first each field
+    against its declared constraint (`config_rules`), then the cross-field rules and the
+    local paths, all collected into one error."""
+    V.raise_all(V.check(config, config_rules()))
+    problems = []
+
+    def collect(fn, *args):
+        try:
+            return fn(*args)
+        except ValueError as e:
+            problems.append(str(e))
+
+    collect(tasks.validate, config.task, config.model.hf_path)
+    obj = collect(objectives.make_config, config.objective)
+    collect(orchestrator.validate, config.runtime)
+    if obj is not None:
+        needs = objectives.required_passes(obj)
+        if needs & {"topk", "logp_at_behav_topk"} and config.sampler.capture_topk == 0:
+            problems.append(f"objective {obj.name!r} reads behaviour top-k log-probs; set "
+                            "--config.sampler.capture_topk to a positive K")
+        aux = objectives.get(obj.name).aux
+        if _has_aux_model(config) and not (aux and aux.needs_model):
+            with_model = [n for n in objectives.with_aux() if objectives.get(n).aux.needs_model]
+            problems.append(f"config.aux_model sets a second model, but objective {obj.name!r} trains none; "
+                            f"objectives that do: {', '.join(with_model) or 'none'} (or set "
+                            "--config.aux_model.hidden_size=0 and --config.aux_model.hf_path='')")
+    rows = config.runtime.prompts_per_batch * config.sampler.num_samples * distributed.count()
+    if rows % config.learner.num_minibatches:
+        problems.append(f"learner.num_minibatches={config.learner.num_minibatches} does not divide the batch's "
+                        f"{rows} rows (runtime.prompts_per_batch x sampler.num_samples"
+                        + (" x processes)" if distributed.count() > 1 else ")"))
+    for name in ("model", "aux_model"):
+        m = config[name]
+        if not m.hf_path and m.num_kv_heads and m.num_heads % m.num_kv_heads:
+            problems.append(f"{name}.num_heads={m.num_heads} is not a multiple of {name}.num_kv_heads={m.num_kv_heads}")
+    try:
+        sharding.make_mesh(config.mesh, devices(config)[0])
+    except ValueError as e:
+        problems.append(f"mesh / runtime.sampler_devices: {e}")
+    collect(paths.check, config)
+    V.raise_all(problems, what="config problem")
 
 
 def devices(config):

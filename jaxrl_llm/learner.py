@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import distributed, objectives, packing, sharding
+from jaxrl_llm import validation as V
 from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch
 from jaxrl_llm.models import decoder, heads
 from jaxrl_llm.models.config import ModelConfig
@@ -78,6 +79,15 @@ def default_config() -> ml_collections.ConfigDict:
     c.ref_swap_every = 0  # S: copy params into the reference every S steps (0: never)
     c.seed = 0
     return c
+
+
+RULES = {  # validation.py: checked at start-up, with every other section
+    "lr": V.positive(), "b1": V.below_one(), "b2": V.below_one(), "eps": V.positive(),
+    "weight_decay": V.non_negative(), "max_grad_norm": V.positive(), "max_bad_steps": V.integer(0),
+    "schedule": V.one_of("constant", "cosine"), "warmup_steps": V.integer(0), "total_steps": V.integer(1),
+    "num_minibatches": V.integer(1), "logprob_chunk": V.integer(1), "policy_dist": V.one_of("sampled", "full"),
+    "packing": V.one_of("auto", "off"), "ref_swap_every": V.integer(0), "seed": V.integer(0),
+}
 
 
 def make_optimizer(c) -> optax.GradientTransformation:

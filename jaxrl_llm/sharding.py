@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl_llm import distributed
+from jaxrl_llm import validation as V
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -34,6 +35,10 @@ DEFAULT_RULES = (
 def default_config() -> ml_collections.ConfigDict:
     """mesh sizes (-1: take the remaining devices) and the logical rules."""
     return ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, rules=DEFAULT_RULES))
+
+
+RULES = {"data": V.integer(1, extra=(-1,)), "fsdp": V.integer(1, extra=(-1,)), "tensor": V.integer(1, extra=(-1,)),
+         "rules": V.anything()}  # rules: logical axis -> mesh axes, checked when params are sharded
 
 
 def make_mesh(cfg=None, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:

@@ -15,6 +15,14 @@ import json
 import os
 
 from jaxrl_llm import experiment, objectives, report
+from jaxrl_llm import validation as V
+from jaxrl_llm.runtime import delay as delay_lib
+
+
+RULES = {  # the `sweep` section of a sweep config (configs/staleness_sweep.py)
+    "objectives": V.text(), "max_staleness": V.text(),  # comma-separated; parsed by `cells`
+    "delay": V.one_of(*delay_lib.KINDS),
+}
 
 
 def _ints(text: str) -> list[int]:

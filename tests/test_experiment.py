@@ -57,9 +57,9 @@ def test_resume_continues_from_the_workdir(tmp_path):
 
 
 @pytest.mark.parametrize("over,match", [
-    (dict(task=dict(name="gsm8k")), "unknown task 'gsm8k'; valid: arithmetic"),
-    (dict(objective=dict(name="ppo2")), "unknown objective 'ppo2'"),
-    (dict(runtime=dict(mode="hogwild")), "valid: sync, iterative"),
+    (dict(task=dict(name="gsm8k")), "task.name='gsm8k': expected one of 'arithmetic', 'math'"),
+    (dict(objective=dict(name="ppo2")), "objective.name='ppo2': expected a registered objective name"),
+    (dict(runtime=dict(mode="hogwild")), "runtime.mode='hogwild': expected one of 'sync', 'iterative'"),
     (dict(runtime=dict(sampler_devices=8)), "sampler_devices=8 leaves no device for the learner: 8 available"),
 ])
 def test_bad_config_fails_at_startup(over, match, tmp_path):

@@ -7,6 +7,7 @@ from typing import Callable, Iterable, Optional
 
 import ml_collections
 
+from jaxrl_llm import validation as V
 from jaxrl_llm.objectives import common
 from jaxrl_llm.objectives.auxiliary import Auxiliary
 
@@ -111,6 +112,28 @@ def default_config(name: str = "ppo") -> ml_collections.ConfigDict:
     )
     return c
 
+
+def _registered_name() -> "V.Rule":
+    return V.Rule(lambda: "a registered objective name: " + ", ".join(sorted(_REGISTRY)), lambda x: x in _REGISTRY,
+                  ("not-an-objective",))
+
+
+RULES = {
+    "name": _registered_name(),
+    "clip": {"eps_low": V.below_one(), "eps_high": V.non_negative(),
+             "dual_clip": V.Rule("0 (off) or a number > 1", lambda x: x == 0 or (x > 1 and x < float("inf")), (0.5, -1.0))},
+    "loss_agg": V.one_of(*common.AGGREGATIONS), "loss_agg_norm_len": V.integer(0), "log_ratio_clamp": V.positive(),
+    "kl": {"coef": V.non_negative(), "estimator": V.one_of(*common.KL_ESTIMATORS)},
+    "is_correction": {"kind": V.one_of(*common.IS_CORRECTIONS), "cap": V.positive(), "low": V.non_negative(),
+                      "high": V.positive()},
+    "gspo": {"variant": V.one_of("seq", "token"), "eps_low": V.non_negative(), "eps_high": V.non_negative()},
+    "gepo": {"eps_mode": V.one_of("const", "var"), "eps": V.unit(), "eps_var_coef": V.non_negative(),
+             "eps_max": V.unit()},
+    "a3po": {"prox_metrics": V.boolean()},
+    "offpolicy_grpo": {"r_prime": V.one_of("one", "prox"), "zero_var_mask": V.boolean()},
+    "jackpot": {"lam": V.positive(), "c1": V.positive(), "c2": V.positive(), "p_target": V.one_of("new", "ref"),
+                "p_ref": V.one_of("prox", "current"), "distill_coef": V.non_negative()},
+}
 
 _VALID = {
     "gspo.variant": ("seq", "token"),

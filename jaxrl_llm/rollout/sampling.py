@@ -11,6 +11,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm import validation as V
 from jaxrl_llm.models import policy_dist
 from jaxrl_llm.models.policy_dist import PolicyDist, top_k  # noqa: F401  (top_k: re-exported)
 
@@ -38,6 +39,18 @@ class SamplerConfig:
     @property
     def dist(self) -> PolicyDist:
         return PolicyDist(self.temperature, self.top_k, self.top_p)
+
+
+def default_config():
+    """The experiment config's `sampler` section (turned into a SamplerConfig by the experiment)."""
+    import ml_collections
+
+    return ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0, num_samples=8, capture_topk=4,
+                                          max_new_tokens=0))  # 0: the task's maximum answer length
+
+
+RULES = {"temperature": V.non_negative(), "top_k": V.integer(0), "top_p": V.unit(low_open=True),
+         "num_samples": V.integer(1), "capture_topk": V.integer(0), "max_new_tokens": V.integer(0)}
 
 
 def sampling_logprobs(logits_BxV, cfg: SamplerConfig):

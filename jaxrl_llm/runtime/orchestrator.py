@@ -30,6 +30,7 @@ import ml_collections
 import numpy as np
 
 from jaxrl_llm import advantages, distributed, staleness, tasks
+from jaxrl_llm import validation as V
 from jaxrl_llm.runtime import async_mode
 from jaxrl_llm.runtime import delay as delay_lib
 from jaxrl_llm.runtime.weights import WeightStore
@@ -55,6 +56,18 @@ def default_config() -> ml_collections.ConfigDict:
     c.mask_zero_variance = False
     c.seed = 0
     return c
+
+
+RULES = {
+    "mode": V.one_of(*MODES), "prompts_per_batch": V.integer(1), "reuse": V.integer(1), "refresh_every": V.integer(1),
+    "max_staleness": V.integer(0, extra=(-1,)), "staleness_policy": V.one_of(*staleness.POLICIES),
+    "queue_size": V.integer(1), "num_samplers": V.integer(1), "refresh_mid_generation": V.boolean(),
+    "sampler_devices": V.integer(0),
+    "delay": {"kind": V.one_of(*delay_lib.KINDS), "min": V.non_negative(), "max": V.non_negative(),
+              "value": V.non_negative(), "weibull_shape": V.positive()},
+    "step_seconds": V.positive(), "advantage": V.one_of(*advantages.names()), "mask_zero_variance": V.boolean(),
+    "seed": V.integer(0),
+}
 
 
 def validate(c) -> None:

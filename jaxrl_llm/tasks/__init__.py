@@ -12,6 +12,8 @@ from __future__ import annotations
 import ml_collections
 import numpy as np
 
+from jaxrl_llm import validation as V
+
 NAMES = ("arithmetic", "math")
 
 
@@ -27,6 +29,15 @@ def default_config() -> ml_collections.ConfigDict:
         instruction="Please reason step by step, and put your final answer within \\boxed{}.",
         reward_timeout=5.0,
     ))
+
+
+RULES = {
+    "name": V.one_of(*NAMES), "eval_size": V.integer(1), "digits": V.integer(1), "ops": V.text(),
+    "reward": V.one_of("exact", "digits"), "path": V.anything(), "tokenizer": V.anything(),  # paths.py
+    "split": V.text(), "eval_split": V.text(), "question_key": V.text(), "answer_key": V.text(),
+    "max_prompt_len": V.integer(1), "max_answer_len": V.integer(1), "chat_template": V.boolean(),
+    "system_prompt": V.text(), "instruction": V.text(), "reward_timeout": V.positive(),
+}
 
 
 def validate(c, hf_path: str = "") -> None:

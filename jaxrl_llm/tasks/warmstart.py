@@ -8,8 +8,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxrl_llm import validation as V
 from jaxrl_llm.models import heads
 from jaxrl_llm.tasks import score
+
+
+def default_config():
+    """Supervised warm start of a randomly initialised policy (embedded task): ~750 steps give
+    ~40% held-out accuracy on 2-digit addition, partial, so RL has room and signal."""
+    import ml_collections
+
+    return ml_collections.ConfigDict(dict(steps=750, batch_size=64, lr=1e-3))
+
+
+RULES = {"steps": V.integer(0), "batch_size": V.integer(1), "lr": V.positive()}
 
 
 def pack(pairs, length: int, pad: int = 0):

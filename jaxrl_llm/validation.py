@@ -1,0 +1,132 @@
+"""Config constraints, declared beside each default and checked once at start-up.
+
+Each module that owns a config section declares `RULES = {field: rule}` next to its
+`default_config()`; `check` walks a config against those declarations and returns every
+violation with its full key, the value given and what is allowed, so a run with several
+mistakes reports them all at once, before any model is built. `Rule.invalid_values` gives
+values each rule must reject: the test suite generates one bad config per declared
+constraint from them, so a new field cannot skip validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Optional
+
+
+class ConfigError(ValueError):
+    """One or more config values are out of their declared range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    allowed: Any  # what the message says is allowed (or a function giving it, for open sets)
+    ok: Callable[[Any], bool]
+    invalid_values: tuple = ()  # values `ok` must reject (for the generated test)
+
+    def problem(self, key: str, value) -> Optional[str]:
+        try:
+            good = self.ok(value)
+        except (TypeError, ValueError):
+            good = False
+        allowed = self.allowed() if callable(self.allowed) else self.allowed
+        return None if good else f"{key}={value!r}: expected {allowed}"
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def positive() -> Rule:
+    return Rule("a finite number > 0", lambda x: _num(x) and math.isfinite(x) and x > 0, (0.0, -1.0, math.nan, math.inf))
+
+
+def non_negative() -> Rule:
+    return Rule("a finite number >= 0", lambda x: _num(x) and math.isfinite(x) and x >= 0, (-1.0, math.nan, math.inf))
+
+
+def finite() -> Rule:
+    return Rule("a finite number", lambda x: _num(x) and math.isfinite(x), (math.nan, math.inf))
+
+
+def unit(low_open: bool = False) -> Rule:
+    """[0, 1], or (0, 1] with low_open."""
+    if low_open:
+        return Rule("a number in (0, 1]", lambda x: _num(x) and 0 < x <= 1, (0.0, 1.5, math.nan))
+    return Rule("a number in [0, 1]", lambda x: _num(x) and 0 <= x <= 1, (-0.1, 1.5, math.nan))
+
+
+def below_one() -> Rule:
+    return Rule("a number in [0, 1)", lambda x: _num(x) and 0 <= x < 1, (-0.1, 1.0, math.nan))
+
+
+def at_least(low: float) -> Rule:
+    return Rule(f"a finite number >= {low:g}", lambda x: _num(x) and math.isfinite(x) and x >= low,
+                (low - 1.0, math.nan))
+
+
+def integer(low: int = 0, extra: tuple = ()) -> Rule:
+    """An int >= low (or one of `extra`, e.g. -1 meaning 'unbounded')."""
+    words = f"an integer >= {low}" + (f" (or {', '.join(map(str, extra))})" if extra else "")
+    bad = tuple(v for v in (low - 1, low - 2) if v not in extra)[:1] + (1.5,)
+    return Rule(words, lambda x: _int(x) and (x >= low or x in extra), bad)
+
+
+def one_of(*choices) -> Rule:
+    return Rule(f"one of {', '.join(map(repr, choices))}", lambda x: x in choices, ("not-a-choice",))
+
+
+def boolean() -> Rule:
+    return Rule("True or False", lambda x: isinstance(x, bool), ("yes",))
+
+
+def text() -> Rule:
+    return Rule("a string", lambda x: isinstance(x, str), (3,))
+
+
+def anything() -> Rule:
+    """A field whose every value is checked elsewhere (e.g. a path, checked by `paths`)."""
+    return Rule("anything", lambda x: True)
+
+
+def flatten(rules: dict, prefix: str = "") -> dict:
+    """{"delay": {"kind": rule}} -> {"delay.kind": rule}."""
+    out = {}
+    for k, v in rules.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def leaves(config, prefix: str = "") -> dict:
+    """Every leaf of a ConfigDict as {dotted key: value} (a dict-valued field is one leaf
+    unless it is itself a ConfigDict)."""
+    out = {}
+    for k in config.keys():
+        v = config[k]
+        if hasattr(v, "keys") and not isinstance(v, dict):
+            out.update(leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check(config, rules: dict) -> list:
+    """Violations of `rules` ({dotted key: Rule}) in `config`, each as one message line."""
+    values = leaves(config)
+    return [msg for key, rule in rules.items() if key in values
+            for msg in [rule.problem(key, values[key])] if msg]
+
+
+def raise_all(problems: list, what: str = "invalid config value") -> None:
+    """One ConfigError listing every problem (nothing when there is none)."""
+    if problems:
+        s = "s" if len(problems) > 1 else ""
+        raise ConfigError(f"{what}{s}:\n  " + "\n  ".join(problems))
