@@ -4,9 +4,7 @@ evaluation, metrics, checkpoints (resumed automatically from the workdir)."""
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import threading
 import time
 
 import jax
@@ -16,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl_llm import learner as learner_lib
 import ml_collections
 
-from jaxrl_llm import checkpoint, distributed, models, objectives, paths, sharding, tasks
+from jaxrl_llm import checkpoint, distributed, models, objectives, paths, preemption, sharding, tasks
 from jaxrl_llm import validation as V
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.metrics import MetricsWriter, Progress
@@ -77,73 +75,6 @@ def config_rules() -> dict:
     for name, rules in sections.items():
         out.update(V.flatten(rules, name + "."))
     return out
-
-
-class Preempted(KeyboardInterrupt):
-    """SIGTERM arrived: take the Ctrl-C path once the step in flight is recorded."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class _Grace:
-    """Preemption. SIGTERM only sets a flag: the run stops after the step in flight has been
-    trained and logged (`check`, from the metrics callback), so the checkpoint and
-    metrics.jsonl agree. From the first signal (or Ctrl-C) the run has `seconds` to save and
-    clean up; past that the process exits anyway (code 1, saying so), so a preempted run never
-    outlives its grace period. Exit codes (main.py): 128 + signal number, i.e. 143 / 130."""
-
-    def __init__(self, seconds: float):
-        self.seconds, self.previous, self.timer, self.signum = seconds, None, None, None
-
-    @property
-    def signal_name(self) -> str:
-        return signal.Signals(self.signum or signal.SIGINT).name
-
-    def install(self):
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {signal.SIGINT: signal.getsignal(signal.SIGINT),
-                             signal.SIGTERM: signal.signal(signal.SIGTERM, self._requested)}
-
-    def _requested(self, signum, frame):
-        if self.signum is None:
-            self.signum = signum
-            self._start_timer()
-
-    def check(self):
-        if self.signum is not None:
-            raise Preempted(self.signum)
-
-    def start(self, exc):
-        """In the interrupt handler: the save begins; further signals must not break it."""
-        if self.signum is None:
-            self.signum = getattr(exc, "signum", signal.SIGINT)
-            self._start_timer()
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    def _start_timer(self):
-        def expire():
-            sys.stderr.write(f"{self.signal_name}: the run did not save and exit within {self.seconds:g} s "
-                             "(train.preempt_grace_s); exiting without a final checkpoint\n")
-            sys.stderr.flush()
-            os._exit(1)
-
-        self.timer = threading.Timer(self.seconds, expire)
-        self.timer.daemon = True
-        self.timer.start()
-
-    def uninstall(self):
-        if self.previous is not None:
-            for sig, handler in self.previous.items():
-                signal.signal(sig, handler)
-            self.previous = None
-
-    def cancel(self):
-        if self.timer is not None:
-            self.timer.cancel()
 
 
 class BadStepsError(RuntimeError):
@@ -364,7 +295,7 @@ def run(config, workdir: str, log=None) -> dict:
                 f"staleness={g('staleness/mean'):.2f} tok/s={g('tokens_per_s'):.0f}")
         grace.check()  # preempted: stop here, with this step trained and recorded
 
-    grace = _Grace(config.train.get("preempt_grace_s", 30.0))
+    grace = preemption.Grace(config.train.get("preempt_grace_s", 30.0))
     try:
         grace.install()
         while int(state.version) < config.train.steps:
@@ -374,7 +305,7 @@ def run(config, workdir: str, log=None) -> dict:
             ckpt.save(state)
             if int(state.version) % config.train.eval_every == 0 or int(state.version) == config.train.steps:
                 summary["eval/reward"] = evaluate(state)["eval/reward"]
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (preemption) through `_Grace`
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (preemption) through `preemption.Grace`
         grace.start(e)
         state = orch.state or state  # `state` itself may have been donated mid-chunk
         log(f"interrupted ({grace.signal_name}) at version {int(state.version)}: saving a checkpoint")

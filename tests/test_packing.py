@@ -11,7 +11,7 @@ import pytest
 from jaxrl_llm import learner as L
 from jaxrl_llm import objectives, packing, sharding, testing
 from jaxrl_llm.batch import PolicyOutput
-from jaxrl_llm.models import decoder, heads
+from jaxrl_llm.models import decoder
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.objectives.common import AGGREGATIONS
 
