@@ -176,6 +176,7 @@ def _sampler_cfg(config, task, greedy=False):
 
 def build(config):
     validate(config)
+    config = paths.resolved(config)  # hub ids -> local snapshot directories (the caller's config is untouched)
     task = tasks.make(config.task, config.model.hf_path)
     params, mcfg = _model(config.model, task)
     aux_params, acfg = _model(config.aux_model, task) if _has_aux_model(config) else (None, None)

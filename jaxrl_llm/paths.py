@@ -17,13 +17,64 @@ from typing import Optional
 _MODEL_EXPECTED = "a local Hugging Face model directory (config.json + *.safetensors)"
 
 
-def _hub_hint(path: str) -> str:
-    """A path that looks like a hub id ("org/name") gets the command that fetches it once."""
+def looks_like_hub_id(path: str) -> bool:
     parts = path.split("/")
-    if len(parts) == 2 and all(parts) and not path.startswith((".", "~")):
-        return (f"; {path!r} looks like a Hugging Face hub id, and nothing is downloaded at run time: fetch it "
-                f"once with `huggingface-cli download {path} --local-dir DIR` and pass DIR")
-    return ""
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and not os.path.exists(path)
+
+
+def _hub_hint(path: str) -> str:
+    return "" if not looks_like_hub_id(path) else f"; {path!r} looks like a Hugging Face hub id: {_download(path)}"
+
+
+def _download(repo_id: str, repo_type: str = "model") -> str:
+    kind = " --repo-type dataset" if repo_type == "dataset" else ""
+    return f"pre-download it with `huggingface-cli download {repo_id}{kind}` (into $HF_HOME) or pass a local directory"
+
+
+def hub_cache() -> str:
+    """The Hugging Face hub cache, read from the environment at call time (HF_HUB_CACHE, else
+    $HF_HOME/hub, else ~/.cache/huggingface/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                                                     "huggingface")
+    return os.path.join(home, "hub")
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_hub(key: str, repo_id: str, repo_type: str = "model") -> str:
+    """A hub id -> its local snapshot directory, through the Hugging Face cache as peers resolve
+    names (`huggingface_hub.snapshot_download`). With HF_HUB_OFFLINE=1 only a cached copy is
+    used; without one the error says so and shows the command that fetches it."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, repo_type=repo_type, cache_dir=hub_cache(), local_files_only=offline())
+    except Exception as e:  # not cached offline, no network, unknown repo, ...
+        where = f"no cached copy in {hub_cache()}" + (" and HF_HUB_OFFLINE=1" if offline() else "")
+        raise ValueError(f"{key}={repo_id!r} is not a local path and resolving it as a hub id failed "
+                         f"({where}; {type(e).__name__}); {_download(repo_id, repo_type)}") from None
+
+
+HUB_FIELDS = (("model", "hf_path", "model"), ("aux_model", "hf_path", "model"), ("task", "tokenizer", "model"),
+              ("task", "path", "dataset"))
+
+
+def resolved(config):
+    """A copy of `config` whose hub ids (model.hf_path, aux_model.hf_path, task.tokenizer,
+    task.path) are replaced by local snapshot directories; local paths are left alone."""
+    import copy
+
+    out = copy.deepcopy(config)
+    for section, field, repo_type in HUB_FIELDS:
+        sec = out.get(section)
+        value = sec.get(field) if sec is not None else None
+        if value and looks_like_hub_id(value):
+            sec[field] = resolve_hub(f"{section}.{field}", value, repo_type)
+    return out
 
 
 def _json_problem(path: str, lines: bool = False) -> Optional[str]:
@@ -146,7 +197,12 @@ def workdir(path: str) -> list:
 
 
 def check(config, workdir_path: Optional[str] = None) -> None:
-    """Raise one ValueError listing every problem with the run's local paths."""
+    """Raise one ValueError listing every problem with the run's local paths (hub ids are
+    resolved through the cache first)."""
+    try:
+        config = resolved(config)
+    except ValueError as e:
+        raise ValueError(f"bad path:\n  {e}") from None
     out = []
     model_ok = True
     if config.model.hf_path:

@@ -3,6 +3,7 @@ import os
 # Fake 8 CPU devices for sharding tests; must happen before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["HF_HUB_OFFLINE"] = "1"  # tests never touch the network (hub ids resolve from local caches only)
 
 from hypothesis import settings  # noqa: E402
 

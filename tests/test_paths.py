@@ -32,11 +32,13 @@ def _err(c, workdir=None):
     return str(e.value)
 
 
-def test_model_directory_mistakes(tmp_path):
+def test_model_directory_mistakes(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
     c = get_config()
     c.model.hf_path = "Qwen/Qwen2.5-0.5B"
     msg = _err(c)
-    assert "model.hf_path='Qwen/Qwen2.5-0.5B' does not exist" in msg and "huggingface-cli download Qwen/Qwen2.5-0.5B" in msg
+    assert "model.hf_path='Qwen/Qwen2.5-0.5B' is not a local path" in msg
+    assert "huggingface-cli download Qwen/Qwen2.5-0.5B" in msg
     c.model.hf_path = _model(tmp_path / "m", config=None)
     assert "has no config.json; expected a local Hugging Face model directory" in _err(c)
     c.model.hf_path = _model(tmp_path / "bad", config='{"model_type": "qwen2",')
@@ -54,7 +56,8 @@ def test_model_directory_mistakes(tmp_path):
         experiment.validate(c)
 
 
-def test_tokenizer_and_dataset_mistakes_are_reported_together(tmp_path):
+def test_tokenizer_and_dataset_mistakes_are_reported_together(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     model = _model(tmp_path / "m")
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n{broken\n")
@@ -77,7 +80,7 @@ def test_tokenizer_and_dataset_mistakes_are_reported_together(tmp_path):
     c.task.path = str(tmp_path / "d.parquet")
     assert "is not a parquet file" in _err(c)
     c.task.path = "openai/gsm8k"
-    assert "looks like a Hugging Face hub id" in _err(c)
+    assert "huggingface-cli download openai/gsm8k --repo-type dataset" in _err(c)
     empty = tmp_path / "empty"
     empty.mkdir()
     c.task.path = str(empty)
@@ -93,3 +96,39 @@ def test_workdir_must_be_a_writable_directory(tmp_path):
     paths.check(c, str(tmp_path / "new" / "run"))  # created later by the run
     with pytest.raises(ValueError, match="is a file"):  # before anything is built
         experiment.run(c, str(f), log=lambda *_: None)
+
+
+def _cache_layout(cache, repo_id, files, repo_type="models"):
+    """The hub cache's documented layout: <type>--org--name/{refs/main, snapshots/<sha>/...}."""
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / f"{repo_type}--{repo_id.replace('/', '--')}"
+    snap = root / "snapshots" / sha
+    snap.mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(sha)
+    for name, content in files.items():
+        (snap / name).write_bytes(content)
+    return str(snap)
+
+
+def test_hub_ids_resolve_through_a_local_cache_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    c = get_config()
+    c.model.hf_path = "org/tiny-model"
+    msg = _err(c)  # an empty cache: says so, and how to fetch it
+    assert "model.hf_path='org/tiny-model' is not a local path" in msg and "HF_HUB_OFFLINE=1" in msg
+    assert "huggingface-cli download org/tiny-model" in msg and str(tmp_path / "hf" / "hub") in msg
+    snap = _cache_layout(tmp_path / "hf" / "hub", "org/tiny-model",
+                         {"config.json": b'{"model_type": "qwen2"}', "model.safetensors": b"\0" * 8})
+    paths.check(c)
+    assert paths.resolved(c).model.hf_path == snap and c.model.hf_path == "org/tiny-model"
+    data = _cache_layout(tmp_path / "hf" / "hub", "org/math", {"train.jsonl": b'{"question": "1", "answer": "1"}\n'},
+                         repo_type="datasets")
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    c = _math("org/tiny-model", "org/math")
+    c.task.tokenizer = str(tmp_path / "tok")
+    paths.check(c)
+    assert paths.resolved(c).task.path == data
