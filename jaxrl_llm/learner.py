@@ -73,9 +73,12 @@ def default_config() -> ml_collections.ConfigDict:
     #   models/policy_dist.py), so fresh tokens have ratio 1. full: the full temperature softmax
     #   (under top-k / top-p every fresh ratio is then the kept mass, < 1).
     c.policy_dist = "sampled"
-    # auto: the decoder runs on packed rows (packing.py) when that removes rows (one process;
-    #   objectives still see the padded layout). off: always the padded layout.
+    # auto: the decoder runs on packed rows (packing.py) when that removes rows and the rows are
+    #   at least packing_min_len tokens long (one process; objectives still see the padded
+    #   layout). Each new packed-row count compiles the step once: for short rows (the embedded
+    #   task's 13 tokens) that costs more than packing saves. off: always the padded layout.
     c.packing = "auto"
+    c.packing_min_len = 128
     c.ref_swap_every = 0  # S: copy params into the reference every S steps (0: never)
     c.seed = 0
     return c
@@ -86,7 +89,7 @@ RULES = {  # validation.py: checked at start-up, with every other section
     "weight_decay": V.non_negative(), "max_grad_norm": V.positive(), "max_bad_steps": V.integer(0),
     "schedule": V.one_of("constant", "cosine"), "warmup_steps": V.integer(0), "total_steps": V.integer(1),
     "num_minibatches": V.integer(1), "logprob_chunk": V.integer(1), "policy_dist": V.one_of("sampled", "full"),
-    "packing": V.one_of("auto", "off"), "ref_swap_every": V.integer(0), "seed": V.integer(0),
+    "packing": V.one_of("auto", "off"), "packing_min_len": V.integer(0), "ref_swap_every": V.integer(0), "seed": V.integer(0),
 }
 
 
@@ -345,7 +348,8 @@ class Learner:
         if batch.input_mask is None:
             batch = batch.replace(input_mask=jnp.ones(batch.shape, jnp.float32))
         plan = None
-        if self.cfg.packing == "auto" and distributed.count() == 1:
+        if (self.cfg.packing == "auto" and distributed.count() == 1
+                and batch.shape[1] >= self.cfg.get("packing_min_len", 0)):
             plan = packing.plan(jax.device_get(batch.input_mask), self.cfg.num_minibatches,
                                 multiple=sharding.batch_size(self.mesh))
         batch = sharding.shard_batch(batch, self.mesh)

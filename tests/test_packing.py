@@ -135,7 +135,7 @@ def test_learner_steps_packed_equal_padded(setup, name):
     out = {}
     for mode in ("auto", "off"):
         c = L.default_config()
-        c.lr, c.num_minibatches, c.packing = 3e-3, 2, mode
+        c.lr, c.num_minibatches, c.packing, c.packing_min_len = 3e-3, 2, mode, 0
         lrn = L.Learner(CFG, dict(name=name), c, mesh=sharding.make_mesh(None, jax.devices()[:1]))
         state = lrn.init(jax.random.key(0), params=params)
         ms = []
@@ -161,7 +161,7 @@ def test_sharded_packed_step_equals_single_device_padded():
     for mesh, mode in ((sharding.make_mesh(dict(data=2, fsdp=2, tensor=2, rules=sharding.DEFAULT_RULES)), "auto"),
                        (sharding.make_mesh(None, jax.devices()[:1]), "off")):
         c = L.default_config()
-        c.lr, c.num_minibatches, c.packing = 1e-4, 2, mode  # Adam steps ~lr per element
+        c.lr, c.num_minibatches, c.packing, c.packing_min_len = 1e-4, 2, mode, 0  # Adam steps ~lr per element
         lrn = L.Learner(CFG, dict(name="ppo"), c, mesh=mesh)
         state, m = lrn.train_step(lrn.init(jax.random.key(0), params=params), batch)
         out.append((jax.device_get(state.params), m["loss"]))
@@ -174,7 +174,7 @@ def test_packed_steps_compile_once_per_row_bucket():
     """Batches of random lengths: one program per packed-row bucket (plus the padded one)."""
     params = decoder.init_params(CFG, jax.random.key(0))
     c = L.default_config()
-    c.num_minibatches = 2
+    c.num_minibatches, c.packing_min_len = 2, 0
     lrn = L.Learner(CFG, dict(name="ppo"), c, mesh=sharding.make_mesh(None, jax.devices()[:1]))
     state = lrn.init(jax.random.key(0), params=params)
     rng = np.random.default_rng(0)
