@@ -48,14 +48,13 @@ def train_config():
                                           progress=True, resume="auto", preempt_grace_s=30.0))
 
 
-_DTYPES = ("float32", "bfloat16", "float16")
 MODEL_RULES = {"hf_path": V.anything(),  # paths.py
                "hidden_size": V.integer(1), "intermediate_size": V.integer(1), "num_layers": V.integer(1),
                "num_heads": V.integer(1), "num_kv_heads": V.integer(1), "head_dim": V.integer(1),
-               "dtype": V.one_of(*_DTYPES)}
+               "dtype": V.one_of(*models.config.DTYPES)}
 AUX_MODEL_RULES = {**{k: V.integer(0) for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
                                                   "num_kv_heads", "head_dim")},
-                   "hf_path": V.anything(), "dtype": V.one_of(*_DTYPES)}  # 0: no second model
+                   "hf_path": V.anything(), "dtype": V.one_of(*models.config.DTYPES)}  # 0: no second model
 TRAIN_RULES = {"steps": V.integer(1), "eval_every": V.integer(1), "save_every": V.integer(1), "keep": V.integer(1),
                "tensorboard": V.boolean(), "progress": V.boolean(), "resume": V.one_of("auto", "fresh"),
                "preempt_grace_s": V.positive()}

@@ -293,8 +293,8 @@ class Learner:
         metrics.update(mismatch_metrics(lp, batch, version, self.obj_cfg.clip.eps_low, self.obj_cfg.clip.eps_high))
         if "logp_at_ids" in s:
             pb = jnp.exp(batch.topk_logp)
-            # Truncated supports put -inf at some ids: 0 log 0 = 0, and a behaviour token pi_theta
-            # no longer keeps counts at a floor of e^-30 rather than making the metric inf.
+            # Truncated supports put -inf at some ids: 0 log 0 = 0 where pi_behav has none, and a
+            # behaviour token outside pi_theta's kept set is floored at log-prob -30 (finite metric).
             gap = batch.topk_logp - jnp.maximum(jax.lax.stop_gradient(s["logp_at_ids"]), -30.0)
             kl = jnp.where(pb > 0, pb * gap, 0.0).sum(-1)
             metrics["kl_behav/topk"] = masked_mean(kl, mask)
