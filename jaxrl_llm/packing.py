@@ -108,19 +108,19 @@ def plan(input_mask_BxL, num_minibatches: int, multiple: int = 1) -> Optional[Pa
     return PackPlan(*(jnp.asarray(x) for x in (src, seg, pos, dst)))
 
 
+def _gather(x_NxL, index_MxL, fill):
+    """out[m, l] = x.flat[index[m, l]] over the first two axes; `fill` where index < 0."""
+    n, length = x_NxL.shape[:2]
+    out = jnp.take(x_NxL.reshape(n * length, *x_NxL.shape[2:]), jnp.maximum(index_MxL, 0), axis=0)
+    valid = (index_MxL >= 0).reshape(index_MxL.shape + (1,) * (x_NxL.ndim - 2))
+    return jnp.where(valid, out, jnp.asarray(fill, out.dtype))
+
+
 def pack(x_BxL, src_RxL, fill=0):
     """Padded [b, L, ...] -> packed [R, L, ...] (one minibatch's plan)."""
-    b, length = x_BxL.shape[:2]
-    flat = x_BxL.reshape(b * length, *x_BxL.shape[2:])
-    out = jnp.take(flat, jnp.maximum(src_RxL, 0), axis=0)
-    valid = (src_RxL >= 0).reshape(src_RxL.shape + (1,) * (x_BxL.ndim - 2))
-    return jnp.where(valid, out, jnp.asarray(fill, out.dtype))
+    return _gather(x_BxL, src_RxL, fill)
 
 
 def unpack(y_RxL, dst_BxL, fill=0):
     """Packed [R, L, ...] -> padded [b, L, ...]; positions holding no real token get `fill`."""
-    r, length = y_RxL.shape[:2]
-    flat = y_RxL.reshape(r * length, *y_RxL.shape[2:])
-    out = jnp.take(flat, jnp.maximum(dst_BxL, 0), axis=0)
-    valid = (dst_BxL >= 0).reshape(dst_BxL.shape + (1,) * (y_RxL.ndim - 2))
-    return jnp.where(valid, out, jnp.asarray(fill, out.dtype))
+    return _gather(y_RxL, dst_BxL, fill)

@@ -106,7 +106,7 @@ def bucket_name(lo, hi) -> str:
     return f"d{lo}" if lo == hi else f"d{lo}+" if hi is None else f"d{lo}-{hi}"
 
 
-def prox_diagnostics(approx_BxL, true_BxL, policy: PolicyOutput, batch: TrajectoryBatch):
+def prox_diagnostics(approx_BxL, true_BxL, policy: PolicyOutput, batch: TrajectoryBatch, clamp: float):
     """How far A-3PO's interpolated pi_prox is from the recomputed one (the policy at the step's
     start), over loss tokens: |log error| mean and max, relative |log error| / |log pi_prox|,
     and the errors this causes in the behaviour importance weight pi_prox / pi_behav and in the
@@ -114,8 +114,8 @@ def prox_diagnostics(approx_BxL, true_BxL, policy: PolicyOutput, batch: Trajecto
     mask = batch.loss_mask
     err = jnp.abs(approx_BxL - true_BxL)
     behav, logp = sg(batch.behav_logp), sg(policy.logp)
-    iw = lambda prox: jnp.exp(jnp.clip(prox - behav, -20.0, 20.0))  # noqa: E731
-    ratio = lambda prox: jnp.exp(jnp.clip(logp - prox, -20.0, 20.0))  # noqa: E731
+    iw = lambda prox: common.safe_exp(prox - behav, clamp)  # noqa: E731
+    ratio = lambda prox: common.safe_exp(logp - prox, clamp)  # noqa: E731
     m = {"a3po_prox/abs_err": common.masked_mean(err, mask),
          "a3po_prox/abs_err/max": jnp.max(err * mask),
          "a3po_prox/rel_err": common.masked_mean(err / jnp.maximum(jnp.abs(true_BxL), 1e-6), mask),
@@ -141,5 +141,5 @@ def a3po(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
     prox, alpha = a3po_prox_logp(policy, batch)
     extra = {"a3po/alpha_mean": common.masked_mean(alpha, batch.loss_mask)}
     if cfg.a3po.prox_metrics and batch.prox_logp is not None:
-        extra.update(prox_diagnostics(prox, sg(batch.prox_logp), policy, batch))
+        extra.update(prox_diagnostics(prox, sg(batch.prox_logp), policy, batch, cfg.log_ratio_clamp))
     return decoupled_loss(policy, batch, cfg, prox, extra=extra)
