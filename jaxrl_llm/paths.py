@@ -22,10 +22,6 @@ def looks_like_hub_id(path: str) -> bool:
     return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and not os.path.exists(path)
 
 
-def _hub_hint(path: str) -> str:
-    return "" if not looks_like_hub_id(path) else f"; {path!r} looks like a Hugging Face hub id: {_download(path)}"
-
-
 def _download(repo_id: str, repo_type: str = "model") -> str:
     kind = " --repo-type dataset" if repo_type == "dataset" else ""
     return f"pre-download it with `huggingface-cli download {repo_id}{kind}` (into $HF_HOME) or pass a local directory"
@@ -101,7 +97,7 @@ def _json_problem(path: str, lines: bool = False) -> Optional[str]:
 
 def _directory(key: str, path: str, expected: str) -> Optional[str]:
     if not os.path.exists(path):
-        return f"{key}={path!r} does not exist; expected {expected}{_hub_hint(path)}"
+        return f"{key}={path!r} does not exist; expected {expected}"
     if not os.path.isdir(path):
         return f"{key}={path!r} is a file; expected {expected}"
     if not os.access(path, os.R_OK | os.X_OK):
@@ -154,7 +150,7 @@ def dataset(key: str, path: str) -> list:
     expected = (f"a local dataset: a {'/'.join(FORMATS)} file, a directory of them (<split>*.jsonl, ...), "
                 "or a datasets.save_to_disk directory")
     if not os.path.exists(path):
-        return [f"{key}={path!r} does not exist; expected {expected}{_hub_hint(path)}"]
+        return [f"{key}={path!r} does not exist; expected {expected}"]
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
             return []
