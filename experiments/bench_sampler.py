@@ -14,11 +14,20 @@ splits the rows over them (`Sampler(mesh=...)`, data parallel, as it would over 
 device decodes its own rows, and the replicas share one host copy of the weights): the decode
 GEMMs (64 x 256 x 1024) are too small for XLA to spread over cores within one op.
 The one-device figure is reported too (`ours_tokens_per_s_1dev`).
+
+Heavy tail (`--cases heavy`): 128 rows whose completion lengths are drawn log-normal (median
+64, sigma 1, capped at 512) and imposed as per-row budgets (`generate(limits=...)`), so the
+case does not depend on a trained model's EOS. Static batching decodes them as batches of 32
+rows, each until its longest row ends; continuous batching through 32 slots refilled every
+`decode_segment` = 32 steps. Reported: `continuous_vs_static_heavy_tail`, the ratio of useful
+(generated, non-padding) tokens per second, median and range over repeats that take turns,
+and the slot occupancy of both (useful tokens / slot-steps run).
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import tempfile
 import time
 
@@ -32,6 +41,7 @@ from jaxrl_llm.rollout import Sampler, SamplerConfig
 from common import flops_per_token, hf_model, matmul_peak_flops, parse_args, report  # noqa: E402  (experiments/ is on sys.path when run as a script)
 
 B, PROMPT, NEW, K = 64, 32, 96, 8
+SLOTS, HEAVY_ROWS, HEAVY_MAX, SEG = 32, 128, 512, 32
 
 
 def ours(params, cfg, topk: int, devices=None):
@@ -75,29 +85,92 @@ def tokens_per_s(runs: dict, repeats: int) -> dict:
     return {name: B * NEW / t for name, t in best.items()}
 
 
+def heavy_tail(params, cfg, repeats: int) -> dict:
+    """Static vs continuous batching on log-normal completion lengths at the same slot count."""
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (HEAVY_ROWS, PROMPT)).tolist()
+    lengths = np.clip(np.round(rng.lognormal(np.log(64), 1.0, HEAVY_ROWS)), 1, HEAVY_MAX).astype(np.int32)
+    mesh = Mesh(np.asarray(jax.devices()), ("data",))
+    make = lambda batching: Sampler(cfg, SamplerConfig(
+        max_new_tokens=HEAVY_MAX, temperature=1.0, capture_topk=K, prompt_buckets=(PROMPT,), decode_segment=SEG,
+        batching=batching, slots=SLOTS), mesh=mesh)
+    static, continuous = make("static"), make("continuous")
+
+    def run_static():
+        for i in range(0, HEAVY_ROWS, SLOTS):
+            jax.block_until_ready(static.generate(params, prompts[i:i + SLOTS], jax.random.key(i),
+                                                  limits=lengths[i:i + SLOTS]).tokens)
+
+    def run_continuous():
+        jax.block_until_ready(continuous.generate(params, prompts, jax.random.key(0), limits=lengths).tokens)
+
+    runs = {"static": run_static, "continuous": run_continuous}
+    for run in runs.values():
+        run()  # compile
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            t = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t)
+    ratios = np.array(times["static"]) / np.array(times["continuous"])  # same useful tokens in both
+    useful = int(lengths.sum())
+    static_steps = sum(int(lengths[i:i + SLOTS].max()) for i in range(0, HEAVY_ROWS, SLOTS))
+    return dict(continuous_vs_static_heavy_tail=float(np.median(ratios)),
+                continuous_vs_static_heavy_tail_min=float(ratios.min()),
+                continuous_vs_static_heavy_tail_max=float(ratios.max()),
+                heavy_tail_static_tokens_per_s=useful / float(np.median(times["static"])),
+                heavy_tail_continuous_tokens_per_s=useful / float(np.median(times["continuous"])),
+                heavy_tail_static_occupancy=useful / (SLOTS * static_steps),
+                heavy_tail_continuous_occupancy=float(continuous.slots(SLOTS).occupancy[-1]),
+                heavy_tail_mean_length=float(lengths.mean()), heavy_tail_max_length=int(lengths.max()))
+
+
+def cpu_kind() -> dict:
+    """The CPU model and the widest vector ISA XLA may use (results differ between kinds)."""
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    isa = "AVX512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "other"
+    if "xla_cpu_max_isa=AVX2" in os.environ.get("XLA_FLAGS", ""):
+        isa = "AVX2 (emulated: --xla_cpu_max_isa=AVX2)"
+    return {"cpu": model, "isa": isa}
+
+
 def main():
-    args = parse_args(__doc__, extra=lambda ap: ap.add_argument(
-        "--devices", type=int, default=os.cpu_count(), help="CPU devices JAX exposes (one per core by default)"))
+    args = parse_args(__doc__, extra=lambda ap: (
+        ap.add_argument("--devices", type=int, default=os.cpu_count(),
+                        help="CPU devices JAX exposes (one per core by default)"),
+        ap.add_argument("--cases", default="even,v32k,heavy", help="comma-separated subset of even,v32k,heavy")))
+    cases = set(args.cases.split(","))
     jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts; GPUs unaffected
     peak = matmul_peak_flops()
-    res = {"device": jax.devices()[0].device_kind, "devices": len(jax.devices()), "matmul_peak_gflops": peak / 1e9}
-    with tempfile.TemporaryDirectory() as d:
-        model = hf_model(512, d)
-        params, cfg = models.load_params(d)
-        r = tokens_per_s({"ours": ours(params, cfg, K), "ours_1dev": ours(params, cfg, K, jax.devices()[:1]),
-                          "hf": hf(model, 512)}, args.repeats)
-    res.update(ours_tokens_per_s=r["ours"], ours_tokens_per_s_1dev=r["ours_1dev"], hf_tokens_per_s=r["hf"],
-               ratio_vs_hf=r["ours"] / r["hf"], ratio_vs_hf_1dev=r["ours_1dev"] / r["hf"],
-               peak_fraction=r["ours"] * flops_per_token(cfg, PROMPT + NEW / 2) / peak,
-               hf_peak_fraction=r["hf"] * flops_per_token(cfg, PROMPT + NEW / 2) / peak)
-    with tempfile.TemporaryDirectory() as d:
-        model = hf_model(32768, d)
-        params, cfg = models.load_params(d)
-        r = tokens_per_s({"k": ours(params, cfg, K), "no_k": ours(params, cfg, 0), "hf": hf(model, 32768)},
-                         args.repeats)
-    res.update(ours_tokens_per_s_v32k=r["k"], ours_tokens_per_s_v32k_no_topk=r["no_k"],
-               hf_tokens_per_s_v32k=r["hf"], ratio_vs_hf_v32k=r["k"] / r["hf"],
-               topk_cost_fraction_v32k=1.0 - r["k"] / r["no_k"])
+    res = {"device": jax.devices()[0].device_kind, "devices": len(jax.devices()), "matmul_peak_gflops": peak / 1e9,
+           **cpu_kind()}
+    if "heavy" in cases:
+        with tempfile.TemporaryDirectory() as d:
+            hf_model(512, d)
+            params, cfg = models.load_params(d)
+            res.update(heavy_tail(params, cfg, args.repeats))
+    if "even" in cases:
+        with tempfile.TemporaryDirectory() as d:
+            model = hf_model(512, d)
+            params, cfg = models.load_params(d)
+            r = tokens_per_s({"ours": ours(params, cfg, K), "ours_1dev": ours(params, cfg, K, jax.devices()[:1]),
+                              "hf": hf(model, 512)}, args.repeats)
+        res.update(ours_tokens_per_s=r["ours"], ours_tokens_per_s_1dev=r["ours_1dev"], hf_tokens_per_s=r["hf"],
+                   ratio_vs_hf=r["ours"] / r["hf"], ratio_vs_hf_1dev=r["ours_1dev"] / r["hf"],
+                   peak_fraction=r["ours"] * flops_per_token(cfg, PROMPT + NEW / 2) / peak,
+                   hf_peak_fraction=r["hf"] * flops_per_token(cfg, PROMPT + NEW / 2) / peak)
+    if "v32k" in cases:
+        with tempfile.TemporaryDirectory() as d:
+            model = hf_model(32768, d)
+            params, cfg = models.load_params(d)
+            r = tokens_per_s({"k": ours(params, cfg, K), "no_k": ours(params, cfg, 0), "hf": hf(model, 32768)},
+                             args.repeats)
+        res.update(ours_tokens_per_s_v32k=r["k"], ours_tokens_per_s_v32k_no_topk=r["no_k"],
+                   hf_tokens_per_s_v32k=r["hf"], ratio_vs_hf_v32k=r["k"] / r["hf"],
+                   topk_cost_fraction_v32k=1.0 - r["k"] / r["no_k"])
     report(res, args.json)
 
 

@@ -7,7 +7,8 @@ The model returns final hidden states; logits are formed by the chunked log-prob
 KV cache: a list (one per layer) of {"k": [B, KVH, hd, S], "v": [B, KVH, S, hd]} (head-major,
 keys pre-transposed). A call with a cache
 writes its T new keys/values at buffer index `cache_index` (the same for every row: prompts
-are left-padded to a bucket) and attends over the whole buffer through `mask_BxTxS`.
+are left-padded to a bucket; or, for one new token, an i32[B] of per-row indices: decode
+slots at different depths) and attends over the whole buffer through `mask_BxTxS`.
 """
 
 from __future__ import annotations
@@ -102,7 +103,12 @@ class Attention(nn.Module):
         # ~5x faster on CPU for decode-sized shapes than contracting k along its minor dim.
         k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
         new_cache = None
-        if cache is not None:
+        if cache is not None and jnp.ndim(cache_index):  # one write position per row (slots; T = 1)
+            rows = jnp.arange(b)
+            k = cache["k"].at[rows, :, :, cache_index].set(k[..., 0].astype(cache["k"].dtype))
+            v = cache["v"].at[rows, :, cache_index, :].set(v[:, :, 0].astype(cache["v"].dtype))
+            new_cache = {"k": k, "v": v}
+        elif cache is not None:
             k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, 0, 0, cache_index))
             v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, 0, cache_index, 0))
             new_cache = {"k": k, "v": v}

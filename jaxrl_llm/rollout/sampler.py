@@ -29,16 +29,20 @@ from jaxrl_llm.rollout.sampling import SamplerConfig, sample
 @struct.dataclass
 class DecodeState:
     """The decode loop's carry. B rows, N = max_new_tokens, W = prompt bucket + decoded width
-    of the cache, K = capture_topk. Row-wise fields split over the sampler mesh."""
+    of the cache, K = capture_topk. Row-wise fields split over the sampler mesh. In a static
+    batch every row is at the same step (`step`, `logits_version` scalars); in decode slots
+    (`continuous.py`) each row is at its own (both i32[B])."""
 
-    step: jax.Array  # i32[]: decode steps taken (= the next token's column)
+    step: jax.Array  # i32[] or i32[B]: decode steps taken (= the next token's column)
     uniforms_NxB: jax.Array  # f32[N, B]: the draw of each (step, row), fixed at prefill
     cache: Any  # per layer {"k": [B, KV, Dh, W], "v": [B, KV, W, Dh]}
     logits_BxV: jax.Array  # f32: the next token's logits
-    logits_version: jax.Array  # i32[]: the params version that computed `logits_BxV`
+    logits_version: jax.Array  # i32[] or i32[B]: the params version that computed `logits_BxV`
     key_valid_BxW: jax.Array  # bool: cache positions a query may attend to
     positions_B: jax.Array  # i32: RoPE position of the next token (skips left padding)
-    done_B: jax.Array  # bool: row has emitted EOS
+    limit_B: jax.Array  # i32: the row's budget of new tokens (<= N)
+    done_B: jax.Array  # bool: row has emitted EOS or used its budget
+    eos_B: jax.Array  # bool: row has emitted EOS (otherwise it is truncated)
     tokens_BxN: jax.Array  # i32: generated tokens (pad after EOS)
     valid_BxN: jax.Array  # bool: a generated (not padded) token
     logp_BxN: jax.Array  # f32: log-prob under the distribution sampled from
@@ -48,12 +52,13 @@ class DecodeState:
     topk_logp_BxNxK: jax.Array  # f32
 
     @classmethod
-    def specs(cls, rows) -> "DecodeState":
-        """PartitionSpecs with the rows split over the mesh axes `rows`."""
+    def specs(cls, rows, per_row: bool = False) -> "DecodeState":
+        """PartitionSpecs with the rows split over the mesh axes `rows` (`per_row`: decode slots,
+        whose `step` and `logits_version` are per row too)."""
         r = PartitionSpec(rows)
         fields = {f: r for f in cls.__dataclass_fields__}
-        return cls(**{**fields, "step": PartitionSpec(), "logits_version": PartitionSpec(),
-                      "uniforms_NxB": PartitionSpec(None, rows)})
+        scalar = r if per_row else PartitionSpec()
+        return cls(**{**fields, "step": scalar, "logits_version": scalar, "uniforms_NxB": PartitionSpec(None, rows)})
 
 
 def _pad_cache(cache, key_valid, width):
@@ -64,12 +69,28 @@ def _pad_cache(cache, key_valid, width):
     return grown, jnp.pad(key_valid, [(0, 0), (0, extra)])
 
 
-def _prefill(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfig, scfg: SamplerConfig, rows=None):
+def row_keys(key, row_ids_B):
+    """Each row's own key: `key` folded with the row's id (its index in the batch)."""
+    return jax.vmap(lambda r: jax.random.fold_in(key, r))(row_ids_B)
+
+
+def row_uniforms(keys_B, n: int):
+    """f32[N, B]: the uniform behind each new token of each row, from the row's key alone
+    (uniform t drives the row's t-th new token). Draws depend neither on segment boundaries,
+    nor on rows padded for a mesh, nor on which decode slot a row runs in, and no PRNG rounds
+    run in the decode loop."""
+    return jax.vmap(lambda k: jax.random.uniform(k, (n,)), out_axes=1)(keys_B)
+
+
+def _prefill(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg: ModelConfig, scfg: SamplerConfig,
+             rows=None, width=None, keys_B=None):
     """Run the prompt through the model -> the DecodeState for `_decode_segment`. `rows`: the
-    mesh axes the batch is split over (inside `shard_map`), so draws follow global row ids."""
+    mesh axes the batch is split over (inside `shard_map`), so draws follow global row ids;
+    or `keys_B`, the rows' own keys (`row_keys`; `key` is then unused). `width`: cache
+    positions to allocate (default: the prompt and the first segment)."""
     b, p = prompt_BxP.shape
     n = scfg.max_new_tokens
-    width = p + _segment_ends(n, scfg)[0]
+    width = width or p + _segment_ends(n, scfg)[0]
     cache = [{"k": jnp.zeros((b, mcfg.num_kv_heads, mcfg.head_dim, width), scfg.cache_dtype),
               "v": jnp.zeros((b, mcfg.num_kv_heads, width, mcfg.head_dim), scfg.cache_dtype)}
              for _ in range(mcfg.num_layers)]
@@ -80,14 +101,13 @@ def _prefill(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfi
                                                 causal[None] & key_valid[:, None, :], cache, 0)
     k = scfg.capture_topk
     unembed = decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
-    # One uniform per (step, row), drawn once from (key, row) alone: draws depend neither on
-    # segment boundaries nor on rows padded for a mesh, and no PRNG rounds run in the loop.
-    row0 = jax.lax.axis_index(rows) * b if rows else 0
-    u_NxB = jax.vmap(lambda r: jax.random.uniform(jax.random.fold_in(key, r), (n,)), out_axes=1)(row0 + jnp.arange(b))
+    if keys_B is None:
+        keys_B = row_keys(key, (jax.lax.axis_index(rows) * b if rows else 0) + jnp.arange(b))
+    u_NxB = row_uniforms(keys_B, n)
     return DecodeState(
         step=jnp.int32(0), uniforms_NxB=u_NxB, cache=cache, logits_BxV=hidden[:, -1].astype(jnp.float32) @ unembed,
         logits_version=jnp.asarray(version, jnp.int32), key_valid_BxW=key_valid, positions_B=positions[:, -1] + 1,
-        done_B=jnp.zeros((b,), bool), tokens_BxN=jnp.full((b, n), scfg.pad_token_id, jnp.int32),
+        limit_B=limit_B, done_B=jnp.zeros((b,), bool), eos_B=jnp.zeros((b,), bool), tokens_BxN=jnp.full((b, n), scfg.pad_token_id, jnp.int32),
         valid_BxN=jnp.zeros((b, n), bool), logp_BxN=jnp.zeros((b, n), jnp.float32), kept_BxN=jnp.zeros((b, n), jnp.int32),
         versions_BxN=jnp.full((b, n), -1, jnp.int32), topk_ids_BxNxK=jnp.zeros((b, n, k), jnp.int32),
         topk_logp_BxNxK=jnp.zeros((b, n, k), jnp.float32),
@@ -108,36 +128,44 @@ def _decode_segment(params, st: DecodeState, version, p: int, end: int, mcfg: Mo
     if st.key_valid_BxW.shape[1] < p + end:
         cache, key_valid = _pad_cache(st.cache, st.key_valid_BxW, p + end)
         st = st.replace(cache=cache, key_valid_BxW=key_valid)
-    model = decoder.Decoder(mcfg)
-    unembed = decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
-    version = jnp.asarray(version, jnp.int32)
-
-    def body(st: DecodeState) -> DecodeState:
-        i = st.step
-        tok, logp, kept, top_ids, top_logp = sample(st.logits_BxV, st.uniforms_NxB[i], scfg)
-        live = ~st.done_B
-        tok = jnp.where(live, tok, scfg.pad_token_id)
-        eos = (tok == scfg.eos_token_id) if scfg.eos_token_id is not None else False
-        key_valid = st.key_valid_BxW.at[:, p + i].set(live)
-        # Cache slots past p + i are not yet valid, so the key mask alone is causal.
-        h, cache = model.apply({"params": params}, tok[:, None], st.positions_B[:, None], key_valid[:, None, :],
-                               st.cache, p + i)
-        return st.replace(
-            step=i + 1, cache=cache, logits_BxV=h[:, 0].astype(jnp.float32) @ unembed, logits_version=version,
-            key_valid_BxW=key_valid, positions_B=st.positions_B + 1, done_B=st.done_B | eos,
-            tokens_BxN=st.tokens_BxN.at[:, i].set(tok), valid_BxN=st.valid_BxN.at[:, i].set(live),
-            logp_BxN=st.logp_BxN.at[:, i].set(jnp.where(live, logp, 0.0)),
-            kept_BxN=st.kept_BxN.at[:, i].set(jnp.where(live, kept, 0)),
-            versions_BxN=st.versions_BxN.at[:, i].set(jnp.where(live, st.logits_version, -1)),
-            topk_ids_BxNxK=st.topk_ids_BxNxK.at[:, i].set(top_ids),
-            topk_logp_BxNxK=st.topk_logp_BxNxK.at[:, i].set(top_logp),
-        )
-
+    body = functools.partial(decode_step, params, version=version, p=p, mcfg=mcfg, scfg=scfg)
     return jax.lax.while_loop(lambda st: (st.step < end) & ~jnp.all(st.done_B), body, st)
 
 
-def _generate(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConfig, scfg: SamplerConfig, rows=None):
-    st = _prefill(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg, scfg, rows)
+def decode_step(params, st: DecodeState, version, p: int, mcfg: ModelConfig, scfg: SamplerConfig) -> DecodeState:
+    """One decode step of every row: sample from the carried logits, record the token, run it
+    through the model. Token t of a row lives at column t of the outputs and at cache position
+    p + t; with per-row steps (decode slots) these are scatters, and finished rows stand still."""
+    i = st.step
+    b = st.done_B.shape[0]
+    per_row = jnp.ndim(i) > 0
+    rows = jnp.arange(b)
+    put = (lambda x, col, v: x.at[rows, col].set(v, mode="drop")) if per_row else (lambda x, col, v: x.at[:, col].set(v))
+    tok, logp, kept, top_ids, top_logp = sample(st.logits_BxV, st.uniforms_NxB[i, rows] if per_row else st.uniforms_NxB[i], scfg)
+    live = ~st.done_B
+    tok = jnp.where(live, tok, scfg.pad_token_id)
+    eos = live & (tok == scfg.eos_token_id) if scfg.eos_token_id is not None else jnp.zeros_like(live)
+    key_valid = put(st.key_valid_BxW, p + i, live)
+    # Cache slots past p + i are not yet valid, so the key mask alone is causal.
+    h, cache = decoder.Decoder(mcfg).apply({"params": params}, tok[:, None], st.positions_B[:, None],
+                                           key_valid[:, None, :], st.cache, p + i)
+    taken = i + live if per_row else i + 1  # a finished slot keeps its column
+    unembed = decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
+    return st.replace(
+        step=taken, cache=cache, logits_BxV=h[:, 0].astype(jnp.float32) @ unembed,
+        logits_version=jnp.full_like(st.logits_version, version), key_valid_BxW=key_valid,
+        positions_B=st.positions_B + 1, done_B=st.done_B | eos | (taken >= st.limit_B), eos_B=st.eos_B | eos,
+        tokens_BxN=put(st.tokens_BxN, i, tok), valid_BxN=put(st.valid_BxN, i, live),
+        logp_BxN=put(st.logp_BxN, i, jnp.where(live, logp, 0.0)), kept_BxN=put(st.kept_BxN, i, jnp.where(live, kept, 0)),
+        versions_BxN=put(st.versions_BxN, i, jnp.where(live, st.logits_version, -1)),
+        topk_ids_BxNxK=put(st.topk_ids_BxNxK, i, jnp.where(live[:, None], top_ids, 0)),
+        topk_logp_BxNxK=put(st.topk_logp_BxNxK, i, jnp.where(live[:, None], top_logp, 0.0)),
+    )
+
+
+def _generate(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg: ModelConfig, scfg: SamplerConfig,
+              rows=None):
+    st = _prefill(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg, scfg, rows)
     for end in _segment_ends(scfg.max_new_tokens, scfg):
         st = _decode_segment(params, st, version, prompt_BxP.shape[1], end, mcfg, scfg)
     return _outputs(st, scfg)
@@ -145,7 +173,7 @@ def _generate(params, prompt_BxP, prompt_mask_BxP, key, version, mcfg: ModelConf
 
 def _outputs(st: DecodeState, scfg: SamplerConfig) -> dict:
     out = dict(tokens=st.tokens_BxN, valid=st.valid_BxN, logp=st.logp_BxN, versions=st.versions_BxN,
-               topk_ids=st.topk_ids_BxNxK, topk_logp=st.topk_logp_BxNxK, done=st.done_B)
+               topk_ids=st.topk_ids_BxNxK, topk_logp=st.topk_logp_BxNxK, done=st.eos_B)
     if scfg.dist.truncated:  # the learner restricts pi_theta to supports of these sizes
         out["kept"] = st.kept_BxN
     return out
@@ -164,19 +192,20 @@ class Sampler:
     def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Optional[Mesh] = None):
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
         self.traces = 0  # how often the program was traced (tests assert no retrace per bucket)
+        self._slots = None
         rows = mesh and tuple(mesh.axis_names)
         local = lambda f, in_specs, out_specs: f if mesh is None else jax.shard_map(
             f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
         r, rep = PartitionSpec(rows), PartitionSpec()
 
-        def generate(params, prompt, mask, key, version, mcfg, scfg):
+        def generate(params, prompt, mask, limit, key, version, mcfg, scfg):
             self.traces += 1
             f = functools.partial(_generate, mcfg=mcfg, scfg=scfg, rows=rows)
-            return local(f, (rep, r, r, rep, rep), r)(params, prompt, mask, key, version)
+            return local(f, (rep, r, r, r, rep, rep), r)(params, prompt, mask, limit, key, version)
 
-        def prefill(params, prompt, mask, key, version, mcfg, scfg):
+        def prefill(params, prompt, mask, limit, key, version, mcfg, scfg):
             f = functools.partial(_prefill, mcfg=mcfg, scfg=scfg, rows=rows)
-            return local(f, (rep, r, r, rep, rep), DecodeState.specs(rows))(params, prompt, mask, key, version)
+            return local(f, (rep, r, r, r, rep, rep), DecodeState.specs(rows))(params, prompt, mask, limit, key, version)
 
         def segment(params, st, version, p, end, mcfg, scfg):
             f = functools.partial(_decode_segment, p=p, end=end, mcfg=mcfg, scfg=scfg)
@@ -195,7 +224,8 @@ class Sampler:
                          "add a bucket to SamplerConfig.prompt_buckets")
 
     def pad_prompts(self, prompts: Sequence[Sequence[int]]):
-        """Left-pad to the bucket and repeat each prompt G times -> (tokens, mask, group_ids)."""
+        """Left-pad to the bucket and repeat each prompt G times -> (tokens, mask, group_ids);
+        row r = i * G + g is sample g of prompt i (its draws follow r: `row_keys`)."""
         if not len(prompts) or min(len(x) for x in prompts) == 0:
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
         p = self.bucket(max(len(x) for x in prompts))
@@ -207,37 +237,68 @@ class Sampler:
             mask[i, p - len(x):] = 1
         return np.repeat(toks, g, 0), np.repeat(mask, g, 0), np.repeat(np.arange(len(prompts), dtype=np.int32), g)
 
-    def generate(self, params, prompts, key, version: int = 0, refresh=None) -> TrajectoryBatch:
+    def generate(self, params, prompts, key, version: int = 0, refresh=None, limits=None) -> TrajectoryBatch:
         """`refresh`: optional `() -> (version, params) | None`, asked between decode segments
         (every `decode_segment` tokens); when it returns newer weights, the rest of the batch is
         decoded with them (the KV cache of earlier tokens is kept, as in-flight weight updates
-        do) and each token's `versions` entry names the params it was sampled from."""
+        do) and each token's `versions` entry names the params it was sampled from.
+        `limits`: optional per-row budgets of new tokens (<= max_new_tokens; rows as in
+        `pad_prompts`); a row that uses its budget ends truncated."""
         toks, mask, group_ids = self.pad_prompts(prompts)
-        toks_j, mask_j, params = self._place(toks, mask, params)
+        limit = row_limits(limits, len(toks), self.cfg.max_new_tokens)
+        if self.cfg.batching == "continuous":
+            return to_batch(toks, mask, group_ids, self.slots(len(toks)).generate(
+                params, toks, mask, limit, key, version, refresh))
+        (toks_j, mask_j, limit_j), params = self._place((toks, mask, limit), params)
         if refresh is None:
-            out = self._fn(params, toks_j, mask_j, key, version, mcfg=self.model_cfg, scfg=self.cfg)
+            out = self._fn(params, toks_j, mask_j, limit_j, key, version, mcfg=self.model_cfg, scfg=self.cfg)
             return to_batch(toks, mask, group_ids, out)
-        st = self._prefill(params, toks_j, mask_j, key, version, mcfg=self.model_cfg, scfg=self.cfg)
+        st = self._prefill(params, toks_j, mask_j, limit_j, key, version, mcfg=self.model_cfg, scfg=self.cfg)
         for j, end in enumerate(_segment_ends(self.cfg.max_new_tokens, self.cfg)):
             newer = refresh() if j else None
             if newer is not None and newer[0] > version:
-                version, params = newer[0], self._place(toks, mask, newer[1])[2]
+                version, params = newer[0], self.place_params(newer[1])
             st = self._segment(params, st, version, p=toks.shape[1], end=end, mcfg=self.model_cfg, scfg=self.cfg)
         return to_batch(toks, mask, group_ids, _outputs(st, self.cfg))
 
-    def _place(self, toks, mask, params):
-        """Device arrays for the program: on the mesh, rows split (padded with copies of the
-        last row, dropped again by `to_batch`) and params replicated unless already there
-        (`sharding.put`: CPU devices share one host copy)."""
+    def slots(self, rows: int):
+        """The continuous-batching engine (`continuous.py`); `slots=0` sizes it to the first
+        batch's rows."""
+        if self._slots is None:
+            from jaxrl_llm.rollout import continuous
+
+            self._slots = continuous.SlotEngine(self, self.cfg.slots or rows)
+        return self._slots
+
+    def place_params(self, params):
+        """Params on the sampler mesh, replicated unless already there (`sharding.put`: CPU
+        devices share one host copy)."""
         if self.mesh is None:
-            return jnp.asarray(toks), jnp.asarray(mask), params
-        extra = -len(toks) % self.mesh.size
-        rows = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names))
-        pad = lambda x: np.concatenate([x, np.repeat(x[-1:], extra, 0)])
+            return params
         leaf = jax.tree_util.tree_leaves(params)[0]
         if getattr(leaf, "sharding", None) is None or leaf.sharding.device_set != set(self.mesh.devices.flat):
-            params = sharding.put(params, NamedSharding(self.mesh, PartitionSpec()))  # one copy on CPU
-        return jax.device_put(pad(toks), rows), jax.device_put(pad(mask), rows), params
+            params = sharding.put(params, NamedSharding(self.mesh, PartitionSpec()))
+        return params
+
+    def _place(self, arrays, params):
+        """Device arrays for the program: on the mesh, rows split (padded with copies of the
+        last row, dropped again by `to_batch`) and params replicated."""
+        if self.mesh is None:
+            return tuple(jnp.asarray(x) for x in arrays), params
+        extra = -len(arrays[0]) % self.mesh.size
+        rows = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names))
+        pad = lambda x: np.concatenate([x, np.repeat(x[-1:], extra, 0)])
+        return tuple(jax.device_put(pad(x), rows) for x in arrays), self.place_params(params)
+
+
+def row_limits(limits, rows: int, n: int) -> np.ndarray:
+    """Per-row budgets of new tokens as i32[rows] (default: all `n`), checked."""
+    if limits is None:
+        return np.full(rows, n, np.int32)
+    limits = np.asarray(limits, np.int32)
+    if limits.shape != (rows,) or limits.min() < 1 or limits.max() > n:
+        raise ValueError(f"limits must be {rows} per-row budgets in [1, {n}]; got shape {limits.shape}")
+    return limits
 
 
 def to_batch(prompt_BxP, prompt_mask_BxP, group_ids_B, out) -> TrajectoryBatch:

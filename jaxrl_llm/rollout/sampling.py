@@ -16,6 +16,9 @@ from jaxrl_llm.models import policy_dist
 from jaxrl_llm.models.policy_dist import PolicyDist, top_k  # noqa: F401  (top_k: re-exported)
 
 
+BATCHING = ("static", "continuous")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
     max_new_tokens: int = 96
@@ -28,13 +31,18 @@ class SamplerConfig:
     eos_token_id: Optional[int] = None
     pad_token_id: int = 0
     cache_dtype: str = "float32"
-    decode_segment: int = 32  # decode steps per attention-window growth (0: one window)
+    decode_segment: int = 32  # decode steps per attention-window growth / slot refill (0: one window)
+    batching: str = "static"  # static: a batch decodes until its longest row ends | continuous: slots
+    slots: int = 0  # continuous: decode slots (0: one per row of the batch)
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.capture_topk < 0:
             raise ValueError(f"invalid sampling options: {self}")
         if self.max_new_tokens < 1 or self.num_samples < 1:
             raise ValueError("max_new_tokens and num_samples must be >= 1")
+        if self.batching not in BATCHING or self.slots < 0:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING)} and slots >= 0; got {self.batching!r}, "
+                             f"{self.slots}")
 
     @property
     def dist(self) -> PolicyDist:

@@ -1,0 +1,264 @@
+"""Continuous batching: a fixed number of decode slots, refilled at segment boundaries.
+
+Static batching decodes a batch until its longest row ends, so with heavy-tailed lengths most
+rows sit finished. Here S slots decode together; every `decode_segment` steps the host takes
+out finished rows and prefills waiting ones into the freed slots (KV-cache rows overwritten in
+place), as JetStream's prefill / insert / generate engine and the vLLM / SGLang schedulers
+behind verl, TRL and AReaL do.
+
+Layout: slot s holds one row as [prompt, left-padded to the run's bucket P | N new tokens], its
+t-th new token at cache position P + t. Slots sit at different depths, so the decode step
+(`sampler.decode_step`, shared with static batching) writes per-slot columns. A segment attends
+over the first w cache positions only, w = P + the deepest slot's reach rounded up to a segment
+(memory-bound decode reads no more cache than it must). Programs: one insert per power-of-two
+count of new rows and one segment per w, whatever the mix of lengths.
+
+A row's draws come from (key, its global row id) alone (`sampler.row_uniforms`), so it yields
+the same tokens, log-probs and top-K in any slot, at any slot count, as in a static batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.rollout import sampler as static
+from jaxrl_llm.rollout.sampling import SamplerConfig
+
+OUTPUTS = ("tokens_BxN", "valid_BxN", "logp_BxN", "kept_BxN", "versions_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK",
+           "eos_B")
+
+
+def _empty(slots: int, p: int, mcfg: ModelConfig, scfg: SamplerConfig) -> static.DecodeState:
+    """S idle slots (done, budget 0) with a cache of P + N positions."""
+    n, k = scfg.max_new_tokens, scfg.capture_topk
+    zeros = lambda shape, dtype=jnp.float32: jnp.zeros(shape, dtype)
+    return static.DecodeState(
+        step=zeros((slots,), jnp.int32), uniforms_NxB=zeros((n, slots)),
+        cache=[{"k": zeros((slots, mcfg.num_kv_heads, mcfg.head_dim, p + n), scfg.cache_dtype),
+                "v": zeros((slots, mcfg.num_kv_heads, p + n, mcfg.head_dim), scfg.cache_dtype)}
+               for _ in range(mcfg.num_layers)],
+        logits_BxV=zeros((slots, mcfg.vocab_size)), logits_version=zeros((slots,), jnp.int32),
+        key_valid_BxW=zeros((slots, p + n), bool), positions_B=zeros((slots,), jnp.int32),
+        limit_B=zeros((slots,), jnp.int32), done_B=jnp.ones((slots,), bool), eos_B=zeros((slots,), bool),
+        tokens_BxN=jnp.full((slots, n), scfg.pad_token_id, jnp.int32), valid_BxN=zeros((slots, n), bool),
+        logp_BxN=zeros((slots, n)), kept_BxN=zeros((slots, n), jnp.int32),
+        versions_BxN=jnp.full((slots, n), -1, jnp.int32), topk_ids_BxNxK=zeros((slots, n, k), jnp.int32),
+        topk_logp_BxNxK=zeros((slots, n, k)))
+
+
+def _insert(st, pool, pool_I, slot_I):
+    """Copy prefilled rows `pool_I` of `pool` into slots `slot_I` (an index >= S is padding,
+    dropped). Only the prompt's P cache positions are written; the old occupant's later
+    positions are masked out until the new row overwrites them."""
+    p = pool.key_valid_BxW.shape[1]
+    put = lambda old, x: old.at[slot_I].set(x[pool_I], mode="drop")
+    cache = [{"k": old["k"].at[slot_I, :, :, :p].set(c["k"][pool_I], mode="drop"),
+              "v": old["v"].at[slot_I, :, :p, :].set(c["v"][pool_I], mode="drop")} for old, c in zip(st.cache, pool.cache)]
+    rows = {f: put(getattr(st, f), getattr(pool, f)) for f in (
+        "logits_BxV", "positions_B", "limit_B", "done_B", "eos_B", "tokens_BxN", "valid_BxN", "logp_BxN", "kept_BxN",
+        "versions_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK")}
+    slots = jnp.zeros_like(slot_I)
+    return st.replace(
+        **rows, cache=cache, step=st.step.at[slot_I].set(slots, mode="drop"),
+        logits_version=st.logits_version.at[slot_I].set(slots + pool.logits_version, mode="drop"),
+        uniforms_NxB=st.uniforms_NxB.at[:, slot_I].set(pool.uniforms_NxB[:, pool_I], mode="drop"),
+        key_valid_BxW=put(st.key_valid_BxW, jnp.pad(pool.key_valid_BxW, [(0, 0), (0, st.key_valid_BxW.shape[1] - p)])))
+
+
+def _segment(params, st, version, p: int, width: int, steps: int, mcfg, scfg):
+    """Up to `steps` decode steps of every slot over cache positions [0, width), stopping early
+    once every slot is done."""
+    full = st.cache, st.key_valid_BxW
+    if width < st.key_valid_BxW.shape[1]:  # one copy in and out per segment, not per step
+        st = st.replace(cache=[{"k": c["k"][..., :width], "v": c["v"][:, :, :width]} for c in st.cache],
+                        key_valid_BxW=st.key_valid_BxW[:, :width])
+    body = functools.partial(static.decode_step, params, version=version, p=p, mcfg=mcfg, scfg=scfg)
+    _, st = jax.lax.while_loop(lambda c: (c[0] < steps) & ~jnp.all(c[1].done_B), lambda c: (c[0] + 1, body(c[1])),
+                               (jnp.int32(0), st))
+    if width < full[1].shape[1]:
+        put = jax.lax.dynamic_update_slice
+        st = st.replace(cache=[{"k": put(f["k"], c["k"], (0, 0, 0, 0)), "v": put(f["v"], c["v"], (0, 0, 0, 0))}
+                               for f, c in zip(full[0], st.cache)],
+                        key_valid_BxW=put(full[1], st.key_valid_BxW, (0, 0)))
+    return st
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class SlotEngine:
+    """The continuous-batching generator behind `Sampler.generate` when
+    `SamplerConfig.batching == "continuous"`, and behind streaming samplers (`stream`). On a
+    sampler mesh of D devices each device runs its own group of S / D slots on its own rows
+    (as static batching splits rows): prefill, insert and decode never move a row between
+    devices. The slot count is rounded up to a multiple of D.
+
+    Waiting rows are prefilled together into a pool (one sharded prefill, as a static batch's)
+    and copied into slots as these free up; new weights (`refresh`) re-prefill the rows still
+    waiting, so a row's first token always comes from the newest params at its insertion."""
+
+    def __init__(self, sampler, slots: int):
+        self.sampler = sampler
+        mcfg, scfg, mesh = sampler.model_cfg, sampler.cfg, sampler.mesh
+        self.groups = mesh.size if mesh is not None else 1
+        self.slots = -(-slots // self.groups) * self.groups
+        self.seg = min(scfg.decode_segment or scfg.max_new_tokens, scfg.max_new_tokens)
+        self.traces = collections.Counter()  # programs traced, by kind (tests bound them)
+        self.occupancy = []  # per stream: generated tokens / (slots x decode steps run)
+        rows = mesh and tuple(mesh.axis_names)
+        specs, pool_specs = (static.DecodeState.specs(rows, per_row=True), static.DecodeState.specs(rows))
+        r, rep = PartitionSpec(rows), PartitionSpec()
+        local = lambda f, in_specs, out_specs: f if mesh is None else jax.shard_map(
+            f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+        self._rows = None if mesh is None else NamedSharding(mesh, r)
+        shard = None if mesh is None else jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+        def empty(p):
+            self.traces["empty"] += 1
+            return _empty(self.slots, p, mcfg, scfg)
+
+        def prefill(params, prompt, mask, limit, keys, version):
+            self.traces["prefill"] += 1
+            f = lambda params, prompt, mask, limit, keys, version: static._prefill(
+                params, prompt, mask, limit, None, version, mcfg, scfg, width=prompt.shape[1],
+                keys_B=jax.random.wrap_key_data(keys))
+            return local(f, (rep, r, r, r, r, rep), pool_specs)(params, prompt, mask, limit, keys, version)
+
+        def insert(st, pool, pool_i, slot_i):
+            self.traces["insert"] += 1
+            return local(_insert, (specs, pool_specs, r, r), specs)(st, pool, pool_i, slot_i)
+
+        def segment(params, st, version, p, width):
+            self.traces["segment"] += 1
+            f = functools.partial(_segment, p=p, width=width, steps=self.seg, mcfg=mcfg, scfg=scfg)
+            return local(f, (rep, specs, rep), specs)(params, st, version)
+
+        self._empty = jax.jit(empty, static_argnums=0, out_shardings=shard)
+        self._prefill = jax.jit(prefill)
+        self._insert = jax.jit(insert, donate_argnums=0, out_shardings=shard)
+        self._segment = jax.jit(segment, static_argnames=("p", "width"), donate_argnums=1, out_shardings=shard)
+        self._keys = jax.jit(lambda key, ids: jax.random.key_data(static.row_keys(key, ids)))
+
+    def row_keys(self, key, ids) -> np.ndarray:
+        """u32 key data of each row's own key (`sampler.row_keys`), for `stream` feeds."""
+        return np.asarray(self._keys(key, np.asarray(ids, np.int32)))
+
+    def generate(self, params, prompt_RxP, mask_RxP, limit_R, key, version: int, refresh=None) -> dict:
+        """Every row of `prompt_RxP` through the slots -> the static sampler's output dict
+        (row order kept; row r's draws from `key` and r, as in a static batch)."""
+        r = len(prompt_RxP)
+        chunks = [(np.arange(r), prompt_RxP, mask_RxP, limit_R, self.row_keys(key, np.arange(r)))]
+        out = {}
+        for ids, got in self.stream(params, prompt_RxP.shape[1], version, lambda: chunks.pop() if chunks else None,
+                                    refresh):
+            for f, x in got.items():
+                out.setdefault(f, np.zeros((r,) + x.shape[1:], x.dtype))[ids] = x
+        res = dict(tokens=out["tokens_BxN"], valid=out["valid_BxN"], logp=out["logp_BxN"],
+                   versions=out["versions_BxN"], topk_ids=out["topk_ids_BxNxK"], topk_logp=out["topk_logp_BxNxK"],
+                   done=out["eos_B"])
+        if self.sampler.cfg.dist.truncated:
+            res["kept"] = out["kept_BxN"]
+        return res
+
+    def stream(self, params, p: int, version: int, feed, refresh=None, stop=None):
+        """Decode rows through the slots, yielding `(ids, outputs)` for the rows that finished at
+        each segment boundary (outputs: `OUTPUTS` fields, one entry per id).
+
+        `feed()` -> `(ids, prompt_RxP, mask_RxP, limit_R, keys_Rx2)` of new rows (prompts
+        left-padded to `p`, keys from `row_keys`), or None when it has none; it is asked at a
+        boundary whenever fewer rows wait than there are slots. `refresh` as in
+        `Sampler.generate`, asked before every segment but the first. `stop()`: end at the
+        next boundary (rows still decoding are dropped). Ends when nothing waits or decodes."""
+        n, s, g = self.sampler.cfg.max_new_tokens, self.slots, self.groups
+        local = s // g
+        params = self.sampler.place_params(params)
+        st = self._empty(p)
+        waiting = [collections.deque() for _ in range(g)]  # per device: ids in arrival order
+        rows = {}  # id -> (prompt, mask, limit, key data): what a (re-)prefill needs
+        pools = []  # [pool, {id: index in the pool}]
+        row_of = np.full(s, -1)  # the id each slot holds (-1: idle); slot j is on device j // local
+        steps = np.zeros(s, np.int64)
+        decoded = useful = 0  # decode steps run (summed over segments), tokens generated
+        fed_all = False
+        while True:
+            if stop is not None and stop():
+                return
+            if refresh is not None and decoded:
+                newer = refresh()
+                if newer is not None and newer[0] > version:
+                    version, params = newer[0], self.sampler.place_params(newer[1])
+                    pools = [self._pool(params, waiting, rows, version)] if any(waiting) else []
+            while not fed_all and sum(map(len, waiting)) < s:
+                new = feed()
+                if new is None:
+                    fed_all = True
+                    break
+                fresh = [collections.deque() for _ in range(g)]
+                for i, row in enumerate(zip(*new)):
+                    d = min(range(g), key=lambda d: len(waiting[d]) + len(fresh[d]))  # balance the devices
+                    rows[int(row[0])] = row[1:]
+                    fresh[d].append(int(row[0]))
+                pools.append(self._pool(params, fresh, rows, version))
+                for d in range(g):
+                    waiting[d].extend(fresh[d])
+            if not any(waiting) and (row_of < 0).all():
+                break
+            st = self._fill(st, pools, waiting, row_of, steps, local)
+            reach = steps[row_of >= 0].max() + self.seg
+            width = int(p + min(n, -(-reach // self.seg) * self.seg))  # a Python int: one static key
+            st = self._segment(params, st, version, p=p, width=width)
+            before = steps.copy()
+            done, steps = (np.array(x) for x in jax.device_get((st.done_B, st.step)))
+            decoded += int((steps - before)[row_of >= 0].max(initial=0))
+            finished = np.flatnonzero((row_of >= 0) & done)
+            if finished.size:
+                got = {f: x[finished] for f, x in jax.device_get({f: getattr(st, f) for f in OUTPUTS}).items()}
+                ids = row_of[finished].copy()
+                row_of[finished] = -1
+                for i in ids:
+                    del rows[int(i)]
+                useful += int(got["valid_BxN"].sum())
+                yield ids, got
+        self.occupancy.append(useful / max(1, s * decoded))
+
+    def _put(self, x):
+        x = np.asarray(x)
+        return jnp.asarray(x) if self._rows is None else jax.device_put(x, self._rows)
+
+    def _pool(self, params, per_device, rows, version):
+        """Prefill the rows `per_device[d]` (ids) into device d's block of a pool, each block
+        padded to a power of two with copies (bounded programs) -> [pool, {id: index}]."""
+        n = _pow2(max(len(q) for q in per_device))
+        order = [np.resize(np.asarray(q or [next(iter(rows))]), n) for q in per_device]
+        prompt, mask, limit, keys = (np.stack([rows[int(i)][k] for q in order for i in q]) for k in range(4))
+        pool = self._prefill(params, self._put(prompt), self._put(mask), self._put(limit.astype(np.int32)),
+                             self._put(keys), version)
+        return [pool, {int(i): j for q in per_device for j, i in enumerate(q)}]
+
+    def _fill(self, st, pools, waiting, row_of, steps, local):
+        """Move waiting rows into free slots (device d's rows into device d's slots): one
+        insert per pool that holds some of them, of a power-of-two count per device."""
+        g = len(waiting)
+        free = [np.flatnonzero(row_of[d * local:(d + 1) * local] < 0)[:len(waiting[d])] for d in range(g)]
+        take = [[waiting[d].popleft() for _ in free[d]] for d in range(g)]
+        for d in range(g):
+            row_of[d * local + free[d]], steps[d * local + free[d]] = take[d], 0
+        for pool, where in pools:
+            mine = [[(where[i], f) for i, f in zip(t, fr) if i in where] for t, fr in zip(take, free)]
+            if not any(mine):
+                continue
+            k = _pow2(max(map(len, mine)))
+            pad = lambda pairs, col, fill: [x[col] for x in pairs] + [fill] * (k - len(pairs))
+            st = self._insert(st, pool, self._put(np.concatenate([pad(m, 0, 0) for m in mine]).astype(np.int32)),
+                              self._put(np.concatenate([pad(m, 1, local) for m in mine]).astype(np.int32)))
+        still = {i for q in waiting for i in q}
+        pools[:] = [[pool, where] for pool, where in pools if still & where.keys()]
+        return st
