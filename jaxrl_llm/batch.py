@@ -93,6 +93,22 @@ class TrajectoryBatch:
     input_mask: Optional[Array] = None
     behav_kept: Optional[Array] = None
 
+    @classmethod
+    def concat(cls, batches) -> "TrajectoryBatch":
+        """Rows of `batches` stacked (same L and K): e.g. a learner batch assembled from whole
+        prompt groups. Group ids are renumbered so that no two batches share one."""
+        fields, offset, ids = {}, 0, []
+        for b in batches:
+            g = np.asarray(b.group_ids)
+            ids.append(g - g.min() + offset)
+            offset += int(g.max() - g.min()) + 1
+        for f in cls.__dataclass_fields__:
+            xs = [getattr(b, f) for b in batches]
+            xp = np if all(isinstance(x, np.ndarray) for x in xs) else jnp  # host batches stay on the host
+            fields[f] = None if xs[0] is None else xp.concatenate(xs, 0)
+        fields["group_ids"] = np.concatenate(ids).astype(np.int32)
+        return cls(**fields)
+
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.tokens.shape)  # type: ignore[return-value]

@@ -170,7 +170,8 @@ def _sampler_cfg(config, task, greedy=False):
     if greedy:
         return SamplerConfig(temperature=0.0, **kw)
     return SamplerConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, capture_topk=s.capture_topk,
-                         num_samples=s.num_samples, **kw)
+                         num_samples=s.num_samples, batching=s.batching, slots=s.slots,
+                         decode_segment=s.decode_segment, **kw)
 
 
 def build(config):

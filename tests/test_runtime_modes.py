@@ -91,9 +91,13 @@ def test_simulated_matches_schedule_and_is_bit_reproducible():
         np.testing.assert_array_equal(a, b)
 
 
-def test_async_two_samplers_finish_and_shut_down():
+BATCHING = pytest.mark.parametrize("batching", ["static", "continuous"])
+
+
+@BATCHING
+def test_async_two_samplers_finish_and_shut_down(batching):
     before = threading.active_count()
-    orch, st = _orch("async", num_samplers=2, queue_size=2, max_staleness=4)
+    orch, st = _orch("async", num_samplers=2, queue_size=2, max_staleness=4, sampler_kw=dict(batching=batching))
     t = time.perf_counter()
     st, hist = orch.run(st, 5)
     assert time.perf_counter() - t < 120 and len(hist) == 5 and int(st.version) == 5
@@ -137,8 +141,9 @@ def test_async_mid_generation_refresh_mixes_versions_within_a_batch():
         _orch("sync", refresh_mid_generation=True)
 
 
-def test_sampler_exception_surfaces_quickly():
-    orch, st = _orch("async", task=TargetTask(fail_prompts_after=1))
+@BATCHING
+def test_sampler_exception_surfaces_quickly(batching):
+    orch, st = _orch("async", task=TargetTask(fail_prompts_after=1), sampler_kw=dict(batching=batching))
     t = time.perf_counter()
     with pytest.raises(RuntimeError, match="sampler 0 failed: OSError: prompt source went away"):
         orch.run(st, 50)
@@ -199,12 +204,43 @@ def test_sync_and_simulated_respect_the_bound_in_every_step():
     assert [m["staleness/max"] for m in hist] == [0.0, 1.0, 2.0, 2.0]  # min(5 steps, bound, version)
 
 
-def test_async_drop_trains_nothing_beyond_the_bound():
-    orch, st = _orch("async", max_staleness=0, queue_size=2, num_samplers=2)
+@BATCHING
+def test_async_drop_trains_nothing_beyond_the_bound(batching):
+    orch, st = _orch("async", max_staleness=0, queue_size=2, num_samplers=2, sampler_kw=dict(batching=batching))
     st, hist = orch.run(st, 4)
     assert all(m["staleness/max"] == 0.0 and m["runtime/over_stale"] == 0 for m in hist)
     dropped = [m["runtime/dropped"] for m in hist]
     assert dropped == sorted(dropped) and int(st.version) == 4  # cumulative count from the queue
+
+
+def test_streaming_sampler_enqueues_whole_groups_as_they_finish():
+    """Continuous batching in async mode: the queue holds prompt groups (G rows each), the
+    learner's batch is `prompts_per_batch` whole groups, and every token's version tag names
+    params the learner had published by then (in-flight updates)."""
+    orch, st = _orch("async", sampler_kw=dict(batching="continuous", slots=3, max_new_tokens=6, decode_segment=2,
+                                              eos_token_id=5), queue_size=1, max_staleness=-1)
+    trained = []
+    real = orch.train
+
+    def train(state, batch, dropped=0):
+        trained.append((int(state.version), batch))
+        return real(state, batch, dropped)
+
+    orch.train = train
+    st, hist = orch.run(st, 4)
+    assert int(st.version) == 4
+    for version, batch in trained:
+        assert batch.shape == (2 * 4, 4 + 6)
+        ids = np.asarray(batch.group_ids)
+        assert sorted(np.unique(ids, return_counts=True)[1].tolist()) == [4, 4]  # two whole groups of G = 4
+        gen = np.asarray(batch.loss_mask) > 0
+        tags = np.asarray(batch.versions)[gen]
+        assert tags.min() >= 0 and tags.max() <= version
+        adv = np.asarray(batch.advantages)
+        for g in np.unique(ids):  # GRPO advantages are centred within each group
+            row_adv = [adv[r][gen[r]][0] for r in np.flatnonzero(ids == g)]
+            assert abs(sum(row_adv)) < 1e-4
+    assert orch.sampler.slots(0).slots == 3
 
 
 class RecordingTask(TargetTask):

@@ -161,11 +161,15 @@ class SlotEngine:
                                     refresh):
             for f, x in got.items():
                 out.setdefault(f, np.zeros((r,) + x.shape[1:], x.dtype))[ids] = x
-        res = dict(tokens=out["tokens_BxN"], valid=out["valid_BxN"], logp=out["logp_BxN"],
-                   versions=out["versions_BxN"], topk_ids=out["topk_ids_BxNxK"], topk_logp=out["topk_logp_BxNxK"],
-                   done=out["eos_B"])
+        return self.outputs(out)
+
+    def outputs(self, got: dict) -> dict:
+        """`stream` outputs -> the static sampler's output dict (for `sampler.to_batch`)."""
+        res = dict(tokens=got["tokens_BxN"], valid=got["valid_BxN"], logp=got["logp_BxN"],
+                   versions=got["versions_BxN"], topk_ids=got["topk_ids_BxNxK"], topk_logp=got["topk_logp_BxNxK"],
+                   done=got["eos_B"])
         if self.sampler.cfg.dist.truncated:
-            res["kept"] = out["kept_BxN"]
+            res["kept"] = got["kept_BxN"]
         return res
 
     def stream(self, params, p: int, version: int, feed, refresh=None, stop=None):

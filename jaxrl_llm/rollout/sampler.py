@@ -223,12 +223,12 @@ class Sampler:
         raise ValueError(f"prompt of {length} tokens exceeds the largest bucket {self.cfg.prompt_buckets[-1]}; "
                          "add a bucket to SamplerConfig.prompt_buckets")
 
-    def pad_prompts(self, prompts: Sequence[Sequence[int]]):
-        """Left-pad to the bucket and repeat each prompt G times -> (tokens, mask, group_ids);
-        row r = i * G + g is sample g of prompt i (its draws follow r: `row_keys`)."""
+    def pad_prompts(self, prompts: Sequence[Sequence[int]], width: Optional[int] = None):
+        """Left-pad to the bucket (or `width`) and repeat each prompt G times -> (tokens, mask,
+        group_ids); row r = i * G + g is sample g of prompt i (its draws follow r: `row_keys`)."""
         if not len(prompts) or min(len(x) for x in prompts) == 0:
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
-        p = self.bucket(max(len(x) for x in prompts))
+        p = max(width or 0, self.bucket(max(len(x) for x in prompts)))
         g = self.cfg.num_samples
         toks = np.full((len(prompts), p), self.cfg.pad_token_id, np.int32)
         mask = np.zeros((len(prompts), p), np.int32)
@@ -302,23 +302,26 @@ def row_limits(limits, rows: int, n: int) -> np.ndarray:
 
 
 def to_batch(prompt_BxP, prompt_mask_BxP, group_ids_B, out) -> TrajectoryBatch:
-    """Sampler output -> the batch contract (prompt positions: mask 0, version -1)."""
+    """Sampler output -> the batch contract (prompt positions: mask 0, version -1). Host
+    (NumPy) outputs give a host batch (a streaming sampler's groups), device outputs a device one."""
     b, p = prompt_BxP.shape
+    xp = np if isinstance(out["tokens"], np.ndarray) else jnp
     out = {k: v[:b] for k, v in out.items()}  # rows padded for a device mesh
     valid = out["valid"]
     k = out["topk_ids"].shape[-1]
-    gen_mask = valid.astype(jnp.float32)
+    gen_mask = valid.astype(np.float32)
+    prompt = lambda x, dtype=np.float32, *tail: xp.concatenate([xp.zeros((b, p) + tail, dtype), x], 1)
     return TrajectoryBatch(
-        tokens=jnp.concatenate([jnp.asarray(prompt_BxP), out["tokens"]], 1),
-        loss_mask=jnp.concatenate([jnp.zeros((b, p)), gen_mask], 1),
-        behav_logp=jnp.concatenate([jnp.zeros((b, p)), out["logp"]], 1),
-        versions=jnp.concatenate([jnp.full((b, p), -1, jnp.int32), out["versions"]], 1),
-        topk_ids=jnp.concatenate([jnp.zeros((b, p, k), jnp.int32), out["topk_ids"]], 1),
-        topk_logp=jnp.concatenate([jnp.zeros((b, p, k)), out["topk_logp"]], 1),
-        rewards=jnp.zeros((b,)),
-        group_ids=jnp.asarray(group_ids_B),
-        advantages=jnp.zeros((b, p + valid.shape[1])),
-        input_mask=jnp.concatenate([jnp.asarray(prompt_mask_BxP, jnp.float32), gen_mask], 1),
+        tokens=xp.concatenate([xp.asarray(prompt_BxP), out["tokens"]], 1),
+        loss_mask=prompt(gen_mask),
+        behav_logp=prompt(out["logp"]),
+        versions=xp.concatenate([xp.full((b, p), -1, np.int32), out["versions"]], 1),
+        topk_ids=prompt(out["topk_ids"], np.int32, k),
+        topk_logp=prompt(out["topk_logp"], np.float32, k),
+        rewards=xp.zeros((b,), np.float32),
+        group_ids=xp.asarray(group_ids_B),
+        advantages=xp.zeros((b, p + valid.shape[1]), np.float32),
+        input_mask=xp.concatenate([xp.asarray(prompt_mask_BxP, np.float32), gen_mask], 1),
         truncated=~out["done"],
-        behav_kept=jnp.concatenate([jnp.zeros((b, p), jnp.int32), out["kept"]], 1) if "kept" in out else None,
+        behav_kept=prompt(out["kept"], np.int32) if "kept" in out else None,
     )

@@ -53,12 +53,17 @@ def default_config():
     """The experiment config's `sampler` section (turned into a SamplerConfig by the experiment)."""
     import ml_collections
 
-    return ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0, num_samples=8, capture_topk=4,
-                                          max_new_tokens=0))  # 0: the task's maximum answer length
+    return ml_collections.ConfigDict(dict(
+        temperature=1.0, top_k=0, top_p=1.0, num_samples=8, capture_topk=4,
+        max_new_tokens=0,  # 0: the task's maximum answer length
+        batching="static",  # continuous: decode slots refilled every decode_segment steps (rollout/continuous.py)
+        slots=0,  # continuous: decode slots per sampler (0: one per row of a batch)
+        decode_segment=32))  # decode steps between weight refreshes / slot refills
 
 
 RULES = {"temperature": V.non_negative(), "top_k": V.integer(0), "top_p": V.unit(low_open=True),
-         "num_samples": V.integer(1), "capture_topk": V.integer(0), "max_new_tokens": V.integer(0)}
+         "num_samples": V.integer(1), "capture_topk": V.integer(0), "max_new_tokens": V.integer(0),
+         "batching": V.one_of(*BATCHING), "slots": V.integer(0), "decode_segment": V.integer(0)}
 
 
 def sampling_logprobs(logits_BxV, cfg: SamplerConfig):

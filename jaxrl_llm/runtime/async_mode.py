@@ -5,6 +5,13 @@ a version becomes usable once the delay model's delay (seconds) has passed since
 publication, checked between batches and, with `refresh_mid_generation`, between decode
 segments. The learner loop (`run`) takes acceptable batches from the queue, trains, and
 publishes. A failing worker stops the run with its error and traceback; nothing hangs.
+
+With continuous batching (`sampler.batching="continuous"`) a worker streams instead: its
+decode slots never wait for a batch to end, each prompt group goes to the queue as soon as its
+last member finishes (scored, with its group advantages), and the learner assembles a batch
+from `prompts_per_batch` whole groups. Weights are then refreshed at every segment boundary
+(in-flight updates, as PipelineRL and AReaL do): every token still carries the version of the
+params that produced it, and staleness is judged per group.
 """
 
 from __future__ import annotations
@@ -12,9 +19,12 @@ from __future__ import annotations
 import threading
 import time
 
+import jax
 import numpy as np
 
 from jaxrl_llm import distributed, staleness
+from jaxrl_llm.batch import TrajectoryBatch
+from jaxrl_llm.rollout.sampler import to_batch
 from jaxrl_llm.runtime.queue import QueueClosed, QueueTimeout, VersionedQueue
 
 POLL_S = 0.1  # how often blocked calls re-check for a stop or a failed worker
@@ -44,6 +54,8 @@ class SamplerWorker(threading.Thread):
     def run(self):
         mid = self.refresh if self.orch.cfg.refresh_mid_generation else None
         try:
+            if streams(self.orch):
+                return self._stream()
             while not self.stop.is_set():  # `produced` continues across run() calls
                 self.refresh()
                 t = time.perf_counter()
@@ -61,13 +73,66 @@ class SamplerWorker(threading.Thread):
             self.queue.close()
 
     def _put(self, batch):
-        """Enqueue under the batch's oldest token version; waits while the queue is full."""
+        """Enqueue under the batch's oldest token version; waits while the queue is full.
+        Returns the seconds it waited."""
         version = staleness.oldest_version(batch.versions, batch.loss_mask)
+        t = time.perf_counter()
         while not self.stop.is_set():
             try:
-                return self.queue.put(batch, version, timeout=POLL_S)
+                self.queue.put(batch, version, timeout=POLL_S)
+                break
             except QueueTimeout:
                 continue
+        return time.perf_counter() - t
+
+    def _stream(self):
+        """Continuous batching: draws of `prompts_per_batch` prompts feed the decode slots; each
+        group is scored and enqueued once its G rows have finished."""
+        orch, sampler = self.orch, self.orch.sampler
+        g, per_draw = sampler.cfg.num_samples, orch.cfg.prompts_per_batch * sampler.cfg.num_samples
+        engine = sampler.slots(per_draw)
+        p = sampler.bucket(getattr(orch.task, "max_prompt_len", sampler.cfg.prompt_buckets[-1]))
+        drawn, parts = {}, {}  # draw -> [prompts, tokens, mask, groups not yet emitted]; group -> {id: outputs}
+
+        def feed():
+            prompts, key = orch.draw(self.index + 1, self.produced)
+            toks, mask, _ = sampler.pad_prompts(prompts, width=p)
+            if toks.shape[1] != p:
+                raise ValueError(f"a prompt is longer than the task's max_prompt_len bucket {p}")
+            drawn[self.produced] = [prompts, toks, mask, len(prompts)]
+            ids = self.produced * per_draw + np.arange(per_draw)
+            self.produced += 1
+            return ids, toks, mask, np.full(per_draw, sampler.cfg.max_new_tokens), engine.row_keys(key, ids % per_draw)
+
+        self.refresh()
+        start, waited = time.perf_counter(), 0.0
+        for ids, got in engine.stream(self.params, p, self.version, feed, refresh=self.refresh, stop=self.stop.is_set):
+            for i, row in enumerate(ids.tolist()):
+                parts.setdefault(row // g, {})[row] = {f: x[i] for f, x in got.items()}
+            complete = [k for k, v in parts.items() if len(v) == g]
+            if not complete:
+                continue
+            # Score the groups that completed together in one batch (advantages stay within
+            # each group), then enqueue them one by one.
+            prompts, sel = [], []
+            for group in complete:
+                draw, prompt = divmod(group, orch.cfg.prompts_per_batch)
+                prompts.append(drawn[draw][0][prompt])
+                sel.append((draw, prompt * g + np.arange(g)))
+                drawn[draw][3] -= 1
+            rows = [r for group in complete for _, r in sorted(parts.pop(group).items())]
+            out = {f: np.stack([r[f] for r in rows]) for f in rows[0]}
+            toks = np.concatenate([drawn[d][1][r] for d, r in sel])
+            mask = np.concatenate([drawn[d][2][r] for d, r in sel])
+            batch, failures = orch.score(to_batch(toks, mask, np.repeat(np.arange(len(complete)), g),
+                                                  engine.outputs(out)), prompts)
+            batch = jax.tree.map(np.asarray, batch)
+            self.reward_failures += failures
+            for draw in {d for d, _ in sel if drawn[d][3] == 0}:
+                del drawn[draw]
+            for i in range(len(complete)):
+                waited += self._put(jax.tree.map(lambda x: x[i * g:(i + 1) * g], batch))
+            self.busy_s = time.perf_counter() - start - waited
 
 
 def _raise_failed(workers) -> None:
@@ -76,30 +141,37 @@ def _raise_failed(workers) -> None:
             raise RuntimeError(f"sampler {w.index} failed: {type(w.error).__name__}: {w.error}") from w.error
 
 
-def _next_batch(queue: VersionedQueue, workers, learner_version: int):
-    """The next acceptable batch for the learner, once every process holds one (one small
-    collective per poll, so no process enters a learner step another will not); a failed
-    worker, here or in another process, raises instead of waiting."""
-    batch = None
+def streams(orch) -> bool:
+    """Whether the sampler workers stream prompt groups (continuous batching)."""
+    return orch.sampler.cfg.batching == "continuous"
+
+
+def _next_batch(queue: VersionedQueue, workers, learner_version: int, items: int = 1):
+    """The next acceptable batch for the learner (`items` queue entries, e.g. prompt groups,
+    stacked), once every process holds one (one small collective per poll, so no process
+    enters a learner step another will not); a failed worker, here or in another process,
+    raises instead of waiting."""
+    got = []
     while True:
         failed = any(w.error is not None for w in workers)
-        if batch is None and not failed:
+        if len(got) < items and not failed:
             try:
-                batch = queue.get(learner_version, timeout=POLL_S)[0]
+                got.append(queue.get(learner_version, timeout=POLL_S)[0])
             except (QueueTimeout, QueueClosed):  # closed only after a worker failed
                 pass
-        status = distributed.agree(-1 if failed else int(batch is not None))
+        status = distributed.agree(-1 if failed else int(len(got) == items))
         if (status < 0).any():
             _raise_failed(workers)
             raise RuntimeError(f"process {int(np.argmin(status))}'s sampler failed; see its log")
         if (status == 1).all():
-            return batch
+            return got[0] if items == 1 else TrajectoryBatch.concat(got)
 
 
 def run(orch, state, num_steps: int, emit):
     """The learner loop of the async mode; returns the final state."""
     c = orch.cfg
-    queue = VersionedQueue(c.queue_size, None if c.max_staleness < 0 else c.max_staleness, c.staleness_policy)
+    items = c.prompts_per_batch if streams(orch) else 1  # queue entries per learner batch
+    queue = VersionedQueue(c.queue_size * items, None if c.max_staleness < 0 else c.max_staleness, c.staleness_policy)
     stop = threading.Event()
     workers = [SamplerWorker(orch, w, queue, stop) for w in range(c.num_samplers)]
     orch.add_workers(workers)
@@ -109,7 +181,7 @@ def run(orch, state, num_steps: int, emit):
     try:
         for _ in range(num_steps):
             t0 = time.perf_counter()
-            batch = _next_batch(queue, workers, int(state.version))
+            batch = _next_batch(queue, workers, int(state.version), items)
             idle += time.perf_counter() - t0
             state, m = orch.train(state, batch, dropped=queue.stats.dropped)
             elapsed = time.perf_counter() - start

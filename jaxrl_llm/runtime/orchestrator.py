@@ -150,14 +150,23 @@ class Orchestrator:
     def produce(self, params, version: int, worker: int, counter: int, refresh=None):
         """Prompts -> completions (policy `version`; `refresh` may swap weights mid-generation,
         see Sampler.generate) -> rewards -> advantages. Returns (batch, failed rewards); a
-        failing reward scores 0 and is counted by the caller. With many processes each draws
-        prompts and samples of its own (`distributed.seed_ids`)."""
+        failing reward scores 0 and is counted by the caller."""
+        prompts, key = self.draw(worker, counter)
+        return self.score(self.sampler.generate(params, prompts, key, version, refresh=refresh), prompts)
+
+    def draw(self, worker: int, counter: int):
+        """Draw `counter` of sampler `worker`: (prompts, sampling key). With many processes each
+        draws prompts and samples of its own (`distributed.seed_ids`)."""
         rng = np.random.default_rng(distributed.seed_ids(self.cfg.seed, worker, counter))
         prompts = self.task.prompts(rng, self.cfg.prompts_per_batch)
         key = self._key
         for i in distributed.seed_ids(worker, counter):
             key = jax.random.fold_in(key, i)
-        batch = self.sampler.generate(params, prompts, key, version, refresh=refresh)
+        return prompts, key
+
+    def score(self, batch, prompts):
+        """Rewards and advantages of sampled rows (row i answers prompts[i // G]; advantages
+        within each group) -> (batch, failed rewards)."""
         rewards, failures = tasks.score(self.task, prompts, np.asarray(batch.tokens),
                                         np.asarray(batch.loss_mask) > 0, self.sampler.cfg.num_samples)
         adv = advantages.compute(self.cfg.advantage, rewards, batch.group_ids, batch.loss_mask,
