@@ -4,6 +4,14 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never touch the network (hub ids resolve from local caches only)
+# One persistent compilation cache for the session, this process and the subprocesses it starts
+# (launcher tests, fresh-process resumes): identical programs compile once (~7 s per launch).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrl_llm_test_xla_cache_")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 from hypothesis import settings  # noqa: E402
 
