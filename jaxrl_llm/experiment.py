@@ -29,7 +29,8 @@ def model_config(**over):
     """`model` section. hf_path: a local Hugging Face directory (config.json + safetensors);
     empty -> a random model of these sizes (the embedded task warm-starts it)."""
     c = ml_collections.ConfigDict(dict(hf_path="", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                                       num_kv_heads=2, head_dim=16, dtype="float32"))
+                                       num_kv_heads=2, head_dim=16, dtype="float32",
+                                       attention="auto"))  # models/decoder.py: attention
     c.update(over)
     return c
 
@@ -51,10 +52,11 @@ def train_config():
 MODEL_RULES = {"hf_path": V.anything(),  # paths.py
                "hidden_size": V.integer(1), "intermediate_size": V.integer(1), "num_layers": V.integer(1),
                "num_heads": V.integer(1), "num_kv_heads": V.integer(1), "head_dim": V.integer(1),
-               "dtype": V.one_of(*models.config.DTYPES)}
+               "dtype": V.one_of(*models.config.DTYPES), "attention": V.one_of(*models.config.ATTENTION)}
 AUX_MODEL_RULES = {**{k: V.integer(0) for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
                                                   "num_kv_heads", "head_dim")},
-                   "hf_path": V.anything(), "dtype": V.one_of(*models.config.DTYPES)}  # 0: no second model
+                   "hf_path": V.anything(), "dtype": V.one_of(*models.config.DTYPES),
+                   "attention": V.one_of(*models.config.ATTENTION)}  # 0: no second model
 TRAIN_RULES = {"steps": V.integer(1), "eval_every": V.integer(1), "save_every": V.integer(1), "keep": V.integer(1),
                "tensorboard": V.boolean(), "progress": V.boolean(), "resume": V.one_of("auto", "fresh"),
                "preempt_grace_s": V.positive()}
@@ -158,9 +160,9 @@ def _model(m, task):
         if task.vocab_size > cfg.vocab_size:
             raise ValueError(f"the task's tokenizer has {task.vocab_size} tokens but {m.hf_path!r} embeds only "
                              f"{cfg.vocab_size}")
-        return params, cfg
+        return params, cfg.replace(attention=m.attention)
     return None, models.ModelConfig(vocab_size=task.vocab_size, eos_token_id=task.eos_id, dtype=m.dtype,
-                                    **{f: m[f] for f in _MODEL_FIELDS})
+                                    attention=m.attention, **{f: m[f] for f in _MODEL_FIELDS})
 
 
 def _sampler_cfg(config, task, greedy=False):

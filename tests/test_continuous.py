@@ -121,3 +121,13 @@ def test_heavy_tail_keeps_slots_fuller_than_a_static_batch(params):
     np.testing.assert_array_equal(np.asarray(batch.loss_mask).sum(1), limits)
     static_occupancy = limits.sum() / (len(limits) * limits.max())
     assert sampler.slots(0).occupancy[-1] > 1.5 * static_occupancy
+
+
+def test_dot_product_attention_kernel_decodes_the_same(params):
+    """decoder.attention through jax.nn.dot_product_attention (prefill, per-slot decode against
+    the cache) gives the einsum kernel's completions."""
+    scfg = _base(temperature=0.0)
+    ref = _sampler(scfg).generate(params[0], PROMPTS, jax.random.key(4))
+    other = Sampler(CFG.replace(attention="dot_product_attention"), dataclasses.replace(scfg, batching="continuous",
+                                                                                       slots=5))
+    _assert_same(ref, other.generate(params[0], PROMPTS, jax.random.key(4)))

@@ -7,6 +7,7 @@ from typing import Optional
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
 DTYPES = ("float32", "bfloat16")
+ATTENTION = ("auto", "dot_product_attention", "einsum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,10 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of matmuls; log-prob heads are always float32
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
+    # Attention kernel (decoder.attention): jax.nn.dot_product_attention (cuDNN flash attention
+    # where the platform offers it), our head-major einsums (fastest on CPU), or auto: the
+    # einsums on CPU, dot_product_attention elsewhere.
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED:
@@ -38,6 +43,8 @@ class ModelConfig:
         for f in ("param_dtype", "dtype"):
             if getattr(self, f) not in DTYPES:
                 raise ValueError(f"ModelConfig.{f}={getattr(self, f)!r}; valid: {', '.join(DTYPES)}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"ModelConfig.attention={self.attention!r}; valid: {', '.join(ATTENTION)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"

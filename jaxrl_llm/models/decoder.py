@@ -94,13 +94,7 @@ class Attention(nn.Module):
             q = RMSNorm(c.rms_norm_eps, "kv", c.param_dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, "kv", c.param_dtype, name="k_norm")(k)
         q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
-        groups = c.num_heads // c.num_kv_heads
-        # Head-major layouts make both attention products plain batched GEMMs over (B, KVH):
-        # q [B, KVH, G*T, hd] (the query heads of one KV group stacked).
-        q = q.reshape(b, t, c.num_kv_heads, groups, c.head_dim).transpose(0, 2, 3, 1, 4)
-        q = q.reshape(b, c.num_kv_heads, groups * t, c.head_dim)
-        # Keys stored transposed [B, KVH, hd, S]: q @ k^T is then a plain (non-transposed) GEMM,
-        # ~5x faster on CPU for decode-sized shapes than contracting k along its minor dim.
+        # Keys stored transposed [B, KVH, hd, S] and values [B, KVH, S, hd] (see `attention`).
         k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
         new_cache = None
         if cache is not None and jnp.ndim(cache_index):  # one write position per row (slots; T = 1)
@@ -112,18 +106,45 @@ class Attention(nn.Module):
             k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, 0, 0, cache_index))
             v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, 0, cache_index, 0))
             new_cache = {"k": k, "v": v}
-        scores = jnp.einsum("bkqd,bkds->bkqs", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
-        scores = scores.reshape(b, c.num_kv_heads, groups, t, -1) / math.sqrt(c.head_dim)
-        scores = jnp.where(mask_BxTxS[:, None, None], scores, -1e30)
-        probs = jax.nn.softmax(scores, -1).astype(c.dtype).reshape(b, c.num_kv_heads, groups * t, -1)
-        out = jnp.einsum("bkqs,bksd->bkqd", probs, v.astype(c.dtype))
-        out = out.reshape(b, c.num_kv_heads, groups, t, c.head_dim).transpose(0, 3, 1, 2, 4)
-        out = out.reshape(b * t, c.num_heads, c.head_dim)
+        out = attention(q, k, v, mask_BxTxS, c).reshape(b * t, c.num_heads, c.head_dim)
         out = nn.DenseGeneral(
             c.hidden_size, axis=(-2, -1), use_bias=False, name="o", dtype=c.dtype, param_dtype=c.param_dtype,
             kernel_init=_part(_init, ("heads", "kv", "embed")),
         )(out)
         return out.reshape(b, t, -1), new_cache
+
+
+def attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS, cfg: ModelConfig):
+    """The one attention of learner, prefill and decode: softmax(q k^T / sqrt(hd)) v over the
+    keys `mask_BxTxS` allows (left padding, causality, a cache's filled positions, per-slot
+    lengths: all one boolean mask), GQA by head groups -> [B, T, N, H].
+
+    Keys come transposed ([B, KVH, hd, S]: the decode cache's layout). `cfg.attention` picks
+    the kernel: `jax.nn.dot_product_attention` (XLA, or cuDNN flash attention where the platform
+    offers it) or head-major einsums, q [B, KVH, G*T, hd] @ k [B, KVH, hd, S] as plain batched
+    GEMMs, ~5x faster than contracting k along its minor dim for decode shapes on CPU. `auto`:
+    einsums on CPU, dot_product_attention elsewhere. A query with no allowed key (padding) gets
+    a finite, unused output."""
+    impl = cfg.attention
+    if impl == "auto":
+        impl = "einsum" if jax.default_backend() == "cpu" else "dot_product_attention"
+    if impl == "dot_product_attention":
+        k, v = k_BxKxHxS.transpose(0, 3, 1, 2), v_BxKxSxH.transpose(0, 2, 1, 3)  # [B, S, KVH, hd]
+        # A padding query with no allowed key: let it see key 0 (its output is unused) so that
+        # no kernel divides by an empty softmax.
+        first = jnp.arange(mask_BxTxS.shape[-1])[None, None, :] == 0
+        mask = mask_BxTxS | (~jnp.any(mask_BxTxS, -1, keepdims=True) & first)
+        return jax.nn.dot_product_attention(q_BxTxNxH.astype(cfg.dtype), k.astype(cfg.dtype), v.astype(cfg.dtype),
+                                            mask=mask[:, None]).astype(cfg.dtype)
+    b, t = q_BxTxNxH.shape[:2]
+    kv, groups, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    q = q_BxTxNxH.reshape(b, t, kv, groups, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, groups * t, hd)
+    scores = jnp.einsum("bkqd,bkds->bkqs", q, k_BxKxHxS.astype(q.dtype), preferred_element_type=jnp.float32)
+    scores = scores.reshape(b, kv, groups, t, -1) / math.sqrt(hd)
+    scores = jnp.where(mask_BxTxS[:, None, None], scores, -1e30)
+    probs = jax.nn.softmax(scores, -1).astype(cfg.dtype).reshape(b, kv, groups * t, -1)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, v_BxKxSxH.astype(cfg.dtype))
+    return out.reshape(b, kv, groups, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads, hd)
 
 
 class MLP(nn.Module):

@@ -60,7 +60,8 @@ def _insert(st, pool, pool_I, slot_I):
     p = pool.key_valid_BxW.shape[1]
     put = lambda old, x: old.at[slot_I].set(x[pool_I], mode="drop")
     cache = [{"k": old["k"].at[slot_I, :, :, :p].set(c["k"][pool_I], mode="drop"),
-              "v": old["v"].at[slot_I, :, :p, :].set(c["v"][pool_I], mode="drop")} for old, c in zip(st.cache, pool.cache)]
+              "v": old["v"].at[slot_I, :, :p, :].set(c["v"][pool_I], mode="drop")}
+             for old, c in zip(st.cache, pool.cache)]
     rows = {f: put(getattr(st, f), getattr(pool, f)) for f in (
         "logits_BxV", "positions_B", "limit_B", "done_B", "eos_B", "tokens_BxN", "valid_BxN", "logp_BxN", "kept_BxN",
         "versions_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK")}

@@ -107,8 +107,8 @@ def _prefill(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg: M
     return DecodeState(
         step=jnp.int32(0), uniforms_NxB=u_NxB, cache=cache, logits_BxV=hidden[:, -1].astype(jnp.float32) @ unembed,
         logits_version=jnp.asarray(version, jnp.int32), key_valid_BxW=key_valid, positions_B=positions[:, -1] + 1,
-        limit_B=limit_B, done_B=jnp.zeros((b,), bool), eos_B=jnp.zeros((b,), bool), tokens_BxN=jnp.full((b, n), scfg.pad_token_id, jnp.int32),
-        valid_BxN=jnp.zeros((b, n), bool), logp_BxN=jnp.zeros((b, n), jnp.float32), kept_BxN=jnp.zeros((b, n), jnp.int32),
+        limit_B=limit_B, done_B=jnp.zeros((b,), bool), eos_B=jnp.zeros((b,), bool),
+        tokens_BxN=jnp.full((b, n), scfg.pad_token_id, jnp.int32), valid_BxN=jnp.zeros((b, n), bool), logp_BxN=jnp.zeros((b, n), jnp.float32), kept_BxN=jnp.zeros((b, n), jnp.int32),
         versions_BxN=jnp.full((b, n), -1, jnp.int32), topk_ids_BxNxK=jnp.zeros((b, n, k), jnp.int32),
         topk_logp_BxNxK=jnp.zeros((b, n, k), jnp.float32),
     )
@@ -140,8 +140,11 @@ def decode_step(params, st: DecodeState, version, p: int, mcfg: ModelConfig, scf
     b = st.done_B.shape[0]
     per_row = jnp.ndim(i) > 0
     rows = jnp.arange(b)
-    put = (lambda x, col, v: x.at[rows, col].set(v, mode="drop")) if per_row else (lambda x, col, v: x.at[:, col].set(v))
-    tok, logp, kept, top_ids, top_logp = sample(st.logits_BxV, st.uniforms_NxB[i, rows] if per_row else st.uniforms_NxB[i], scfg)
+    if per_row:
+        put, u_B = (lambda x, col, v: x.at[rows, col].set(v, mode="drop")), st.uniforms_NxB[i, rows]
+    else:
+        put, u_B = (lambda x, col, v: x.at[:, col].set(v)), st.uniforms_NxB[i]
+    tok, logp, kept, top_ids, top_logp = sample(st.logits_BxV, u_B, scfg)
     live = ~st.done_B
     tok = jnp.where(live, tok, scfg.pad_token_id)
     eos = live & (tok == scfg.eos_token_id) if scfg.eos_token_id is not None else jnp.zeros_like(live)
@@ -156,7 +159,8 @@ def decode_step(params, st: DecodeState, version, p: int, mcfg: ModelConfig, scf
         logits_version=jnp.full_like(st.logits_version, version), key_valid_BxW=key_valid,
         positions_B=st.positions_B + 1, done_B=st.done_B | eos | (taken >= st.limit_B), eos_B=st.eos_B | eos,
         tokens_BxN=put(st.tokens_BxN, i, tok), valid_BxN=put(st.valid_BxN, i, live),
-        logp_BxN=put(st.logp_BxN, i, jnp.where(live, logp, 0.0)), kept_BxN=put(st.kept_BxN, i, jnp.where(live, kept, 0)),
+        logp_BxN=put(st.logp_BxN, i, jnp.where(live, logp, 0.0)),
+        kept_BxN=put(st.kept_BxN, i, jnp.where(live, kept, 0)),
         versions_BxN=put(st.versions_BxN, i, jnp.where(live, st.logits_version, -1)),
         topk_ids_BxNxK=put(st.topk_ids_BxNxK, i, jnp.where(live[:, None], top_ids, 0)),
         topk_logp_BxNxK=put(st.topk_logp_BxNxK, i, jnp.where(live[:, None], top_logp, 0.0)),
@@ -205,7 +209,8 @@ class Sampler:
 
         def prefill(params, prompt, mask, limit, key, version, mcfg, scfg):
             f = functools.partial(_prefill, mcfg=mcfg, scfg=scfg, rows=rows)
-            return local(f, (rep, r, r, r, rep, rep), DecodeState.specs(rows))(params, prompt, mask, limit, key, version)
+            specs = DecodeState.specs(rows)
+            return local(f, (rep, r, r, r, rep, rep), specs)(params, prompt, mask, limit, key, version)
 
         def segment(params, st, version, p, end, mcfg, scfg):
             f = functools.partial(_decode_segment, p=p, end=end, mcfg=mcfg, scfg=scfg)
