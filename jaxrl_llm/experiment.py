@@ -109,6 +109,9 @@ def validate(config) -> None:
             problems.append(f"config.aux_model sets a second model, but objective {obj.name!r} trains none; "
                             f"objectives that do: {', '.join(with_model) or 'none'} (or set "
                             "--config.aux_model.hidden_size=0 and --config.aux_model.hf_path='')")
+    if config.runtime.staleness_policy == "admit" and config.sampler.batching != "continuous":
+        problems.append("runtime.staleness_policy='admit' holds prompts back from decode slots: it needs "
+                        "--config.sampler.batching=continuous")
     rows = config.runtime.prompts_per_batch * config.sampler.num_samples * distributed.count()
     if rows % config.learner.num_minibatches:
         problems.append(f"learner.num_minibatches={config.learner.num_minibatches} does not divide the batch's "

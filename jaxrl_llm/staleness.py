@@ -12,7 +12,8 @@ than the learner has d = 0 too. A batch is as stale as its oldest token.
 
 `runtime.max_staleness` = k bounds d in every mode (-1: unbounded) and `staleness_policy` says
 what happens to a batch beyond it: "drop" discards it (counted in `runtime/dropped`), "keep"
-trains on it (counted in `runtime/over_stale`).
+trains on it (counted in `runtime/over_stale`), "admit" (async with continuous batching,
+`runtime/admission.py`) holds prompts back so that their tokens are trained within the bound.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-POLICIES = ("drop", "keep")
+POLICIES = ("drop", "keep", "admit")
 
 
 def staleness(learner_version, token_versions):

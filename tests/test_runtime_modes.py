@@ -243,6 +243,37 @@ def test_streaming_sampler_enqueues_whole_groups_as_they_finish():
     assert orch.sampler.slots(0).slots == 3
 
 
+def _lengths_under(policy, steps=10):
+    orch, st = _orch("async", sampler_kw=dict(batching="continuous", slots=3, max_new_tokens=16, decode_segment=2,
+                                              eos_token_id=5), queue_size=1, max_staleness=1, staleness_policy=policy)
+    st, hist = orch.run(st, steps)
+    assert int(st.version) == steps  # nothing hangs at the bound
+    return orch.lengths, hist
+
+
+def test_admission_trains_the_lengths_the_sampler_generated():
+    """staleness_policy="admit": prompts wait outside the slots instead of finished groups being
+    dropped, so every trained token is within the bound and the trained completion lengths
+    follow the generated ones (two-sample KS test); "drop" under the same bound discards groups
+    (here not longer ones on average: see the #20 notes) and its metrics account for them."""
+    from scipy import stats
+
+    admit, hist = _lengths_under("admit")
+    assert not admit["dropped"] and all(m["runtime/dropped"] == 0 for m in hist)
+    assert all(m["staleness/max"] <= 1 and m["runtime/over_stale"] == 0 for m in hist)
+    assert len(set(admit["generated"])) > 4  # uneven lengths
+    assert stats.ks_2samp(admit["trained"], admit["generated"]).pvalue > 0.01
+    assert hist[-1]["runtime/tokens_trained_frac"] > 0.5 and hist[-1]["runtime/tokens_dropped_frac"] == 0
+    drop, hist = _lengths_under("drop")
+    assert drop["dropped"] and hist[-1]["runtime/dropped"] > 0
+    assert sum(drop["trained"]) + sum(drop["dropped"]) <= sum(drop["generated"])
+    assert 0 < hist[-1]["runtime/tokens_dropped_frac"] < 1
+    with pytest.raises(ValueError, match="staleness_policy='admit' needs mode='async'"):
+        _orch("sync", staleness_policy="admit")
+    with pytest.raises(ValueError, match="needs sampler.batching='continuous'"):
+        _orch("async", staleness_policy="admit")
+
+
 class RecordingTask(TargetTask):
     def __init__(self):
         super().__init__()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -178,8 +179,9 @@ class SlotEngine:
         each segment boundary (outputs: `OUTPUTS` fields, one entry per id).
 
         `feed()` -> `(ids, prompt_RxP, mask_RxP, limit_R, keys_Rx2)` of new rows (prompts
-        left-padded to `p`, keys from `row_keys`), or None when it has none; it is asked at a
-        boundary whenever fewer rows wait than there are slots. `refresh` as in
+        left-padded to `p`, keys from `row_keys`), `()` for none now (asked again later), or
+        None for none ever; it is asked at a boundary whenever fewer rows wait than there are
+        slots. `refresh` as in
         `Sampler.generate`, asked before every segment but the first. `stop()`: end at the
         next boundary (rows still decoding are dropped). Ends when nothing waits or decodes."""
         n, s, g = self.sampler.cfg.max_new_tokens, self.slots, self.groups
@@ -192,11 +194,11 @@ class SlotEngine:
         row_of = np.full(s, -1)  # the id each slot holds (-1: idle); slot j is on device j // local
         steps = np.zeros(s, np.int64)
         decoded = useful = 0  # decode steps run (summed over segments), tokens generated
-        fed_all = False
+        fed_all, first = False, True
         while True:
             if stop is not None and stop():
                 return
-            if refresh is not None and decoded:
+            if refresh is not None and not first:
                 newer = refresh()
                 if newer is not None and newer[0] > version:
                     version, params = newer[0], self.sampler.place_params(newer[1])
@@ -205,6 +207,7 @@ class SlotEngine:
                 new = feed()
                 if new is None:
                     fed_all = True
+                if not new:
                     break
                 fresh = [collections.deque() for _ in range(g)]
                 for i, row in enumerate(zip(*new)):
@@ -215,7 +218,12 @@ class SlotEngine:
                 for d in range(g):
                     waiting[d].extend(fresh[d])
             if not any(waiting) and (row_of < 0).all():
-                break
+                if fed_all:
+                    break
+                time.sleep(0.01)  # the feed holds rows back for now (e.g. staleness at admission)
+                first = False
+                continue
+            first = False
             st = self._fill(st, pools, waiting, row_of, steps, local)
             reach = steps[row_of >= 0].max() + self.seg
             width = int(p + min(n, -(-reach // self.seg) * self.seg))  # a Python int: one static key

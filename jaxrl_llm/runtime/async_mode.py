@@ -25,6 +25,7 @@ import numpy as np
 from jaxrl_llm import distributed, staleness
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.rollout.sampler import to_batch
+from jaxrl_llm.runtime.admission import Admission
 from jaxrl_llm.runtime.queue import QueueClosed, QueueTimeout, VersionedQueue
 
 POLL_S = 0.1  # how often blocked calls re-check for a stop or a failed worker
@@ -94,12 +95,17 @@ class SamplerWorker(threading.Thread):
         p = sampler.bucket(getattr(orch.task, "max_prompt_len", sampler.cfg.prompt_buckets[-1]))
         drawn, parts = {}, {}  # draw -> [prompts, tokens, mask, groups not yet emitted]; group -> {id: outputs}
 
+        admission = orch.admission
+
         def feed():
+            if admission is not None and not admission.try_admit(self.version, orch.store.latest_timed()[0],
+                                                                 orch.cfg.prompts_per_batch):
+                return ()  # held back: the learner could not train these tokens within the bound
             prompts, key = orch.draw(self.index + 1, self.produced)
             toks, mask, _ = sampler.pad_prompts(prompts, width=p)
             if toks.shape[1] != p:
                 raise ValueError(f"a prompt is longer than the task's max_prompt_len bucket {p}")
-            drawn[self.produced] = [prompts, toks, mask, len(prompts)]
+            drawn[self.produced] = [prompts, toks, mask, len(prompts), self.version]
             ids = self.produced * per_draw + np.arange(per_draw)
             self.produced += 1
             return ids, toks, mask, np.full(per_draw, sampler.cfg.max_new_tokens), engine.row_keys(key, ids % per_draw)
@@ -128,10 +134,15 @@ class SamplerWorker(threading.Thread):
                                                   engine.outputs(out)), prompts)
             batch = jax.tree.map(np.asarray, batch)
             self.reward_failures += failures
+            admitted = [drawn[d][4] for d, _ in sel]
             for draw in {d for d, _ in sel if drawn[d][3] == 0}:
                 del drawn[draw]
             for i in range(len(complete)):
-                waited += self._put(jax.tree.map(lambda x: x[i * g:(i + 1) * g], batch))
+                group = jax.tree.map(lambda x: x[i * g:(i + 1) * g], batch)
+                orch.lengths["generated"].extend(completion_lengths(group))
+                waited += self._put(group)
+                if admission is not None:
+                    admission.enqueued(admitted[i])
             self.busy_s = time.perf_counter() - start - waited
 
 
@@ -141,20 +152,29 @@ def _raise_failed(workers) -> None:
             raise RuntimeError(f"sampler {w.index} failed: {type(w.error).__name__}: {w.error}") from w.error
 
 
+def completion_lengths(batch) -> list:
+    """Generated tokens of each row."""
+    return np.asarray(batch.loss_mask).sum(1).astype(int).tolist()
+
+
 def streams(orch) -> bool:
     """Whether the sampler workers stream prompt groups (continuous batching)."""
     return orch.sampler.cfg.batching == "continuous"
 
 
-def _next_batch(queue: VersionedQueue, workers, learner_version: int, items: int = 1):
+def _next_batch(queue: VersionedQueue, workers, learner_version: int, items: int = 1, admission=None):
     """The next acceptable batch for the learner (`items` queue entries, e.g. prompt groups,
     stacked), once every process holds one (one small collective per poll, so no process
     enters a learner step another will not); a failed worker, here or in another process,
-    raises instead of waiting."""
+    raises instead of waiting. With `admission`, groups are taken only once the step may run
+    (`Admission.may_step`), oldest first."""
     got = []
     while True:
         failed = any(w.error is not None for w in workers)
-        if len(got) < items and not failed:
+        held = admission is not None and not got and not (len(queue) >= items and admission.may_step(learner_version))
+        if held and not failed:
+            time.sleep(POLL_S / 10)
+        elif len(got) < items and not failed:
             try:
                 got.append(queue.get(learner_version, timeout=POLL_S)[0])
             except (QueueTimeout, QueueClosed):  # closed only after a worker failed
@@ -167,11 +187,28 @@ def _next_batch(queue: VersionedQueue, workers, learner_version: int, items: int
             return got[0] if items == 1 else TrajectoryBatch.concat(got)
 
 
+def _length_metrics(lengths: dict) -> dict:
+    """Fractions of generated tokens trained and dropped so far, and the completion lengths of
+    each (a drop policy trains shorter answers than the sampler produced)."""
+    generated = max(1, sum(lengths["generated"]))
+    m = {f"runtime/tokens_{k}_frac": sum(lengths[k]) / generated for k in ("trained", "dropped")}
+    for k, v in lengths.items():
+        m[f"runtime/length_{k}_mean"] = float(np.mean(v)) if v else 0.0
+        m[f"runtime/length_{k}_p90"] = float(np.percentile(v, 90)) if v else 0.0
+    return m
+
+
 def run(orch, state, num_steps: int, emit):
     """The learner loop of the async mode; returns the final state."""
     c = orch.cfg
     items = c.prompts_per_batch if streams(orch) else 1  # queue entries per learner batch
-    queue = VersionedQueue(c.queue_size * items, None if c.max_staleness < 0 else c.max_staleness, c.staleness_policy)
+    admit = c.staleness_policy == "admit"
+    orch.admission = Admission(c.max_staleness, items) if admit else None
+    orch.lengths = {"generated": [], "trained": [], "dropped": []}  # completion lengths, per row
+    # Under admission every admitted group fits in the queue (no producer blocks the oldest group).
+    size = max(c.queue_size, c.max_staleness + 1 if admit else 0) * items
+    queue = VersionedQueue(size, None if c.max_staleness < 0 else c.max_staleness, c.staleness_policy,
+                           on_drop=lambda b: orch.lengths["dropped"].extend(completion_lengths(b)))
     stop = threading.Event()
     workers = [SamplerWorker(orch, w, queue, stop) for w in range(c.num_samplers)]
     orch.add_workers(workers)
@@ -181,11 +218,15 @@ def run(orch, state, num_steps: int, emit):
     try:
         for _ in range(num_steps):
             t0 = time.perf_counter()
-            batch = _next_batch(queue, workers, int(state.version), items)
+            batch = _next_batch(queue, workers, int(state.version), items, orch.admission)
+            orch.lengths["trained"].extend(completion_lengths(batch))
             idle += time.perf_counter() - t0
             state, m = orch.train(state, batch, dropped=queue.stats.dropped)
+            if orch.admission is not None:  # after the new version is published: admission reads both
+                orch.admission.trained(items)
             elapsed = time.perf_counter() - start
             trained += batch.shape[0]
+            m.update(_length_metrics(orch.lengths))
             m.update({"runtime/queue_depth": float(len(queue)), "runtime/samples_per_s": trained / elapsed,
                       "runtime/learner_idle": idle / elapsed,
                       "runtime/sampler_busy": sum(w.busy_s for w in workers) / (elapsed * c.num_samplers)})

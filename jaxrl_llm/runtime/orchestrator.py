@@ -45,7 +45,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.reuse = 1  # i (iterative)
     c.refresh_every = 1  # v (offpolicy)
     c.max_staleness = 8  # bound on d = v(learner) - v(token), every mode; -1: unbounded
-    c.staleness_policy = "drop"  # drop | keep (and count) batches beyond max_staleness
+    c.staleness_policy = "drop"  # drop | keep (and count) batches beyond max_staleness | admit (hold prompts back)
     c.queue_size = 2
     c.num_samplers = 1
     c.refresh_mid_generation = False  # async: also swap weights between decode segments
@@ -97,6 +97,9 @@ def _validate_staleness(c) -> None:
                          f"valid: {', '.join(staleness.POLICIES)}")
     if c.max_staleness < -1:
         raise ValueError(f"runtime.max_staleness must be >= 0, or -1 for unbounded; got {c.max_staleness}")
+    if c.staleness_policy == "admit" and (c.mode != "async" or c.max_staleness < 0):
+        raise ValueError("runtime.staleness_policy='admit' needs mode='async' (with sampler.batching='continuous') "
+                         f"and a finite runtime.max_staleness (mode is {c.mode!r}, max_staleness {c.max_staleness})")
     fixed = {"iterative": ("reuse", c.reuse), "offpolicy": ("refresh_every", c.refresh_every)}.get(c.mode)
     if fixed and c.staleness_policy == "drop" and staleness.exceeds(fixed[1] - 1, c.max_staleness):
         name, value = fixed
@@ -118,6 +121,9 @@ class Orchestrator:
         self.cfg = cfg or default_config()
         validate(self.cfg)
         self.learner, self.sampler, self.task = learner, sampler, task
+        if self.cfg.staleness_policy == "admit" and sampler.cfg.batching != "continuous":
+            raise ValueError("runtime.staleness_policy='admit' holds prompts back from decode slots: it needs "
+                             "sampler.batching='continuous'")
         self.delay = _delay(self.cfg)
         keep = self.cfg.max_staleness + 1 if self.cfg.mode == "simulated" else 1
         self.store = WeightStore(keep=keep, placement=placement)
@@ -130,6 +136,8 @@ class Orchestrator:
         self._delay_rng = np.random.default_rng([self.cfg.seed, 10_007])  # simulated delays
         self._held = self._sampled = None  # iterative: the reused batch; offpolicy: its sampler params
         self.produced: dict[int, int] = {}  # async: batches each sampler worker has drawn so far
+        self.admission = None  # async with staleness_policy="admit" (runtime/admission.py)
+        self.lengths: dict = {}  # async: completion lengths generated / trained / dropped
 
     @property
     def reward_failures(self) -> int:

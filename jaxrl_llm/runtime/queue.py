@@ -3,8 +3,9 @@
 Producers block when it is full (backpressure: memory stays bounded). At consumption the
 staleness of the head item (`jaxrl_llm.staleness`, with the item's version = its oldest
 token's) is checked against `max_staleness`: policy "drop" discards it (and counts it),
-"keep" returns it and counts it as over-stale. Every accepted item is returned exactly once or counted as dropped; none is
-lost or duplicated. `close()` wakes everyone: producers get QueueClosed, consumers drain what
+"keep" returns it and counts it as over-stale, "admit" returns the oldest item first (the
+bound was kept at admission, `admission.py`; anything beyond it is counted as over-stale).
+Every accepted item is returned exactly once or counted as dropped; none is lost or duplicated. `close()` wakes everyone: producers get QueueClosed, consumers drain what
 is left and then get QueueClosed.
 """
 
@@ -39,7 +40,7 @@ class Stats:
 
 
 class VersionedQueue:
-    def __init__(self, maxsize: int, max_staleness: Optional[int] = None, policy: str = "drop"):
+    def __init__(self, maxsize: int, max_staleness: Optional[int] = None, policy: str = "drop", on_drop=None):
         if maxsize < 1:
             raise ValueError(f"maxsize must be >= 1; got {maxsize}")
         if policy not in POLICIES:
@@ -53,6 +54,7 @@ class VersionedQueue:
         self._not_empty = threading.Condition(self._lock)
         self._closed = False
         self.stats = Stats()
+        self.on_drop = on_drop  # called with each dropped item (e.g. to record its lengths)
 
     def __len__(self) -> int:
         with self._lock:
@@ -89,11 +91,19 @@ class VersionedQueue:
                     if remaining is not None and remaining <= 0:
                         raise QueueTimeout(f"no item within {timeout}s")
                     self._not_empty.wait(remaining)
-                version, item = self._items.popleft()
+                if self.policy == "admit":  # oldest first
+                    oldest = min(range(len(self._items)), key=lambda i: self._items[i][0])
+                    self._items.rotate(-oldest)
+                    version, item = self._items.popleft()
+                    self._items.rotate(oldest)
+                else:
+                    version, item = self._items.popleft()
                 self._not_full.notify()
                 stale = exceeds(staleness(learner_version, version), self.max_staleness)
                 if stale and self.policy == "drop":
                     self.stats.dropped += 1
+                    if self.on_drop is not None:
+                        self.on_drop(item)
                     continue
                 self.stats.over_stale += int(stale)
                 self.stats.consumed += 1
