@@ -47,9 +47,9 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path):
         np.testing.assert_allclose(two[k], one[k], atol=1e-5, rtol=0, err_msg=k)
 
 
-@pytest.mark.parametrize("mode,extra", [  # sync: the resume and kill tests
-    ("iterative", ["--config.runtime.reuse=2"]), ("offpolicy", ["--config.runtime.refresh_every=2"]),
-    ("simulated", []), ("async", []), ("async", ["--config.sampler.batching=continuous", "--config.sampler.slots=3"]),
+@pytest.mark.parametrize("mode,extra", [  # sync: the resume and kill tests; offpolicy takes iterative's path here
+    ("iterative", ["--config.runtime.reuse=2"]), ("simulated", []), ("async", []),
+    ("async", ["--config.sampler.batching=continuous", "--config.sampler.slots=3"]),
 ])
 def test_every_mode_runs_on_two_processes(mode, extra, tmp_path):
     r = _launch([*TINY, f"--workdir={tmp_path}", "--config.train.steps=3", "--config.train.eval_every=3",

@@ -204,9 +204,8 @@ def test_sync_and_simulated_respect_the_bound_in_every_step():
     assert [m["staleness/max"] for m in hist] == [0.0, 1.0, 2.0, 2.0]  # min(5 steps, bound, version)
 
 
-@BATCHING
-def test_async_drop_trains_nothing_beyond_the_bound(batching):
-    orch, st = _orch("async", max_staleness=0, queue_size=2, num_samplers=2, sampler_kw=dict(batching=batching))
+def test_async_drop_trains_nothing_beyond_the_bound():  # streaming: test_admission_...
+    orch, st = _orch("async", max_staleness=0, queue_size=2, num_samplers=2)
     st, hist = orch.run(st, 4)
     assert all(m["staleness/max"] == 0.0 and m["runtime/over_stale"] == 0 for m in hist)
     dropped = [m["runtime/dropped"] for m in hist]
@@ -243,7 +242,7 @@ def test_streaming_sampler_enqueues_whole_groups_as_they_finish():
     assert orch.sampler.slots(0).slots == 3
 
 
-def _lengths_under(policy, steps=10):
+def _lengths_under(policy, steps=8):
     orch, st = _orch("async", sampler_kw=dict(batching="continuous", slots=3, max_new_tokens=16, decode_segment=2,
                                               eos_token_id=5), queue_size=1, max_staleness=1, staleness_policy=policy)
     st, hist = orch.run(st, steps)

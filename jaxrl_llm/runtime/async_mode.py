@@ -65,6 +65,7 @@ class SamplerWorker(threading.Thread):
                 self.busy_s += time.perf_counter() - t
                 self.reward_failures += failures
                 self.produced += 1
+                self.orch.lengths["generated"].extend(completion_lengths(batch))
                 self._put(batch)
         except QueueClosed:
             pass
@@ -93,8 +94,9 @@ class SamplerWorker(threading.Thread):
         g, per_draw = sampler.cfg.num_samples, orch.cfg.prompts_per_batch * sampler.cfg.num_samples
         engine = sampler.slots(per_draw)
         p = sampler.bucket(getattr(orch.task, "max_prompt_len", sampler.cfg.prompt_buckets[-1]))
-        drawn, parts = {}, {}  # draw -> [prompts, tokens, mask, groups not yet emitted]; group -> {id: outputs}
-
+        # draw -> [prompts, tokens, mask, groups not yet emitted, params version at admission];
+        # group -> {row id: outputs}
+        drawn, parts = {}, {}
         admission = orch.admission
 
         def feed():
@@ -204,7 +206,7 @@ def run(orch, state, num_steps: int, emit):
     items = c.prompts_per_batch if streams(orch) else 1  # queue entries per learner batch
     admit = c.staleness_policy == "admit"
     orch.admission = Admission(c.max_staleness, items) if admit else None
-    orch.lengths = {"generated": [], "trained": [], "dropped": []}  # completion lengths, per row
+    orch.lengths = orch.lengths or {"generated": [], "trained": [], "dropped": []}  # per row, across run() calls
     # Under admission every admitted group fits in the queue (no producer blocks the oldest group).
     size = max(c.queue_size, c.max_staleness + 1 if admit else 0) * items
     queue = VersionedQueue(size, None if c.max_staleness < 0 else c.max_staleness, c.staleness_policy,
