@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import functools
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +82,8 @@ def _segment(params, st, version, p: int, width: int, steps: int, mcfg, scfg):
     if width < st.key_valid_BxW.shape[1]:  # one copy in and out per segment, not per step
         st = st.replace(cache=[{"k": c["k"][..., :width], "v": c["v"][:, :, :width]} for c in st.cache],
                         key_valid_BxW=st.key_valid_BxW[:, :width])
-    body = functools.partial(static.decode_step, params, version=version, p=p, mcfg=mcfg, scfg=scfg)
+    body = functools.partial(static.decode_step, params, static.unembed_matrix(params, mcfg), version=version, p=p,
+                             mcfg=mcfg, scfg=scfg)
     _, st = jax.lax.while_loop(lambda c: (c[0] < steps) & ~jnp.all(c[1].done_B), lambda c: (c[0] + 1, body(c[1])),
                                (jnp.int32(0), st))
     if width < full[1].shape[1]:
@@ -166,13 +168,8 @@ class SlotEngine:
         return self.outputs(out)
 
     def outputs(self, got: dict) -> dict:
-        """`stream` outputs -> the static sampler's output dict (for `sampler.to_batch`)."""
-        res = dict(tokens=got["tokens_BxN"], valid=got["valid_BxN"], logp=got["logp_BxN"],
-                   versions=got["versions_BxN"], topk_ids=got["topk_ids_BxNxK"], topk_logp=got["topk_logp_BxNxK"],
-                   done=got["eos_B"])
-        if self.sampler.cfg.dist.truncated:
-            res["kept"] = got["kept_BxN"]
-        return res
+        """`stream` outputs (DecodeState fields) -> the static sampler's output dict."""
+        return static._outputs(types.SimpleNamespace(**got), self.sampler.cfg)
 
     def stream(self, params, p: int, version: int, feed, refresh=None, stop=None):
         """Decode rows through the slots, yielding `(ids, outputs)` for the rows that finished at

@@ -100,7 +100,7 @@ def _prefill(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg: M
     hidden, cache = decoder.Decoder(mcfg).apply({"params": params}, prompt_BxP, positions,
                                                 causal[None] & key_valid[:, None, :], cache, 0)
     k = scfg.capture_topk
-    unembed = decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
+    unembed = unembed_matrix(params, mcfg)
     if keys_B is None:
         keys_B = row_keys(key, (jax.lax.axis_index(rows) * b if rows else 0) + jnp.arange(b))
     u_NxB = row_uniforms(keys_B, n)
@@ -128,13 +128,20 @@ def _decode_segment(params, st: DecodeState, version, p: int, end: int, mcfg: Mo
     if st.key_valid_BxW.shape[1] < p + end:
         cache, key_valid = _pad_cache(st.cache, st.key_valid_BxW, p + end)
         st = st.replace(cache=cache, key_valid_BxW=key_valid)
-    body = functools.partial(decode_step, params, version=version, p=p, mcfg=mcfg, scfg=scfg)
+    body = functools.partial(decode_step, params, unembed_matrix(params, mcfg), version=version, p=p, mcfg=mcfg,
+                             scfg=scfg)
     return jax.lax.while_loop(lambda st: (st.step < end) & ~jnp.all(st.done_B), body, st)
 
 
-def decode_step(params, st: DecodeState, version, p: int, mcfg: ModelConfig, scfg: SamplerConfig) -> DecodeState:
+def unembed_matrix(params, mcfg: ModelConfig):
+    """The f32 [D, V] output projection, formed once outside the decode loop (tied: a transpose)."""
+    return decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
+
+
+def decode_step(params, unembed_DxV, st: DecodeState, version, p: int, mcfg: ModelConfig,
+                scfg: SamplerConfig) -> DecodeState:
     """One decode step of every row: sample from the carried logits, record the token, run it
-    through the model. Token t of a row lives at column t of the outputs and at cache position
+    through the model (`unembed_DxV`: `unembed_matrix(params)`). Token t of a row lives at column t of the outputs and at cache position
     p + t; with per-row steps (decode slots) these are scatters, and finished rows stand still."""
     i = st.step
     b = st.done_B.shape[0]
@@ -153,9 +160,8 @@ def decode_step(params, st: DecodeState, version, p: int, mcfg: ModelConfig, scf
     h, cache = decoder.Decoder(mcfg).apply({"params": params}, tok[:, None], st.positions_B[:, None],
                                            key_valid[:, None, :], st.cache, p + i)
     taken = i + live if per_row else i + 1  # a finished slot keeps its column
-    unembed = decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
     return st.replace(
-        step=taken, cache=cache, logits_BxV=h[:, 0].astype(jnp.float32) @ unembed,
+        step=taken, cache=cache, logits_BxV=h[:, 0].astype(jnp.float32) @ unembed_DxV,
         logits_version=jnp.full_like(st.logits_version, version), key_valid_BxW=key_valid,
         positions_B=st.positions_B + 1, done_B=st.done_B | eos | (taken >= st.limit_B), eos_B=st.eos_B | eos,
         tokens_BxN=put(st.tokens_BxN, i, tok), valid_BxN=put(st.valid_BxN, i, live),
