@@ -1,5 +1,16 @@
 """jaxrl_llm: asynchronous RL post-training of language models in JAX/Flax."""
 
-from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch  # noqa: F401
+import os
+
+# XLA:CPU's concurrency-optimised scheduler orders a backward pass for parallelism and keeps
+# every layer's activations live at once, so rematerialisation saves nothing. Measured on a
+# 2-core CPU (8 layers, 2 x 512 tokens): temporaries 264 -> 194 MB without remat and
+# 255 -> 41 MB with `model.remat=full`, step time equal or lower. Set here, before JAX starts
+# its CPU backend, unless the user chose a value; no effect on other platforms.
+_FLAG = "xla_cpu_enable_concurrency_optimized_scheduler"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_FLAG}=false".strip()
+
+from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch  # noqa: E402,F401
 
 __version__ = "0.1.0"

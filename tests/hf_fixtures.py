@@ -8,14 +8,22 @@ import transformers
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
 
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}  # Qwen2.5's long context
+
 ARCHS = {
     # Qwen2: q/k/v bias, tied embeddings, GQA 4:2
     "qwen2_tied": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
-    # Qwen3: q/k RMSNorm, explicit head_dim != hidden/heads, untied, GQA 8:2
-    "qwen3": (transformers.Qwen3Config, dict(head_dim=12, num_attention_heads=8, tie_word_embeddings=False)),
-    # Llama-3 rope scaling (positions past 16 exercise every band), untied, GQA 4:1
+    # Qwen2.5 with YaRN (positions past 16 are interpolated; sin/cos scaled), untied
+    "qwen2_yarn": (transformers.Qwen2Config, dict(rope_scaling=YARN_ROPE, tie_word_embeddings=False)),
+    # Qwen3: q/k RMSNorm, explicit head_dim != hidden/heads, attention biases (q, k, v and o),
+    # linear RoPE scaling, untied, GQA 8:2
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=12, num_attention_heads=8, tie_word_embeddings=False,
+                                             attention_bias=True,
+                                             rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # Llama-3 rope scaling (positions past 16 exercise every band), attention and MLP biases,
+    # untied, GQA 4:1
     "llama3": (transformers.LlamaConfig, dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0, num_key_value_heads=1,
-                                              tie_word_embeddings=False)),
+                                              tie_word_embeddings=False, attention_bias=True, mlp_bias=True)),
 }
 
 

@@ -10,6 +10,7 @@ import pytest
 import transformers
 
 from jaxrl_llm import models
+from jaxrl_llm.models import decoder
 from jaxrl_llm.models.config import ModelConfig
 from tests import hf_fixtures as F
 
@@ -23,13 +24,15 @@ def hf_pair(request, tmp_path_factory):
 
 
 def test_config_parsed_from_hf(hf_pair):
-    arch, _, _, _, cfg = hf_pair
-    assert cfg.model_type == {"qwen2_tied": "qwen2", "qwen3": "qwen3", "llama3": "llama"}[arch]
-    assert cfg.qkv_bias == (arch == "qwen2_tied")
+    arch, _, _, params, cfg = hf_pair
+    assert cfg.model_type == {"qwen2_tied": "qwen2", "qwen2_yarn": "qwen2", "qwen3": "qwen3", "llama3": "llama"}[arch]
+    assert cfg.qkv_bias  # Qwen2 always; Qwen3 and Llama here with attention_bias=True
+    assert cfg.o_bias == (arch in ("qwen3", "llama3")) and cfg.mlp_bias == (arch == "llama3")
     assert cfg.qk_norm == (arch == "qwen3")
     assert cfg.tie_word_embeddings == (arch == "qwen2_tied")
-    assert (cfg.rope_llama3 is not None) == (arch == "llama3")
+    assert cfg.rope_type == {"qwen2_tied": "default", "qwen2_yarn": "yarn", "qwen3": "linear", "llama3": "llama3"}[arch]
     assert cfg.head_dim == 12  # qwen3: explicit head_dim; others: hidden 48 / 4 heads
+    assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params
 
 
 def test_logits_match_transformers(hf_pair):
@@ -121,6 +124,54 @@ def test_missing_tensor_is_named(tmp_path):
         models.load_params(str(tmp_path))
 
 
+def test_unused_tensor_is_named(tmp_path):
+    """A Llama checkpoint with attention biases whose config.json lost `attention_bias`: loading
+    it without the o/q/k/v biases would give logits off by O(1), so the loader refuses."""
+    F.save(F.make_hf_model("llama3"), str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["attention_bias"] = False
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"8 tensor\(s\) this llama model does not use.*layers.0.self_attn.k_proj.bias"):
+        models.load_params(str(tmp_path))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "unsupported rope_scaling type 'dynamic'.*yarn"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}), "unsupported rope_scaling type 'longrope'"),
+    (dict(rope_scaling={**F.YARN_ROPE, "extrapolation": 2}), "'yarn': unsupported parameter.*extrapolation"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "'llama3' needs high_freq_factor, low_freq_factor"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    (dict(rope_scaling={**F.YARN_ROPE, "partial_rotary_factor": 0.5}), "partial rotary"),
+    (dict(use_sliding_window=True, sliding_window=8), "use_sliding_window=True"),
+    (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types.*sliding_attention"),
+    (dict(attention_dropout=0.1), "attention_dropout=0.1"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+])
+def test_unsupported_options_are_refused_by_name(change, message):
+    hf = {**F.make_hf_model("qwen2_tied").config.to_dict(), **change}
+    hf.pop("rope_parameters", None) if "rope_scaling" in change else None
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(hf)
+
+
+def test_rope_scaling_changes_long_positions():
+    """The scaled RoPE variants differ from plain RoPE (the parity tests above would notice a
+    scaling that was read but not applied)."""
+    from jaxrl_llm.models.config import _rope_from_hf
+    from jaxrl_llm.models.decoder import rope_inv_freq
+
+    base = ModelConfig(vocab_size=8, hidden_size=16, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                       head_dim=16, rope_theta=10000.0)
+    inv, scale = rope_inv_freq(base)
+    for rope in (F.YARN_ROPE, {"rope_type": "linear", "factor": 2.0}, F.LLAMA3_ROPE):
+        rope_type, params, _ = _rope_from_hf({"rope_scaling": rope, "rope_theta": 10000.0})
+        inv2, scale2 = rope_inv_freq(base.replace(rope_type=rope_type, rope_params=params))
+        assert np.abs(inv2 - inv).max() > 1e-3, rope_type
+        assert scale2 == (pytest.approx(0.1 * np.log(4.0) + 1.0) if rope_type == "yarn" else 1.0)
+    params = _rope_from_hf({"rope_scaling": F.YARN_ROPE})[1]
+    assert dict(params)["beta_fast"] == 32.0
+
+
 def test_tokenizer_loads_from_the_model_directory(tmp_path):
     from tokenizers import Tokenizer, models as tm, pre_tokenizers
 
@@ -131,3 +182,27 @@ def test_tokenizer_loads_from_the_model_directory(tmp_path):
     fast.save_pretrained(str(tmp_path))
     loaded = models.load_tokenizer(str(tmp_path))
     assert loaded("1 + 2 =")["input_ids"] == [2, 4, 3, 5]
+
+
+def test_remat_keeps_gradients_and_cuts_activation_memory():
+    """`remat=full|dots` recomputes decoder layers in the backward pass: the same gradients
+    (to float32 rounding), and the compiled step's temporaries shrink."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=96, num_layers=4, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    params = models.init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 128), 0, 64)
+    mask = jnp.ones_like(tokens)
+
+    def loss(p, c):
+        return jnp.mean(jnp.square(decoder.forward(p, c, tokens, mask)))
+
+    def temp_bytes_and_grads(remat):
+        c = cfg.replace(remat=remat)
+        step = jax.jit(jax.grad(lambda p: loss(p, c)))
+        return step.lower(params).compile().memory_analysis().temp_size_in_bytes, step(params)
+
+    base_bytes, base = temp_bytes_and_grads("none")
+    for remat in ("full", "dots"):
+        nbytes, grads = temp_bytes_and_grads(remat)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, base)
+        assert nbytes < base_bytes / 2, (remat, nbytes, base_bytes)  # measured ~0.2 (full), ~0.25 (dots)

@@ -8,6 +8,19 @@ from typing import Optional
 SUPPORTED = ("qwen2", "qwen3", "llama")
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("auto", "dot_product_attention", "einsum")
+# Rematerialisation of decoder layers under grad (`decoder.Decoder`): none keeps every
+# activation; full keeps each layer's input only and recomputes the layer in the backward pass;
+# dots keeps the matmul outputs without batch dims (the projections), recomputing the rest.
+REMAT = ("none", "full", "dots")
+# RoPE scaling types and the parameters each reads (transformers' modeling_rope_utils names).
+ROPE_TYPES = {
+    "default": {},
+    "linear": {"factor": None},
+    "llama3": {"factor": None, "low_freq_factor": None, "high_freq_factor": None,
+               "original_max_position_embeddings": None},
+    "yarn": {"factor": None, "original_max_position_embeddings": None, "attention_factor": None, "beta_fast": 32.0,
+             "beta_slow": 1.0, "mscale": None, "mscale_all_dim": None, "truncate": True},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,11 +34,15 @@ class ModelConfig:
     head_dim: int
     model_type: str = "qwen2"
     rope_theta: float = 10000.0
-    # Llama-3 frequency scaling: (factor, low_freq_factor, high_freq_factor, original_max_pos)
-    rope_llama3: Optional[tuple] = None
+    # RoPE frequency scaling (`decoder.rope_inv_freq`): one of ROPE_TYPES, with its parameters
+    # as sorted (name, value) pairs (hashable: the config is a jit static).
+    rope_type: str = "default"
+    rope_params: tuple = ()
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias=True)
+    qkv_bias: bool = False  # Qwen2 (and Llama / Qwen3 with attention_bias=True)
+    o_bias: bool = False  # Llama / Qwen3 attention_bias=True: the output projection too
+    mlp_bias: bool = False  # Llama mlp_bias=True: gate, up and down projections
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     max_position_embeddings: int = 32768
     param_dtype: str = "float32"
@@ -36,6 +53,7 @@ class ModelConfig:
     # where the platform offers it), our head-major einsums (fastest on CPU), or auto: the
     # einsums on CPU, dot_product_attention elsewhere.
     attention: str = "auto"
+    remat: str = "none"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED:
@@ -45,6 +63,10 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{f}={getattr(self, f)!r}; valid: {', '.join(DTYPES)}")
         if self.attention not in ATTENTION:
             raise ValueError(f"ModelConfig.attention={self.attention!r}; valid: {', '.join(ATTENTION)}")
+        if self.remat not in REMAT:
+            raise ValueError(f"ModelConfig.remat={self.remat!r}; valid: {', '.join(REMAT)}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -54,10 +76,15 @@ class ModelConfig:
         return dataclasses.replace(self, **kw)
 
     @property
+    def rope(self) -> dict:
+        return dict(self.rope_params)
+
+    @property
     def num_params(self) -> int:
         d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * d * f + 2 * d
+        attn += self.qkv_bias * hd * (self.num_heads + 2 * self.num_kv_heads) + self.o_bias * d
+        layer = attn + 3 * d * f + self.mlp_bias * (2 * f + d) + 2 * d + self.qk_norm * 2 * hd
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + d
 
@@ -70,23 +97,8 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture model_type={arch!r} ({archs}); supported: {', '.join(SUPPORTED)}"
             )
-        rope = dict(hf.get("rope_parameters") or {})
-        scaling = dict(hf.get("rope_scaling") or {})
-        rope.update({k: v for k, v in scaling.items() if k not in rope})
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        llama3 = None
-        if rope_type == "llama3":
-            llama3 = (
-                float(rope["factor"]),
-                float(rope["low_freq_factor"]),
-                float(rope["high_freq_factor"]),
-                int(rope["original_max_position_embeddings"]),
-            )
-        elif rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
-        if hf.get("use_sliding_window"):
-            raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+        rope_type, rope_params, theta = _rope_from_hf(hf)
+        _refuse_unsupported(hf)
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         eos = hf.get("eos_token_id")
@@ -100,17 +112,18 @@ class ModelConfig:
             head_dim=head_dim,
             model_type=arch,
             rope_theta=float(theta),
-            rope_llama3=llama3,
+            rope_type=rope_type,
+            rope_params=rope_params,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=True if arch == "qwen2" else bool(hf.get("attention_bias", False)),
+            o_bias=arch != "qwen2" and bool(hf.get("attention_bias", False)),
+            mlp_bias=arch == "llama" and bool(hf.get("mlp_bias", False)),
             qk_norm=arch == "qwen3",
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
         )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r}; supported: silu")
         kw.update(overrides)
         return cls(**kw)
 
@@ -134,17 +147,69 @@ class ModelConfig:
             torch_dtype=self.param_dtype,
             rope_theta=self.rope_theta,
         )
-        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
-        if self.rope_llama3:
-            f, lo, hi, orig = self.rope_llama3
-            rope.update(rope_type="llama3", factor=f, low_freq_factor=lo, high_freq_factor=hi,
-                        original_max_position_embeddings=orig)
+        rope = {"rope_type": self.rope_type, "rope_theta": self.rope_theta, **self.rope}
+        if self.rope_type != "default":
             out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         out["rope_parameters"] = rope
-        if self.model_type == "llama":
+        if self.model_type != "qwen2":
             out["attention_bias"] = self.qkv_bias
+        if self.model_type == "llama":
+            out["mlp_bias"] = self.mlp_bias
         if self.bos_token_id is not None:
             out["bos_token_id"] = self.bos_token_id
         if self.eos_token_id is not None:
             out["eos_token_id"] = self.eos_token_id
         return out
+
+
+def _rope_from_hf(hf: dict):
+    """(rope_type, sorted parameter pairs, theta) from v4 `rope_theta`/`rope_scaling` or v5
+    `rope_parameters`; an unsupported type or an unknown parameter of a supported one is refused."""
+    rope = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    rope.update({k: v for k, v in scaling.items() if k not in rope})
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope.pop("type", None)
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    if float(rope.pop("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    known = ROPE_TYPES[rope_type]
+    unknown = sorted(set(rope) - set(known))
+    if unknown:
+        raise ValueError(f"rope_scaling type {rope_type!r}: unsupported parameter(s) {', '.join(unknown)}; "
+                         f"supported: {', '.join(known) or 'none'}")
+    if rope_type == "yarn" and "original_max_position_embeddings" not in rope:
+        rope["original_max_position_embeddings"] = hf.get("max_position_embeddings")  # as transformers does
+    params = {k: v for k, v in {**known, **{k: v for k, v in rope.items() if v is not None}}.items()
+              if v is not None}
+    missing = sorted(set(k for k, v in known.items() if v is None and k not in ("attention_factor", "mscale",
+                                                                                "mscale_all_dim")) - set(params))
+    if missing:
+        raise ValueError(f"rope_scaling type {rope_type!r} needs {', '.join(missing)}")
+    return rope_type, tuple(sorted(params.items())), theta
+
+
+# Config keys that change the math, with the value under which they do not: anything else is
+# refused at load, by name, rather than loaded with wrong logits.
+_NEUTRAL = {
+    "hidden_act": ("silu",),
+    "use_sliding_window": (False, None),
+    "attention_dropout": (0, 0.0, None),
+    "mlp_dropout": (0, 0.0, None),
+    "partial_rotary_factor": (1, 1.0, None),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+    "logits_scaling": (None, 1, 1.0),
+}
+
+
+def _refuse_unsupported(hf: dict) -> None:
+    bad = [f"{k}={hf[k]!r} (supported: {', '.join(map(repr, ok))})" for k, ok in _NEUTRAL.items()
+           if k in hf and hf[k] not in ok]
+    sliding = [t for t in hf.get("layer_types") or () if t != "full_attention"]
+    if sliding:
+        bad.append(f"layer_types with {sorted(set(sliding))} (only full_attention is supported)")
+    if bad:
+        raise ValueError("unsupported checkpoint option(s): " + "; ".join(bad))

@@ -1,4 +1,5 @@
-"""Flax decoder for Qwen2 / Qwen3 / Llama: GQA, RoPE (+ Llama-3 scaling), RMSNorm, SwiGLU.
+"""Flax decoder for Qwen2 / Qwen3 / Llama: GQA, RoPE (linear / Llama-3 / YaRN scaling), RMSNorm,
+SwiGLU, optional attention and MLP biases.
 
 Parameters carry logical axis names (embed, heads, kv, mlp, vocab) for sharding rules.
 The model returns final hidden states; logits are formed by the chunked log-prob heads
@@ -29,12 +30,20 @@ def _part(init, axes):
     return nn.with_logical_partitioning(init, axes)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies, with the Llama-3 smooth low/high-frequency rescaling if configured."""
-    hd = cfg.head_dim
+def rope_inv_freq(cfg: ModelConfig):
+    """(inverse frequencies [hd/2], attention factor on sin/cos) for `cfg.rope_type`, as
+    transformers' modeling_rope_utils computes them: `linear` divides every frequency by the
+    factor; `llama3` rescales low frequencies and smooths the band between; `yarn` (YaRN,
+    arXiv:2309.00071, Qwen2.5's long-context setting) ramps from extrapolated high to
+    interpolated low frequencies and scales sin/cos by 0.1 ln(factor) + 1 (or its mscale form)."""
+    hd, r = cfg.head_dim, cfg.rope
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    if cfg.rope_llama3:
-        factor, lo_f, hi_f, orig = cfg.rope_llama3
+    scale = 1.0
+    if cfg.rope_type == "linear":
+        inv = inv / r["factor"]
+    elif cfg.rope_type == "llama3":
+        factor, lo_f, hi_f = r["factor"], r["low_freq_factor"], r["high_freq_factor"]
+        orig = r["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv
         low_wl, high_wl = orig / lo_f, orig / hi_f
         scaled = np.where(wavelen > low_wl, inv / factor, inv)
@@ -42,13 +51,34 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
         inv = np.where(medium, smoothed, scaled)
-    return inv.astype(np.float32)
+    elif cfg.rope_type == "yarn":
+        factor, orig = r["factor"], r["original_max_position_embeddings"]
+
+        def mscale(s, m=1.0):
+            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+        scale = r.get("attention_factor") or (
+            mscale(factor, r["mscale"]) / mscale(factor, r["mscale_all_dim"])
+            if r.get("mscale") and r.get("mscale_all_dim") else mscale(factor))
+
+        def dim_of(rotations):  # the dimension that turns `rotations` times over `orig` positions
+            return hd * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        low, high = dim_of(r["beta_fast"]), dim_of(r["beta_slow"])
+        if r["truncate"]:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, hd - 1)
+        ramp = np.clip((np.arange(hd // 2) - low) / ((high + 0.001 if low == high else high) - low), 0, 1)
+        extrapolate = 1 - ramp
+        inv = inv / factor * (1 - extrapolate) + inv * extrapolate
+    return inv.astype(np.float32), float(scale)
 
 
 def rope_tables(positions_BxT, cfg: ModelConfig):
-    angles = positions_BxT.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)[None, None, :]
+    inv, scale = rope_inv_freq(cfg)
+    angles = positions_BxT.astype(jnp.float32)[..., None] * inv[None, None, :]
     angles = jnp.concatenate([angles, angles], -1)  # HF rotate_half layout
-    return jnp.sin(angles), jnp.cos(angles)
+    return jnp.sin(angles) * scale, jnp.cos(angles) * scale
 
 
 def apply_rope(x_BxTxHxD, sin_BxTxD, cos_BxTxD):
@@ -108,8 +138,8 @@ class Attention(nn.Module):
             new_cache = {"k": k, "v": v}
         out = attention(q, k, v, mask_BxTxS, c).reshape(b * t, c.num_heads, c.head_dim)
         out = nn.DenseGeneral(
-            c.hidden_size, axis=(-2, -1), use_bias=False, name="o", dtype=c.dtype, param_dtype=c.param_dtype,
-            kernel_init=_part(_init, ("heads", "kv", "embed")),
+            c.hidden_size, axis=(-2, -1), use_bias=c.o_bias, name="o", dtype=c.dtype, param_dtype=c.param_dtype,
+            kernel_init=_part(_init, ("heads", "kv", "embed")), bias_init=_part(nn.initializers.zeros, ("embed",)),
         )(out)
         return out.reshape(b, t, -1), new_cache
 
@@ -158,8 +188,8 @@ class MLP(nn.Module):
         x = x_BxTxD.reshape(-1, x_BxTxD.shape[-1])
 
         def dense(name, feats, axes):
-            return nn.Dense(feats, use_bias=False, name=name, dtype=c.dtype, param_dtype=c.param_dtype,
-                            kernel_init=_part(_init, axes))
+            return nn.Dense(feats, use_bias=c.mlp_bias, name=name, dtype=c.dtype, param_dtype=c.param_dtype,
+                            kernel_init=_part(_init, axes), bias_init=_part(nn.initializers.zeros, axes[1:]))
 
         h = nn.silu(dense("gate", c.intermediate_size, ("embed", "mlp"))(x)) * dense(
             "up", c.intermediate_size, ("embed", "mlp"))(x)
@@ -193,8 +223,13 @@ class Decoder(nn.Module):
         x = jnp.take(embed, tokens_BxT, axis=0).astype(c.dtype)
         sin, cos = rope_tables(positions_BxT, c)
         new_cache = []
+        block = Block
+        if c.remat != "none" and cache is None:  # the learner's forward (decoding keeps nothing for grad)
+            policy = {"full": jax.checkpoint_policies.nothing_saveable,
+                      "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[c.remat]
+            block = nn.remat(Block, policy=policy)
         for i in range(c.num_layers):
-            x, layer_cache = Block(c, name=f"layers_{i}")(
+            x, layer_cache = block(c, name=f"layers_{i}")(
                 x, sin, cos, mask_BxTxS, None if cache is None else cache[i], cache_index)
             new_cache.append(layer_cache)
         x = RMSNorm(c.rms_norm_eps, param_dtype=c.param_dtype, name="final_norm")(x)

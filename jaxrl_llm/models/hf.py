@@ -69,11 +69,15 @@ def _hf_names(cfg: ModelConfig):
                             lambda w, n=n: w.reshape(n, hd), lambda w: w.reshape(-1)))
         out.append(((lay, "attn", "o", "kernel"), f"{pre}self_attn.o_proj.weight",
                     lambda w: w.T.reshape(h, hd, d), lambda w: w.reshape(h * hd, d).T))
+        if cfg.o_bias:
+            out.append(((lay, "attn", "o", "bias"), f"{pre}self_attn.o_proj.bias", *same))
         if cfg.qk_norm:
             out.append(((lay, "attn", "q_norm", "scale"), f"{pre}self_attn.q_norm.weight", *same))
             out.append(((lay, "attn", "k_norm", "scale"), f"{pre}self_attn.k_norm.weight", *same))
         for ours in ("gate", "up", "down"):
             out.append(((lay, "mlp", ours, "kernel"), f"{pre}mlp.{ours}_proj.weight", *transpose))
+            if cfg.mlp_bias:
+                out.append(((lay, "mlp", ours, "bias"), f"{pre}mlp.{ours}_proj.bias", *same))
         out.append(((lay, "input_norm", "scale"), f"{pre}input_layernorm.weight", *same))
         out.append(((lay, "post_norm", "scale"), f"{pre}post_attention_layernorm.weight", *same))
     return out
@@ -97,18 +101,31 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, place: Optional[Ca
     place = place or (lambda _, a: jnp.asarray(a, dtype))
     wanted = {name: (ours, conv) for ours, name, conv, _ in _hf_names(cfg)}
     params: dict = {}
+    unused = []
     for file in _weight_files(path):
         with safe_open(file, framework="flax") as f:
             for name in f.keys():
                 if name in wanted:
                     ours, conv = wanted.pop(name)
                     _set(params, ours, place(ours, conv(np.asarray(f.get_tensor(name), np.float32))))
+                elif not _derived(name, cfg):
+                    unused.append(name)
     if cfg.tie_word_embeddings:
         wanted.pop("lm_head.weight", None)
     if wanted:
         missing = sorted(wanted)
         raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:5])}")
+    if unused:  # a tensor the model would not use means math the loader does not implement
+        unused.sort()
+        raise ValueError(f"checkpoint {path!r} has {len(unused)} tensor(s) this {cfg.model_type} model does not use, "
+                         f"e.g. {', '.join(unused[:5])}: an option the loader does not implement (check config.json)")
     return params, cfg
+
+
+def _derived(name: str, cfg: ModelConfig) -> bool:
+    """Tensors a checkpoint may carry that hold nothing of their own: RoPE frequency buffers
+    (older Llama exports) and a tied output head saved beside the embedding."""
+    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
 def save_params(path: str, params, cfg: ModelConfig, tokenizer=None) -> None:
