@@ -29,7 +29,6 @@ few slots are still busy, weighs more in a short run.
 from __future__ import annotations
 
 import os
-import platform
 import tempfile
 import time
 
@@ -40,7 +39,7 @@ from jax.sharding import Mesh
 from jaxrl_llm import models
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 
-from common import flops_per_token, hf_model, matmul_peak_flops, parse_args, report  # noqa: E402  (experiments/ is on sys.path when run as a script)
+from common import cpu_kind, flops_per_token, hf_model, matmul_peak_flops, parse_args, report  # noqa: E402  (experiments/ is on sys.path when run as a script)
 
 B, PROMPT, NEW, K = 64, 32, 96, 8
 SLOTS, HEAVY_MAX, SEG = 32, 512, 32
@@ -126,17 +125,6 @@ def heavy_tail(params, cfg, repeats: int, rows: int) -> dict:
                 heavy_tail_static_occupancy=useful / (SLOTS * static_steps),
                 heavy_tail_continuous_occupancy=float(continuous.slots(SLOTS).occupancy[-1]),
                 heavy_tail_mean_length=float(lengths.mean()), heavy_tail_max_length=int(lengths.max()))
-
-
-def cpu_kind() -> dict:
-    """The CPU model and the widest vector ISA XLA may use (results differ between kinds)."""
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    isa = "AVX512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "other"
-    if "xla_cpu_max_isa=AVX2" in os.environ.get("XLA_FLAGS", ""):
-        isa = "AVX2 (emulated: --xla_cpu_max_isa=AVX2)"
-    return {"cpu": model, "isa": isa}
 
 
 def main():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 
 import jax
@@ -68,3 +70,14 @@ def parse_args(description: str, extra=None):
     if extra:
         extra(ap)
     return ap.parse_args()
+
+
+def cpu_kind() -> dict:
+    """The CPU model and the widest vector ISA XLA may use (results differ between kinds)."""
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    isa = "AVX512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "other"
+    if "xla_cpu_max_isa=AVX2" in os.environ.get("XLA_FLAGS", ""):
+        isa = "AVX2 (emulated: --xla_cpu_max_isa=AVX2)"
+    return {"cpu": model, "isa": isa}

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl_llm import learner as learner_lib
 import ml_collections
 
-from jaxrl_llm import checkpoint, distributed, models, objectives, paths, preemption, sharding, tasks
+from jaxrl_llm import checkpoint, distributed, memory, models, objectives, paths, preemption, sharding, tasks
 from jaxrl_llm import validation as V
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.metrics import MetricsWriter, Progress
@@ -29,8 +29,10 @@ def model_config(**over):
     """`model` section. hf_path: a local Hugging Face directory (config.json + safetensors);
     empty -> a random model of these sizes (the embedded task warm-starts it)."""
     c = ml_collections.ConfigDict(dict(hf_path="", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                                       num_kv_heads=2, head_dim=16, dtype="float32",
-                                       attention="auto"))  # models/decoder.py: attention
+                                       num_kv_heads=2, head_dim=16,
+                                       dtype="float32",  # compute (and sampler weights); master weights stay float32
+                                       attention="auto",  # models/decoder.py: attention
+                                       remat="none"))  # none | full | dots: decoder layers recomputed in backward
     c.update(over)
     return c
 
@@ -46,20 +48,23 @@ def train_config():
     (damaged newer ones are reported and moved aside); fresh moves the checkpoints aside and
     starts over. preempt_grace_s: after SIGTERM / Ctrl-C, the seconds the final save may take."""
     return ml_collections.ConfigDict(dict(steps=300, eval_every=50, save_every=50, keep=2, tensorboard=True,
-                                          progress=True, resume="auto", preempt_grace_s=30.0))
+                                          progress=True, resume="auto", preempt_grace_s=30.0,
+                                          check_memory=True))  # refuse a memory plan beyond what is available
 
 
 MODEL_RULES = {"hf_path": V.anything(),  # paths.py
                "hidden_size": V.integer(1), "intermediate_size": V.integer(1), "num_layers": V.integer(1),
                "num_heads": V.integer(1), "num_kv_heads": V.integer(1), "head_dim": V.integer(1),
-               "dtype": V.one_of(*models.config.DTYPES), "attention": V.one_of(*models.config.ATTENTION)}
+               "dtype": V.one_of(*models.config.DTYPES), "attention": V.one_of(*models.config.ATTENTION),
+               "remat": V.one_of(*models.config.REMAT)}
 AUX_MODEL_RULES = {**{k: V.integer(0) for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
                                                   "num_kv_heads", "head_dim")},
                    "hf_path": V.anything(), "dtype": V.one_of(*models.config.DTYPES),
-                   "attention": V.one_of(*models.config.ATTENTION)}  # 0: no second model
+                   "attention": V.one_of(*models.config.ATTENTION),
+                   "remat": V.one_of(*models.config.REMAT)}  # 0: no second model
 TRAIN_RULES = {"steps": V.integer(1), "eval_every": V.integer(1), "save_every": V.integer(1), "keep": V.integer(1),
                "tensorboard": V.boolean(), "progress": V.boolean(), "resume": V.one_of("auto", "fresh"),
-               "preempt_grace_s": V.positive()}
+               "preempt_grace_s": V.positive(), "check_memory": V.boolean()}
 TOP_RULES = {"seed": V.integer(0), "cpu_devices": V.integer(0, extra=(-1,))}
 
 
@@ -156,22 +161,82 @@ def _has_aux_model(config) -> bool:
     return bool(config.aux_model.hf_path or config.aux_model.hidden_size)
 
 
-def _model(m, task):
-    """(params or None, ModelConfig): a local HF checkpoint, or a random model sized by `m`."""
+def _model_cfg(m, task) -> models.ModelConfig:
+    """The decoder of model section `m`: a local HF checkpoint's config.json (read, nothing
+    loaded) or a random model sized by `m`; compute dtype, attention kernel and remat from `m`."""
+    chosen = dict(dtype=m.dtype, attention=m.attention, remat=m.remat)
     if m.hf_path:
-        params, cfg = models.load_params(m.hf_path)
+        cfg = models.load_config(m.hf_path)
         if task.vocab_size > cfg.vocab_size:
             raise ValueError(f"the task's tokenizer has {task.vocab_size} tokens but {m.hf_path!r} embeds only "
                              f"{cfg.vocab_size}")
-        return params, cfg.replace(attention=m.attention)
-    return None, models.ModelConfig(vocab_size=task.vocab_size, eos_token_id=task.eos_id, dtype=m.dtype,
-                                    attention=m.attention, **{f: m[f] for f in _MODEL_FIELDS})
+        return cfg.replace(**chosen)
+    return models.ModelConfig(vocab_size=task.vocab_size, eos_token_id=task.eos_id, **chosen,
+                              **{f: m[f] for f in _MODEL_FIELDS})
+
+
+def _load(m, cfg):
+    """The checkpoint's weights (float32 master copies) or None for a random model."""
+    return models.load_params(m.hf_path, cfg)[0] if m.hf_path else None
+
+
+def memory_plan(config, task, mcfg, acfg=None) -> dict:
+    """Bytes this process will hold, by part (`memory.py`): the learner's step (and the
+    auxiliary model's, and a reference copy for a KL penalty), the weight store's sampler
+    copies in the sampler's dtype, and each sampler's KV cache and decode buffers."""
+    r, s = config.runtime, config.sampler
+    g, new = s.num_samples, s.max_new_tokens or task.max_answer_len
+    prompt = getattr(task, "max_prompt_len", task.prompt_buckets[-1])
+    rows = r.prompts_per_batch * g
+    mb, chunk = config.learner.num_minibatches, config.learner.logprob_chunk
+    plan = {f"learner_{k}": v for k, v in memory.learner(mcfg, rows, prompt + new, mb, chunk).items()}
+    if acfg is not None:
+        plan.update({f"aux_{k}": v for k, v in memory.learner(acfg, rows, prompt + new, mb, chunk).items()})
+    obj = objectives.make_config(config.objective)
+    if "ref_logp" in objectives.required_passes(obj):
+        plan["reference"] = 4 * mcfg.num_params
+    aux = objectives.get(obj.name).aux
+    rollout = acfg if acfg is not None and aux is not None and aux.samples else mcfg
+    keep = r.max_staleness + 1 if r.mode == "simulated" else 1
+    sampler_rows = (s.slots or rows) + rows if s.batching == "continuous" else rows  # slots + prefilled pool
+    samplers = r.num_samplers if r.mode == "async" else 1
+    cache = s.cache_dtype if s.cache_dtype != "auto" else config.model.dtype
+    one = memory.sampler(rollout, sampler_rows, prompt, new, cache, rollout.dtype)
+    plan["sampler_weights"] = keep * one.pop("weights")
+    plan.update({f"sampler_{k}": samplers * v for k, v in one.items()})
+    return plan
+
+
+def check_memory(config, task, mcfg, acfg, plan) -> None:
+    """Refuse, before anything is built, a plan beyond the memory available, naming the
+    settings that would make it fit (each tried alone)."""
+    need, (have, what) = memory.total(plan), memory.available()
+    if need <= have or not config.train.check_memory:
+        return
+    tries = [("model.remat", "full"), ("model.dtype", "bfloat16"), ("sampler.cache_dtype", "bfloat16"),
+             ("learner.num_minibatches", config.learner.num_minibatches * 2),
+             ("runtime.prompts_per_batch", max(1, config.runtime.prompts_per_batch // 2))]
+    fits = []
+    for key, value in tries:
+        section, field = key.split(".")
+        if config[section][field] == value:
+            continue
+        c = ml_collections.ConfigDict(config.to_dict())
+        c[section][field] = value
+        m = mcfg.replace(remat=c.model.remat, dtype=c.model.dtype)
+        a = acfg and acfg.replace(dtype=c.model.dtype)
+        total = memory.total(memory_plan(c, task, m, a))
+        fits.append(f"--config.{key}={value} ({total / memory.GB:.1f} GiB{'' if total <= have else ', still too much'})")
+    raise MemoryError(f"the memory plan needs {need / memory.GB:.1f} GiB but {what} offers {have / memory.GB:.1f} GiB: "
+                      f"{memory.describe(plan)}. Try: {'; '.join(fits) or 'a smaller model or batch'} "
+                      "(or --config.train.check_memory=False to run anyway)")
 
 
 def _sampler_cfg(config, task, greedy=False):
     s = config.sampler
     kw = dict(max_new_tokens=s.max_new_tokens or task.max_answer_len, eos_token_id=task.eos_id,
-              pad_token_id=task.pad_id, prompt_buckets=tuple(task.prompt_buckets))
+              pad_token_id=task.pad_id, prompt_buckets=tuple(task.prompt_buckets),
+              cache_dtype=s.cache_dtype if s.cache_dtype != "auto" else config.model.dtype)
     if greedy:
         return SamplerConfig(temperature=0.0, **kw)
     return SamplerConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, capture_topk=s.capture_topk,
@@ -183,8 +248,11 @@ def build(config):
     validate(config)
     config = paths.resolved(config)  # hub ids -> local snapshot directories (the caller's config is untouched)
     task = tasks.make(config.task, config.model.hf_path)
-    params, mcfg = _model(config.model, task)
-    aux_params, acfg = _model(config.aux_model, task) if _has_aux_model(config) else (None, None)
+    mcfg = _model_cfg(config.model, task)
+    acfg = _model_cfg(config.aux_model, task) if _has_aux_model(config) else None
+    plan = memory_plan(config, task, mcfg, acfg)
+    check_memory(config, task, mcfg, acfg, plan)  # before any weight is loaded or program compiled
+    params, aux_params = _load(config.model, mcfg), acfg and _load(config.aux_model, acfg)
     learner_devices, sampler_devices = devices(config)
     lrn = learner_lib.Learner(mcfg, config.objective, config.learner, mesh=sharding.make_mesh(config.mesh, learner_devices),
                               mesh_cfg=config.mesh, aux_model_cfg=acfg, dist=_sampler_cfg(config, task).dist)
@@ -197,7 +265,7 @@ def build(config):
                                      config.runtime, placement=placement)
     # A sampling auxiliary (a rollout model) is evaluated beside the policy.
     aux_eval = lrn.aux is not None and lrn.aux.samples
-    return dict(task=task, model_cfg=mcfg, params=params, aux_cfg=acfg, aux_params=aux_params,
+    return dict(task=task, model_cfg=mcfg, params=params, memory_plan=plan, aux_cfg=acfg, aux_params=aux_params,
                 learner=lrn, orchestrator=orch, greedy=Sampler(mcfg, _sampler_cfg(config, task, greedy=True), mesh),
                 aux_greedy=aux_eval and Sampler(acfg, _sampler_cfg(config, task, greedy=True), mesh))
 
@@ -222,6 +290,8 @@ def run(config, workdir: str, log=None) -> dict:
     b = build(config)
     task, lrn, orch = b["task"], b["learner"], b["orchestrator"]
     ckdir, notes = os.path.join(workdir, "checkpoints"), []
+    have, what = memory.available()
+    notes.append(f"memory plan (GiB): {memory.describe(b['memory_plan'])}; {what}: {have / memory.GB:.1f} GiB")
     if config.train.get("resume", "auto") == "fresh" and distributed.is_main():
         aside = checkpoint.move_all_aside(ckdir)
         if aside:

@@ -147,3 +147,55 @@ def test_end_to_end_on_a_local_hf_model_and_dataset(tokenizer_dir, tmp_path):
     assert summary["version"] == 2 and summary["reward_failures"] == 0
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert sum("loss" in r for r in records) == 2 and sum("eval/reward" in r for r in records) == 3
+
+
+def _hf_config(tokenizer_dir, tmp_path):
+    from tests.test_experiment import _tiny
+
+    c = _tiny("ppo")
+    c.task.update(dict(name="math", path=str(_write_jsonl(tmp_path / "train.jsonl", TRAIN)), eval_size=2,
+                       max_answer_len=8))
+    c.model.hf_path = str(tokenizer_dir)
+    return c
+
+
+def test_hf_checkpoint_in_bfloat16_samples_with_bf16_weights(tokenizer_dir, tmp_path):
+    """model.dtype applies to a loaded checkpoint: float32 master weights train, the samplers
+    hold (and decode with) a bfloat16 copy and a bfloat16 KV cache."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_llm import experiment
+
+    c = _hf_config(tokenizer_dir, tmp_path)
+    c.model.dtype = "bfloat16"
+    b = experiment.build(c)
+    assert b["model_cfg"].dtype == "bfloat16" and b["orchestrator"].sampler.cfg.cache_dtype == "bfloat16"
+    state = b["learner"].init(jax.random.key(0), params=b["params"])
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype("float32")}
+    orch = b["orchestrator"]
+    state, hist = orch.run(state, 1)
+    version, weights = orch.store.latest()
+    assert version == 1 and {x.dtype for x in jax.tree.leaves(weights)} == {np.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype("float32")}
+    assert np.isfinite(hist[-1]["loss"]) and hist[-1]["mismatch/abs_logp_max"] < 0.1  # bf16 sampler vs fp32 learner
+
+
+def test_a_plan_beyond_the_memory_available_fails_at_start_up(tokenizer_dir, tmp_path, monkeypatch):
+    from jaxrl_llm import experiment, memory
+
+    c = _hf_config(tokenizer_dir, tmp_path)
+    plan = memory.total(experiment.memory_plan(c, tasks.make(c.task, c.model.hf_path),
+                                               experiment._model_cfg(c.model, tasks.make(c.task, c.model.hf_path))))
+    monkeypatch.setattr(memory, "available", lambda: (plan // 2, "host RAM"))
+    loaded = []
+    monkeypatch.setattr(experiment.models, "load_params", lambda *a, **k: loaded.append(a))
+    with pytest.raises(MemoryError, match=r"memory plan needs .* GiB but host RAM offers .*learner_params.*"
+                                          r"--config.model.remat=full .*--config.learner.num_minibatches=4"):
+        experiment.run(c, str(tmp_path / "run"), log=lambda *_: None)
+    assert not loaded and not (tmp_path / "run" / "checkpoints").exists()  # nothing built or loaded
+    c.train.check_memory = False
+    monkeypatch.undo()
+    monkeypatch.setattr(memory, "available", lambda: (plan // 2, "host RAM"))
+    b = experiment.build(c)  # the escape hatch
+    assert b["memory_plan"]["learner_params"] == 4 * b["model_cfg"].num_params

@@ -54,6 +54,7 @@ class ModelConfig:
     # einsums on CPU, dot_product_attention elsewhere.
     attention: str = "auto"
     remat: str = "none"
+    attention_chunk: int = 512  # queries per attention block on long sequences (0: one block)
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED:

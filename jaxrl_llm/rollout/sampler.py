@@ -272,6 +272,13 @@ class Sampler:
             st = self._segment(params, st, version, p=toks.shape[1], end=end, mcfg=self.model_cfg, scfg=self.cfg)
         return to_batch(toks, mask, group_ids, _outputs(st, self.cfg))
 
+    def lower_generate(self, params, prompts, key):
+        """A static batch's `generate` program, lowered and not run (its memory analysis)."""
+        toks, mask, _ = self.pad_prompts(prompts)
+        (toks_j, mask_j, limit_j), params = self._place(
+            (toks, mask, row_limits(None, len(toks), self.cfg.max_new_tokens)), params)
+        return self._fn.lower(params, toks_j, mask_j, limit_j, key, 0, mcfg=self.model_cfg, scfg=self.cfg)
+
     def slots(self, rows: int):
         """The continuous-batching engine (`continuous.py`); `slots=0` sizes it to the first
         batch's rows."""

@@ -58,12 +58,14 @@ def default_config():
         max_new_tokens=0,  # 0: the task's maximum answer length
         batching="static",  # continuous: decode slots refilled every decode_segment steps (rollout/continuous.py)
         slots=0,  # continuous: decode slots per sampler (0: one per row of a batch)
-        decode_segment=32))  # decode steps between weight refreshes / slot refills
+        decode_segment=32,  # decode steps between weight refreshes / slot refills
+        cache_dtype="auto"))  # KV cache: float32 | bfloat16 | auto (the model's compute dtype)
 
 
 RULES = {"temperature": V.non_negative(), "top_k": V.integer(0), "top_p": V.unit(low_open=True),
          "num_samples": V.integer(1), "capture_topk": V.integer(0), "max_new_tokens": V.integer(0),
-         "batching": V.one_of(*BATCHING), "slots": V.integer(0), "decode_segment": V.integer(0)}
+         "batching": V.one_of(*BATCHING), "slots": V.integer(0), "decode_segment": V.integer(0),
+         "cache_dtype": V.one_of("auto", "float32", "bfloat16")}
 
 
 def sampling_logprobs(logits_BxV, cfg: SamplerConfig):

@@ -126,7 +126,7 @@ class Orchestrator:
                              "sampler.batching='continuous'")
         self.delay = _delay(self.cfg)
         keep = self.cfg.max_staleness + 1 if self.cfg.mode == "simulated" else 1
-        self.store = WeightStore(keep=keep, placement=placement)
+        self.store = WeightStore(keep=keep, placement=placement, dtype=learner.rollout_model_cfg.dtype)
         self.schedule: list[int] = []  # simulated: the staleness drawn for each step
         self.state = None
         self.over_stale = 0  # batches trained beyond max_staleness (policy keep)

@@ -1,7 +1,10 @@
 """Weight store: the learner publishes (version, params); samplers fetch them.
 
 Publishing copies the params onto the sampler's placement (its devices / shardings), so the
-learner's next donated step cannot invalidate what samplers hold. The newest `keep` versions
+learner's next donated step cannot invalidate what samplers hold, and in the sampler's
+compute dtype (bfloat16 weights when the model computes in bfloat16: the learner keeps its
+float32 master weights, the samplers hold and read half the bytes; every matmul casts to
+bfloat16 on both sides anyway). The newest `keep` versions
 are retained: simulated-staleness runs sample from past versions. Each publication's time is
 recorded, so samplers can take a version only after a (simulated) network delay.
 """
@@ -19,22 +22,25 @@ from jaxrl_llm import distributed, sharding
 
 
 class WeightStore:
-    def __init__(self, keep: int = 1, placement: Optional[Any] = None):
+    def __init__(self, keep: int = 1, placement: Optional[Any] = None, dtype: str = "float32"):
         """`placement`: a Sharding / device (or a pytree of them) for the sampler's copy;
-        None keeps the learner's placement (still a private copy)."""
+        None keeps the learner's placement (still a private copy). `dtype`: of the copy."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1; got {keep}")
-        self.keep, self.placement = keep, placement
+        self.keep, self.placement, self.dtype = keep, placement, jnp.dtype(dtype)
         self._versions: dict[int, Any] = {}
         self._published_at: dict[int, float] = {}  # time.monotonic() of each publication
         self._cond = threading.Condition()
-        self._copy = jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p))
+        cast = lambda x: x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.copy(x)
+        self._copy = jax.jit(lambda p: jax.tree_util.tree_map(cast, p))
 
     def publish(self, version: int, params) -> None:
         """Every process publishes each version (with many processes the learner's global
         params are first gathered onto this process's devices: a collective)."""
         params = distributed.to_local(params)
         if sharding.shares_host_copy(self.placement):
+            if any(x.dtype != self.dtype for x in jax.tree_util.tree_leaves(params)):
+                params = self._copy(params)
             copy = sharding.put(params, self.placement)  # already private: one host copy for all devices
         else:
             copy = self._copy(params)

@@ -1,0 +1,110 @@
+"""The memory plan: what a learner step and a sampler call hold, from the shapes alone.
+
+Written out so that a run can print it at start-up and refuse, before anything is built, a
+configuration that cannot fit; `experiments/bench_scale.py` checks it against the compiled
+executables' memory analysis and the process's peak RSS on a Qwen2.5-0.5B-shaped model.
+
+Learner (one step, `num_minibatches` updates over `rows` sequences of `seq_len` tokens):
+  params (float32 master) + grads + AdamW's two moments + one update tree (optax forms the
+  updates before applying them) = 5 * 4 bytes per parameter, plus the activations of one
+  minibatch: per layer and token the residual stream and norms (float32), q/k/v before and
+  after RoPE, the attention output and four MLP intermediates (compute dtype), plus the
+  attention scores (float32) and probabilities per query (of one `attention_chunk` block on
+  long sequences) and key. `remat=full` keeps only
+  each layer's input and recomputes one layer at a time; `dots` keeps the projections' outputs.
+  The log-prob head works in `logprob_chunk`-token chunks: never a [B, L, V] array.
+Sampler (one call over `rows` rows): its weight copy in its compute dtype, the float32
+  unembedding the decode loop forms once (a copy when tied or not float32), the KV cache
+  (2 x layers x rows x kv heads x head_dim x positions) twice (a segment's window grows by
+  copying), per-step logits, and the prefill's attention over the prompt.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from jaxrl_llm.models.config import ModelConfig
+
+GB = 2**30
+
+
+def nbytes(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else 4
+
+
+def layer_activations(cfg: ModelConfig, rows: int, length: int) -> int:
+    """Bytes one decoder layer keeps for its backward pass without remat."""
+    a = nbytes(cfg.dtype)
+    d, f, h, k, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    per_token = 5 * d * 4 + a * (2 * (h + 2 * k) * hd + h * hd + 4 * f)
+    c = cfg.attention_chunk
+    queries = c if c and length > c and length % c == 0 else length  # decoder.attention's blocks
+    return rows * length * per_token + rows * h * queries * length * (4 + a)
+
+
+def activations(cfg: ModelConfig, rows: int, length: int) -> int:
+    one = layer_activations(cfg, rows, length)
+    a, d = nbytes(cfg.dtype), cfg.hidden_size
+    if cfg.remat == "full":
+        return cfg.num_layers * rows * length * d * 4 + one
+    if cfg.remat == "dots":
+        hd = cfg.head_dim
+        dots = rows * length * a * ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd + 2 * d + 2 * cfg.intermediate_size)
+        return cfg.num_layers * dots + one
+    return cfg.num_layers * one
+
+
+def learner(cfg: ModelConfig, rows: int, seq_len: int, minibatches: int = 1, chunk: int = 128) -> dict:
+    """Bytes of one learner step, by part."""
+    n = cfg.num_params
+    mb = max(1, rows // minibatches)
+    return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "update": 4 * n,
+            "activations": activations(cfg, mb, seq_len) + mb * seq_len * 4,  # + the causal mask
+            "head": 3 * mb * min(chunk, seq_len) * cfg.vocab_size * 4}
+
+
+def sampler(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int, cache_dtype: str = "float32",
+            weights_dtype: Optional[str] = None) -> dict:
+    """Bytes of one sampler call over `rows` rows, by part."""
+    w = nbytes(weights_dtype or cfg.dtype)
+    unembed = cfg.hidden_size * cfg.vocab_size * 4
+    copies_unembed = cfg.tie_word_embeddings or w != 4
+    positions = prompt_len + new_tokens
+    cache = 2 * cfg.num_layers * rows * cfg.num_kv_heads * cfg.head_dim * positions * nbytes(cache_dtype)
+    return {"weights": cfg.num_params * w, "unembed_f32": unembed if copies_unembed else 0,
+            "kv_cache": 2 * cache, "logits": 4 * rows * cfg.vocab_size * 4,
+            "prefill": rows * cfg.num_heads * prompt_len * prompt_len * 8 + rows * prompt_len * cfg.hidden_size * 16}
+
+
+def total(parts: dict) -> int:
+    return int(sum(parts.values()))
+
+
+def available() -> tuple[int, str]:
+    """(bytes, what): device memory of the first local accelerator, else the host's available
+    RAM (MemAvailable) plus what this process already holds."""
+    import jax
+
+    dev = jax.local_devices()[0]
+    if dev.platform != "cpu":
+        stats = dev.memory_stats() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"]), f"{dev.device_kind} memory"
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"] + peak_rss(), "host RAM (MemAvailable + this process)"
+    except (OSError, KeyError, ValueError):
+        return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "host RAM"
+
+
+def peak_rss() -> int:
+    """This process's peak resident set size in bytes (Linux ru_maxrss is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def describe(parts: dict) -> str:
+    return ", ".join(f"{k} {v / GB:.2f}" for k, v in parts.items() if v) + f" (total {total(parts) / GB:.2f} GiB)"
