@@ -63,12 +63,12 @@ def run_learner(a) -> dict:
     import jax
 
     from jaxrl_llm import learner as L
-    from jaxrl_llm import memory, testing
+    from jaxrl_llm import memory, sharding, testing
 
     cfg = _cfg(a)
     c = L.default_config()
     c.lr, c.num_minibatches, c.packing = 1e-5, a.minibatches, "off"
-    lrn = L.Learner(cfg, {"name": "ppo"}, c)
+    lrn = L.Learner(cfg, {"name": "ppo"}, c, mesh=sharding.make_mesh(None, jax.devices()[:1]))  # one device's plan
     state = lrn.init(jax.random.key(0))
     batch = testing.model_batch(state.params, cfg, num_prompts=a.rows // 2, group_size=2, length=a.seq_len,
                                 prompt=a.prompt_len, topk=0, version=1, max_staleness=0)

@@ -19,15 +19,15 @@ QWEN25 = {  # (layers, hidden, mlp, heads, kv heads, head_dim, tied)
     "3B": (36, 2048, 11008, 16, 2, 128, True),
     "7B": (28, 3584, 18944, 28, 4, 128, False),
 }
-MACHINES = {"24 GiB CPU": 24, "80 GB GPU": 80e9 / memory.GB}
+MACHINES = {"24 GiB CPU": (24, "cpu"), "80 GB GPU": (80e9 / memory.GB, "gpu")}  # XLA:CPU adds f32 weight copies
 
 
-def plan_gb(shape, rows, seq_len, minibatches, sample_rows, prompt=256):
+def plan_gb(shape, rows, seq_len, minibatches, sample_rows, platform, prompt=256):
     layers, d, f, h, k, hd, tied = shape
     cfg = ModelConfig(vocab_size=V, hidden_size=d, intermediate_size=f, num_layers=layers, num_heads=h,
                       num_kv_heads=k, head_dim=hd, tie_word_embeddings=tied, dtype="bfloat16", remat="full")
     learner = memory.total(memory.learner(cfg, rows, seq_len, minibatches))
-    sampler = memory.total(memory.sampler(cfg, sample_rows, prompt, seq_len - prompt, "bfloat16", "bfloat16"))
+    sampler = memory.total(memory.sampler(cfg, sample_rows, prompt, seq_len - prompt, "bfloat16", "bfloat16", platform))
     return (learner + sampler) / memory.GB
 
 
@@ -38,14 +38,15 @@ def main():
     ap.add_argument("--sample_rows", type=int, default=64)
     a = ap.parse_args()
     lengths = (1024, 4096, 16384)
-    print(f"| model | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
+    print("| model (plan CPU / GPU) | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
     print("|---|" + "---|" * len(lengths))
     for name, shape in QWEN25.items():
         cells = []
         for n in lengths:
-            gb = plan_gb(shape, a.rows, n, a.minibatches, a.sample_rows)
-            fits = [m for m, cap in MACHINES.items() if gb <= cap]
-            cells.append(f"{gb:.0f} GiB ({', '.join(fits) if fits else 'neither'})")
+            gb = {m: plan_gb(shape, a.rows, n, a.minibatches, a.sample_rows, platform)
+                  for m, (_, platform) in MACHINES.items()}
+            fits = [m for m, (cap, _) in MACHINES.items() if gb[m] <= cap]
+            cells.append(f"{gb['24 GiB CPU']:.0f} / {gb['80 GB GPU']:.0f} GiB: {', '.join(fits) if fits else 'neither'}")
         print(f"| Qwen2.5-{name} | " + " | ".join(cells) + " |")
 
 

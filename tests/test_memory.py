@@ -1,0 +1,52 @@
+"""The memory plan (`jaxrl_llm/memory.py`) against what is really allocated, through the code
+of `experiments/bench_scale.py` on a tiny model (the benchmark runs it at 0.5B shapes)."""
+
+import argparse
+import os
+import sys
+
+import jax
+import numpy as np
+
+from jaxrl_llm import memory
+from jaxrl_llm.models.config import ModelConfig
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
+import bench_scale  # noqa: E402
+
+
+def test_bench_scale_runs_and_its_plan_matches_the_compiled_programs():
+    a = argparse.Namespace(tiny=True, remat="full", dtype="float32", cache_dtype="bfloat16", rows=4, seq_len=256,
+                           minibatches=2, sample_rows=8, prompt_len=16, new_tokens=32)
+    out = {**bench_scale.run_learner(a), **bench_scale.run_sampler(a)}
+    for part in ("learner", "sampler"):
+        assert out[f"{part}_tokens_per_s"] > 0 and out[f"{part}_rss_gb"] >= out[f"{part}_peak_gb"] > 0
+        ratio = out[f"{part}_peak_gb"] / out[f"{part}_budget_gb"]
+        assert 0.5 < ratio < 2.0, (part, ratio)  # tiny shapes: fixed costs weigh more than at 0.5B
+    cfg = bench_scale._cfg(a)
+    n = sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: __import__(
+        "jaxrl_llm.models.decoder", fromlist=["init_params"]).init_params(cfg, jax.random.key(0)))))
+    assert out["learner_plan"]["params"] * memory.GB == 4 * n and out["learner_plan"]["optimizer"] * memory.GB == 8 * n
+
+
+def test_kv_cache_term_is_the_sampler_cache():
+    """The plan's cache term is twice (a window grows by copying) the cache the sampler allocates."""
+    from jaxrl_llm.rollout import sampler as S
+    from jaxrl_llm.rollout import SamplerConfig
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                      head_dim=8)
+    scfg = SamplerConfig(max_new_tokens=24, decode_segment=0, cache_dtype="bfloat16", prompt_buckets=(8,))
+    params = jax.eval_shape(lambda: S.decoder.init_params(cfg, jax.random.key(0)))
+    st = jax.eval_shape(lambda p: S._prefill(p, np.zeros((5, 8), np.int32), np.ones((5, 8), np.int32),
+                                              np.full(5, 24, np.int32), jax.random.key(0), 0, cfg, scfg), params)
+    cache = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st.cache))
+    assert memory.sampler(cfg, 5, 8, 24, "bfloat16")["kv_cache"] == 2 * cache
+
+
+def test_remat_and_chunks_shrink_the_planned_activations():
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=8, num_heads=4, num_kv_heads=2,
+                      head_dim=16, attention_chunk=0)
+    acts = {r: memory.activations(cfg.replace(remat=r), 2, 1024) for r in ("none", "dots", "full")}
+    assert acts["none"] > acts["dots"] > acts["full"]
+    assert memory.activations(cfg.replace(attention_chunk=256), 2, 1024) < acts["none"]
