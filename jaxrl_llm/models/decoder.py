@@ -239,40 +239,17 @@ class Decoder(nn.Module):
         x = jnp.take(embed, tokens_BxT, axis=0).astype(c.dtype)
         sin, cos = rope_tables(positions_BxT, c)
         new_cache = []
-        remat = c.remat != "none" and cache is None and not self.is_initializing()  # the learner's forward
-        block = nn.remat(Block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable) if (
-            remat and c.remat == "dots") else Block
+        block = Block
+        if c.remat != "none" and cache is None:  # the learner's forward (decoding keeps nothing for grad)
+            policy = {"full": jax.checkpoint_policies.nothing_saveable,
+                      "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[c.remat]
+            block = nn.remat(Block, policy=policy)
         for i in range(c.num_layers):
-            layer = block(c, name=f"layers_{i}")
-            if remat and c.remat == "full":
-                x, layer_cache = _recomputed(layer, x, sin, cos, mask_BxTxS), None
-            else:
-                x, layer_cache = layer(x, sin, cos, mask_BxTxS, None if cache is None else cache[i], cache_index)
+            x, layer_cache = block(c, name=f"layers_{i}")(
+                x, sin, cos, mask_BxTxS, None if cache is None else cache[i], cache_index)
             new_cache.append(layer_cache)
         x = RMSNorm(c.rms_norm_eps, param_dtype=c.param_dtype, name="final_norm")(x)
         return x, (new_cache if cache is not None else None)
-
-
-def _recomputed(layer: Block, x, sin, cos, mask):
-    """`layer(x)` keeping only its input for the backward pass, which recomputes the layer
-    (full rematerialisation). Unlike `jax.checkpoint`, the recomputation waits for the
-    cotangent of the layer's output (an optimization barrier on both), so a scheduler cannot
-    hoist every layer's recomputation ahead of the backward pass and hold them all at once."""
-
-    def f(mdl, x, sin, cos, mask):
-        return mdl(x, sin, cos, mask)[0]
-
-    def fwd(mdl, x, sin, cos, mask):
-        return f(mdl, x, sin, cos, mask), (mdl.variables["params"], x, sin, cos, mask)
-
-    def bwd(res, g):
-        params, x, sin, cos, mask = res
-        x, g = jax.lax.optimization_barrier((x, g))
-        _, vjp = jax.vjp(lambda p, x: Block(layer.cfg).apply({"params": p}, x, sin, cos, mask)[0], params, x)
-        d_params, d_x = vjp(g)
-        return {"params": d_params}, d_x, jnp.zeros_like(sin), jnp.zeros_like(cos), np.zeros(mask.shape, jax.dtypes.float0)
-
-    return nn.custom_vjp(f, forward_fn=fwd, backward_fn=bwd)(layer, x, sin, cos, mask)
 
 
 def unembed_matrix(params, cfg: ModelConfig):
