@@ -180,58 +180,6 @@ def _load(m, cfg):
     return models.load_params(m.hf_path, cfg)[0] if m.hf_path else None
 
 
-def memory_plan(config, task, mcfg, acfg=None) -> dict:
-    """Bytes this process will hold, by part (`memory.py`): the learner's step (and the
-    auxiliary model's, and a reference copy for a KL penalty), the weight store's sampler
-    copies in the sampler's dtype, and each sampler's KV cache and decode buffers."""
-    r, s = config.runtime, config.sampler
-    g, new = s.num_samples, s.max_new_tokens or task.max_answer_len
-    prompt = getattr(task, "max_prompt_len", task.prompt_buckets[-1])
-    rows = r.prompts_per_batch * g
-    mb, chunk = config.learner.num_minibatches, config.learner.logprob_chunk
-    plan = {f"learner_{k}": v for k, v in memory.learner(mcfg, rows, prompt + new, mb, chunk).items()}
-    if acfg is not None:
-        plan.update({f"aux_{k}": v for k, v in memory.learner(acfg, rows, prompt + new, mb, chunk).items()})
-    obj = objectives.make_config(config.objective)
-    if "ref_logp" in objectives.required_passes(obj):
-        plan["reference"] = 4 * mcfg.num_params
-    aux = objectives.get(obj.name).aux
-    rollout = acfg if acfg is not None and aux is not None and aux.samples else mcfg
-    keep = r.max_staleness + 1 if r.mode == "simulated" else 1
-    sampler_rows = (s.slots or rows) + rows if s.batching == "continuous" else rows  # slots + prefilled pool
-    samplers = r.num_samplers if r.mode == "async" else 1
-    cache = s.cache_dtype if s.cache_dtype != "auto" else config.model.dtype
-    one = memory.sampler(rollout, sampler_rows, prompt, new, cache, rollout.dtype)
-    plan["sampler_weights"] = keep * one.pop("weights")
-    plan.update({f"sampler_{k}": samplers * v for k, v in one.items()})
-    return plan
-
-
-def check_memory(config, task, mcfg, acfg, plan) -> None:
-    """Refuse, before anything is built, a plan beyond the memory available, naming the
-    settings that would make it fit (each tried alone)."""
-    need, (have, what) = memory.total(plan), memory.available()
-    if need <= have or not config.train.check_memory:
-        return
-    tries = [("model.remat", "full"), ("model.dtype", "bfloat16"), ("sampler.cache_dtype", "bfloat16"),
-             ("learner.num_minibatches", config.learner.num_minibatches * 2),
-             ("runtime.prompts_per_batch", max(1, config.runtime.prompts_per_batch // 2))]
-    fits = []
-    for key, value in tries:
-        section, field = key.split(".")
-        if config[section][field] == value:
-            continue
-        c = ml_collections.ConfigDict(config.to_dict())
-        c[section][field] = value
-        m = mcfg.replace(remat=c.model.remat, dtype=c.model.dtype)
-        a = acfg and acfg.replace(dtype=c.model.dtype)
-        total = memory.total(memory_plan(c, task, m, a))
-        fits.append(f"--config.{key}={value} ({total / memory.GB:.1f} GiB{'' if total <= have else ', still too much'})")
-    raise MemoryError(f"the memory plan needs {need / memory.GB:.1f} GiB but {what} offers {have / memory.GB:.1f} GiB: "
-                      f"{memory.describe(plan)}. Try: {'; '.join(fits) or 'a smaller model or batch'} "
-                      "(or --config.train.check_memory=False to run anyway)")
-
-
 def _sampler_cfg(config, task, greedy=False):
     s = config.sampler
     kw = dict(max_new_tokens=s.max_new_tokens or task.max_answer_len, eos_token_id=task.eos_id,
@@ -250,8 +198,8 @@ def build(config):
     task = tasks.make(config.task, config.model.hf_path)
     mcfg = _model_cfg(config.model, task)
     acfg = _model_cfg(config.aux_model, task) if _has_aux_model(config) else None
-    plan = memory_plan(config, task, mcfg, acfg)
-    check_memory(config, task, mcfg, acfg, plan)  # before any weight is loaded or program compiled
+    plan = memory.run_plan(config, task, mcfg, acfg)
+    memory.check_run(config, task, mcfg, acfg, plan)  # before any weight is loaded or program compiled
     params, aux_params = _load(config.model, mcfg), acfg and _load(config.aux_model, acfg)
     learner_devices, sampler_devices = devices(config)
     lrn = learner_lib.Learner(mcfg, config.objective, config.learner, mesh=sharding.make_mesh(config.mesh, learner_devices),

@@ -114,3 +114,61 @@ def peak_rss() -> int:
 
 def describe(parts: dict) -> str:
     return ", ".join(f"{k} {v / GB:.2f}" for k, v in parts.items() if v) + f" (total {total(parts) / GB:.2f} GiB)"
+
+
+# ------------------------------------------------------------------ a run's plan
+def run_plan(config, task, mcfg, acfg=None) -> dict:
+    """An experiment config's plan (`experiment.build` logs it and checks it with `check_run`).
+    Bytes this process will hold, by part: the learner's step (and the
+    auxiliary model's, and a reference copy for a KL penalty), the weight store's sampler
+    copies in the sampler's dtype, and each sampler's KV cache and decode buffers."""
+    from jaxrl_llm import objectives
+
+    r, s = config.runtime, config.sampler
+    g, new = s.num_samples, s.max_new_tokens or task.max_answer_len
+    prompt = getattr(task, "max_prompt_len", task.prompt_buckets[-1])
+    rows = r.prompts_per_batch * g
+    mb, chunk = config.learner.num_minibatches, config.learner.logprob_chunk
+    plan = {f"learner_{k}": v for k, v in learner(mcfg, rows, prompt + new, mb, chunk).items()}
+    if acfg is not None:
+        plan.update({f"aux_{k}": v for k, v in learner(acfg, rows, prompt + new, mb, chunk).items()})
+    obj = objectives.make_config(config.objective)
+    if "ref_logp" in objectives.required_passes(obj):
+        plan["reference"] = 4 * mcfg.num_params
+    aux = objectives.get(obj.name).aux
+    rollout = acfg if acfg is not None and aux is not None and aux.samples else mcfg
+    keep = r.max_staleness + 1 if r.mode == "simulated" else 1
+    sampler_rows = (s.slots or rows) + rows if s.batching == "continuous" else rows  # slots + prefilled pool
+    samplers = r.num_samplers if r.mode == "async" else 1
+    cache = s.cache_dtype if s.cache_dtype != "auto" else config.model.dtype
+    one = sampler(rollout, sampler_rows, prompt, new, cache, rollout.dtype)
+    plan["sampler_weights"] = keep * one.pop("weights")
+    plan.update({f"sampler_{k}": samplers * v for k, v in one.items()})
+    return plan
+
+
+def check_run(config, task, mcfg, acfg, plan) -> None:
+    """Refuse, before anything is built, a plan beyond the memory available, naming the
+    settings that would make it fit (each tried alone)."""
+    import ml_collections
+
+    need, (have, what) = total(plan), available()
+    if need <= have or not config.train.check_memory:
+        return
+    tries = [("model.remat", "full"), ("model.dtype", "bfloat16"), ("sampler.cache_dtype", "bfloat16"),
+             ("learner.num_minibatches", config.learner.num_minibatches * 2),
+             ("runtime.prompts_per_batch", max(1, config.runtime.prompts_per_batch // 2))]
+    fits = []
+    for key, value in tries:
+        section, field = key.split(".")
+        if config[section][field] == value:
+            continue
+        c = ml_collections.ConfigDict(config.to_dict())
+        c[section][field] = value
+        m = mcfg.replace(remat=c.model.remat, dtype=c.model.dtype)
+        a = acfg and acfg.replace(dtype=c.model.dtype)
+        other = total(run_plan(c, task, m, a))
+        fits.append(f"--config.{key}={value} ({other / GB:.1f} GiB{'' if other <= have else ', still too much'})")
+    raise MemoryError(f"the memory plan needs {need / GB:.1f} GiB but {what} offers {have / GB:.1f} GiB: "
+                      f"{describe(plan)}. Try: {'; '.join(fits) or 'a smaller model or batch'} "
+                      "(or --config.train.check_memory=False to run anyway)")
