@@ -67,13 +67,17 @@ class Checkpointer:
         return self.manager.restore(version, args=ocp.args.StandardRestore(abstract))
 
 
-    def restore_newest_readable(self, template: TrainState, log=print) -> Optional[TrainState]:
-        """The newest checkpoint that restores, or None when there is none at all. A damaged
+    def restore_newest_readable(self, template, log=print) -> Optional[TrainState]:
+        """The newest checkpoint that restores, or None when there is none at all. `template`
+        is a TrainState or a function making one, called only when there is a checkpoint (a
+        fresh run does not build a state to throw away). A damaged
         newer one (truncated, overwritten, a file missing) is reported by version and path and
         moved aside to `<version>.damaged` (kept for inspection, out of the manager's view);
         with checkpoints present but none readable, CheckpointError names the directory."""
         tried = []
         for version in sorted(self.manager.all_steps(), reverse=True):
+            if callable(template):
+                template = template()
             try:
                 return self.restore(template, version)
             except Exception as e:  # orbax/tensorstore raise many types for damaged files

@@ -247,15 +247,18 @@ def run(config, workdir: str, log=None) -> dict:
     distributed.agree(0)  # nobody opens the directory while process 0 moves it
     ckpt = Checkpointer(ckdir, save_every=config.train.save_every, keep=config.train.keep)
     key = jax.random.key(config.seed)
-    restored = ckpt.restore_newest_readable(lrn.init(key), log=notes.append)
+    restored = ckpt.restore_newest_readable(lambda: lrn.init(key), log=notes.append)
     resumed = restored is not None
+    loaded, loaded_aux = b.pop("params"), b.pop("aux_params")  # dropped once the learner holds its copy
     if resumed:
         state = lrn.place(restored)
     else:
-        params = _initial_params(config, b["params"], b["model_cfg"], task, key)
-        aux = (_initial_params(config, b["aux_params"], b["aux_cfg"], task, jax.random.fold_in(key, 1))
+        params = _initial_params(config, loaded, b["model_cfg"], task, key)
+        aux = (_initial_params(config, loaded_aux, b["aux_cfg"], task, jax.random.fold_in(key, 1))
                if b["aux_cfg"] else None)
         state = lrn.init(key, params=params, aux_params=aux)
+        del params, aux
+    del loaded, loaded_aux, restored
     main = distributed.is_main()  # process 0 alone writes and prints
     if main:
         with open(os.path.join(workdir, "config.json"), "w") as f:

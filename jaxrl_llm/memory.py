@@ -137,7 +137,9 @@ def run_plan(config, task, mcfg, acfg=None) -> dict:
         plan["reference"] = 4 * mcfg.num_params
     aux = objectives.get(obj.name).aux
     rollout = acfg if acfg is not None and aux is not None and aux.samples else mcfg
-    keep = r.max_staleness + 1 if r.mode == "simulated" else 1
+    # Sampler weight copies: simulated keeps a window of versions; async samples from one while
+    # the learner publishes the next; the others hand over between steps.
+    keep = r.max_staleness + 1 if r.mode == "simulated" else 2 if r.mode == "async" else 1
     sampler_rows = (s.slots or rows) + rows if s.batching == "continuous" else rows  # slots + prefilled pool
     samplers = r.num_samplers if r.mode == "async" else 1
     cache = s.cache_dtype if s.cache_dtype != "auto" else config.model.dtype

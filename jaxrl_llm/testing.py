@@ -138,3 +138,27 @@ def model_batch(params, cfg, seed: int = 0, num_prompts: int = 2, group_size: in
         advantages=advantages.compute("grpo", jnp.asarray(rewards), jnp.asarray(group_ids), jnp.asarray(mask)),
         input_mask=jnp.asarray(np.maximum(mask, (np.arange(length) < prompt)[None].astype(np.float32))),
     ).validate()
+
+
+# ------------------------------------------------------------------ local Hugging Face files
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tokenizer(path: str, corpus=("What is 12 + 60? The answer is \\boxed{72}.",), vocab_size: int = 300):
+    """A byte-level BPE tokenizer with ChatML-style special tokens and a chat template, trained
+    on `corpus` and saved to `path` (what AutoTokenizer reads from a real checkpoint)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(corpus), trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                                pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast

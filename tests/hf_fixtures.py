@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+from jaxrl_llm.testing import make_tokenizer  # noqa: F401  (shared with experiments/bench_scale.py)
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
 
@@ -59,24 +61,3 @@ def hf_logits(model, tokens, attention_mask=None):
             kw = dict(attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0))
         return model(t, **kw).logits.float().numpy()
 
-
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def make_tokenizer(path: str, corpus=("What is 12 + 60? The answer is \\boxed{72}.",), vocab_size: int = 300):
-    """A byte-level BPE tokenizer with ChatML-style special tokens and a chat template, trained
-    on `corpus` and saved to `path` (what AutoTokenizer reads from a real checkpoint)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(list(corpus), trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                                pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
-    return fast

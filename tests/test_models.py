@@ -226,3 +226,28 @@ def test_attention_in_query_chunks_is_exact(attention):
     (ref_logits, ref_grads), (logits, grads) = run(0), run(16)
     np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=0)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), grads, ref_grads)  # f32 sums
+
+
+def test_full_remat_recomputes_one_layer_at_a_time():
+    """With an update that needs every gradient first (here a global-norm step, as the learner's
+    clipping), `remat=full` must not let XLA hoist the layers' recomputations: each extra layer
+    adds its saved input and weight gradients, not its MLP intermediates (jax.checkpoint: about
+    7 [tokens, intermediate] arrays a layer at these shapes)."""
+    tokens = jnp.zeros((2, 1024), jnp.int32)
+
+    def temp_bytes(layers):
+        cfg = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=2048, num_layers=layers, num_heads=4,
+                          num_kv_heads=2, head_dim=64, remat="full")
+        loss = lambda p: jnp.mean(jnp.square(decoder.forward(p, cfg, tokens, jnp.ones_like(tokens))))
+
+        def step(p):
+            g = jax.grad(loss)(p)
+            norm = jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)))
+            return jax.tree.map(lambda w, d: w - 0.1 * d / norm, p, g)
+
+        params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+        return jax.jit(step, donate_argnums=0).lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    per_layer = (temp_bytes(8) - temp_bytes(2)) / 6
+    mlp_intermediate = tokens.size * 2048 * 4
+    assert per_layer < 3 * mlp_intermediate, per_layer / mlp_intermediate  # measured 1.3 (jax.checkpoint: 7.1)
