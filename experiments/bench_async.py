@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from configs import default  # noqa: E402
 from jaxrl_llm import experiment  # noqa: E402
 
-from common import parse_args, report  # noqa: E402
+from common import across_isas, cpu_kind, parse_args, report  # noqa: E402
 
 STEPS = 60
 
@@ -54,6 +54,8 @@ def main():
         ap.add_argument("--sampler-devices", type=int, default=0, help="devices of the samplers' own (both modes)")
 
     args = parse_args(__doc__, extra=extra)
+    if across_isas(args):  # each ISA in its own processes
+        return
     experiment.set_cpu_devices(args.cpu_devices)
     c = default.get_config()
     b = experiment.build(c)
@@ -79,6 +81,7 @@ def main():
         "sampler_devices": args.sampler_devices,
         "cores": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        **cpu_kind(),
     }
     report(res, args.json)
 

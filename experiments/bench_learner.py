@@ -27,7 +27,7 @@ from jaxrl_llm import learner as L
 from jaxrl_llm import models, testing
 from jaxrl_llm.objectives.ppo import a3po_prox_logp
 
-from common import flops_per_token, hf_model, matmul_peak_flops, parse_args, report  # noqa: E402
+from common import across_isas, cpu_kind, flops_per_token, hf_model, matmul_peak_flops, parse_args, report  # noqa: E402
 
 B, LEN, PROMPT, MINIBATCHES = 32, 128, 32, 4
 
@@ -156,6 +156,8 @@ def time_torch(model, batch, repeats):
 
 def main():
     args = parse_args(__doc__)
+    if across_isas(args):  # each ISA in its own processes
+        return
     peak = matmul_peak_flops()
     with tempfile.TemporaryDirectory() as d:
         hf = hf_model(512, d)
@@ -184,6 +186,7 @@ def main():
         "a3po_prox_s": prox_a3po,
         "a3po_prox_speedup": prox_dec / prox_a3po,
         "a3po_step_speedup": t_dec / t_a3po,
+        **cpu_kind(),
     }
     res.update(time_heavy_tail(cfg, params, max(args.repeats, 5)))
     report(res, args.json)

@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 from jaxrl_llm import models
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 
-from common import cpu_kind, flops_per_token, hf_model, matmul_peak_flops, parse_args, report  # noqa: E402  (experiments/ is on sys.path when run as a script)
+from common import across_isas, cpu_kind, flops_per_token, hf_model, matmul_peak_flops, parse_args, report  # noqa: E402  (experiments/ is on sys.path when run as a script)
 
 B, PROMPT, NEW, K = 64, 32, 96, 8
 SLOTS, HEAVY_MAX, SEG = 32, 512, 32
@@ -132,6 +132,8 @@ def main():
         ap.add_argument("--devices", type=int, default=os.cpu_count(),
                         help="CPU devices JAX exposes (one per core by default)"),
         ap.add_argument("--cases", default="even,v32k,heavy", help="comma-separated subset of even,v32k,heavy")))
+    if across_isas(args):  # each ISA in its own processes
+        return
     cases = set(args.cases.split(","))
     jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts; GPUs unaffected
     peak = matmul_peak_flops()

@@ -67,6 +67,9 @@ def parse_args(description: str, extra=None):
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--json", default=None, help="write the figures as one flat JSON object")
     ap.add_argument("--repeats", type=int, default=3, help="timed repetitions (best is kept)")
+    ap.add_argument("--isa", choices=("both", "native", "avx2"), default="both",
+                    help="both: rerun at the native ISA and under emulated AVX2, interleaved (see across_isas)")
+    ap.add_argument("--rounds", type=int, default=2, help="--isa=both: runs per ISA, alternating")
     if extra:
         extra(ap)
     return ap.parse_args()
@@ -81,3 +84,59 @@ def cpu_kind() -> dict:
     if "xla_cpu_max_isa=AVX2" in os.environ.get("XLA_FLAGS", ""):
         isa = "AVX2 (emulated: --xla_cpu_max_isa=AVX2)"
     return {"cpu": model, "isa": isa}
+
+
+RANGED = ("ratio", "_vs_", "speedup", "fraction", "idle")  # figures whose spread across runs is reported
+
+
+def across_isas(args) -> bool:
+    """`--isa=both`: run this benchmark again in fresh processes, `--rounds` times at the native
+    ISA and under emulated AVX2 (`XLA_FLAGS=--xla_cpu_max_isa=AVX2`, `ATEN_CPU_CAPABILITY=avx2`
+    for PyTorch), alternating so that drifts in machine load hit both; then report each figure's
+    median (`key`, `key_avx2`) and, for ratios, its range over the rounds (`key_range`,
+    `key_avx2_range`). Returns False when the caller should measure itself (one ISA)."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    import numpy as np
+
+    if args.isa != "both":
+        return False
+    argv, skip = [], False
+    for a in sys.argv[1:]:  # the caller's flags, less --json / --isa (and a separate value)
+        if skip:
+            skip = False
+        elif a in ("--json", "--isa"):
+            skip = True
+        elif not a.startswith(("--json=", "--isa=")):
+            argv.append(a)
+    runs = {"native": [], "avx2": []}
+    for _ in range(args.rounds):
+        for isa in runs:
+            env = dict(os.environ)
+            if isa == "avx2":
+                env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX2").strip()
+                env["ATEN_CPU_CAPABILITY"] = "avx2"
+            with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+                subprocess.run([sys.executable, sys.argv[0], *argv, f"--isa={isa}", f"--json={tmp.name}"],
+                               env=env, check=True)
+                runs[isa].append(json.load(open(tmp.name)))
+    merged = {}
+    for isa, results in runs.items():
+        suffix = "" if isa == "native" else "_avx2"
+        for k, v in results[0].items():
+            values = [r[k] for r in results if k in r]
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                merged[k + suffix] = float(np.median(values))
+                if any(tag in k for tag in RANGED):
+                    merged[k + suffix + "_range"] = [float(min(values)), float(max(values))]
+            elif isa == "native" or k == "isa":
+                merged[k + suffix] = v
+    merged["rounds"] = args.rounds
+    report({k: v for k, v in merged.items() if not isinstance(v, list)}, None)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(merged, f, indent=2)
+    return True

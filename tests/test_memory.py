@@ -56,7 +56,7 @@ def test_bench_scale_end_to_end_runs_the_cli_on_a_written_checkpoint():
     """`bench_scale.py --end-to-end` on a tiny model: a Hugging Face directory (bf16 safetensors,
     a tokenizer trained here) and a jsonl dataset are written, the main CLI trains 2 steps on
     them in a child process, and the child's peak RSS and printed plan come back."""
-    a = argparse.Namespace(tiny=True, remat="full", rows=4, new_tokens=16, minibatches=1, dtypes="bfloat16")
+    a = argparse.Namespace(tiny=True, remat="full", rows=8, new_tokens=16, minibatches=1, dtypes="bfloat16")
     out = bench_scale.run_end_to_end(a)["bfloat16"]
     assert 0 < out["run_budget_gb"] < out["run_peak_rss_gb"]  # tiny: the runtime outweighs the plan
     assert "sampler_cpu_f32_copy" in out["run_plan"] and "learner_params" in out["run_plan"]
