@@ -18,5 +18,6 @@ def get_config(arg: str = "fixed"):
     c.runtime.delay.update(dict(kind="fixed", value=1e9))  # fixed: always the cap, k
     c.train.update(dict(steps=200, eval_every=50, save_every=100, progress=False))
     c.sweep = ml_collections.ConfigDict(dict(
-        objectives="ppo,decoupled_ppo,a3po,gepo", max_staleness="0,4,16", delay=arg or "fixed"))
+        objectives="ppo,decoupled_ppo,a3po,gepo", max_staleness="0,4,16", delay=arg or "fixed",
+        seeds="1"))  # N seeds per arm from c.seed, or a list "0,7,9" (--seeds=N on the sweep's command line)
     return c

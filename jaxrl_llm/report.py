@@ -1,10 +1,12 @@
 """Plots and a comparison table from one or more run directories.
 
-    python -m jaxrl_llm.report runs/a3po runs/gepo [--out report/]
+    python -m jaxrl_llm.report runs/a3po runs/gepo [--out report/] [--threshold 0.8]
 
 Reads each WORKDIR/metrics.jsonl (and config.json for the run's objective, mode and
 max_staleness) and writes PNGs (reward vs step and vs wall-clock, is_weight max/min, clipped
 tokens, entropy, staleness histogram) and report.md, a markdown table comparing the runs.
+Runs that differ only in `seed` form an arm: report.md then opens with one row per arm (final
+reward, steps to a threshold, tokens/s as mean ± 95% CI) and reward_bands.png.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 from typing import Sequence
 
 import numpy as np
+
+from jaxrl_llm import stats
 
 PLOTS = ("reward_vs_step", "reward_vs_time", "is_weight", "mismatch", "clipped_tokens", "entropy", "staleness_hist")
 
@@ -203,13 +207,43 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
     return paths
 
 
-def write_report(workdirs: Sequence[str], out: str) -> str:
-    """Plots + report.md for `workdirs` into `out`; returns the markdown path."""
+def plot_bands(runs: Sequence[dict], out: str) -> str:
+    """Each arm's mean held-out reward over its seeds with a 95% confidence band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, group in stats.arms(runs):
+        x, mean, half = stats.curve(group)
+        if x.size:
+            (line,) = ax.plot(x, mean, "o-", lw=2, label=f"{label} (n={len(group)})")
+            if len(group) > 1:
+                ax.fill_between(x, mean - half, mean + half, color=line.get_color(), alpha=0.2)
+    ax.set(xlabel="learner step", ylabel="held-out eval/reward", title="mean over seeds, 95% confidence band")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out, "reward_bands.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(workdirs: Sequence[str], out: str, threshold: float | None = None) -> str:
+    """Plots + report.md for `workdirs` into `out`; returns the markdown path. Runs that differ
+    only in their seed are also summarised per arm (mean ± 95% CI, `jaxrl_llm.stats`)."""
     runs = [load_run(w) for w in workdirs]
     os.makedirs(out, exist_ok=True)
     paths = plot(runs, out)
+    seeded = any(len(g) > 1 for _, g in stats.arms(runs))
     md = os.path.join(out, "report.md")
     with open(md, "w") as f:
+        if seeded:
+            rows, threshold = stats.arm_rows(runs, threshold)
+            f.write("# Arms (mean ± 95% CI over seeds)\n\n" + stats.arms_table(rows, threshold) + "\n")
+            paths.insert(0, plot_bands(runs, out))
         f.write("# Runs\n\n" + markdown_table([summary_row(r) for r in runs]) + "\n")
         for p in paths:
             f.write(f"![{os.path.basename(p)}]({os.path.basename(p)})\n\n")
@@ -221,9 +255,11 @@ def main(argv=None):
     ap.add_argument("workdirs", nargs="+", help="run directories (each with metrics.jsonl)")
     ap.add_argument("--out", default="", help="output directory (default: WORKDIR/report for one run, "
                                              "./report for several)")
+    ap.add_argument("--threshold", type=float, default=None,
+                    help="seeded arms: report steps to this eval/reward (default: 90%% of the best arm's final)")
     args = ap.parse_args(argv)
     out = args.out or (os.path.join(args.workdirs[0], "report") if len(args.workdirs) == 1 else "report")
-    md = write_report(args.workdirs, out)
+    md = write_report(args.workdirs, out, args.threshold)
     print(open(md).read().split("\n\n![")[0])
     print(f"wrote {md} and {len(PLOTS)} plots in {out}")
 

@@ -1,12 +1,15 @@
-"""A grid of objectives x max_staleness: one run per cell, then one results table.
+"""A grid of objectives x max_staleness (x seeds): one run per cell, then one results table.
 
-    python -m jaxrl_llm.sweep --config=configs/staleness_sweep.py --workdir=runs/sweep
+    python -m jaxrl_llm.sweep --config=configs/staleness_sweep.py --workdir=runs/sweep --seeds=3
     python -m jaxrl_llm.sweep --config=configs/staleness_sweep.py:lognormal \
         --config.sweep.objectives=ppo,gepo --config.sweep.max_staleness=0,8,32 --workdir=runs/sweep_ln
 
-Each cell is an ordinary run in WORKDIR/<objective>_s<k> (so it resumes, and a finished cell
-is skipped); WORKDIR/results.md holds the objective x staleness table of final held-out
-reward, the per-run table, and the report's plots over all cells.
+Each cell is an ordinary run in WORKDIR/<objective>_s<k> (with several seeds
+WORKDIR/<objective>_s<k>_seed<n>; so it resumes, and a finished cell is skipped).
+`--seeds=N` (or `--config.sweep.seeds`) runs every arm for N seeds from `config.seed`, or for
+the listed ones (`--seeds=0,7,9`). WORKDIR/results.md holds the objective x staleness table
+of final held-out reward (mean ± 95% CI over seeds), the per-arm table (`jaxrl_llm.stats`), the
+per-run table, and the report's plots over all cells (reward_bands.png: mean and 95% band).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 
-from jaxrl_llm import experiment, objectives, report
+from jaxrl_llm import experiment, objectives, report, stats
 from jaxrl_llm import validation as V
 from jaxrl_llm.runtime import delay as delay_lib
 
@@ -22,6 +25,7 @@ from jaxrl_llm.runtime import delay as delay_lib
 RULES = {  # the `sweep` section of a sweep config (configs/staleness_sweep.py)
     "objectives": V.text(), "max_staleness": V.text(),  # comma-separated; parsed by `cells`
     "delay": V.one_of(*delay_lib.KINDS),
+    "seeds": V.text(),  # N (seeds config.seed .. config.seed + N - 1) or a comma-separated list
 }
 
 
@@ -32,8 +36,25 @@ def _ints(text: str) -> list[int]:
         raise ValueError(f"sweep.max_staleness must be comma-separated integers; got {text!r}") from None
 
 
+def seeds(config) -> list[int]:
+    """`sweep.seeds`: a count N (config.seed onwards) or a comma-separated list of seeds."""
+    text = str(config.sweep.get("seeds", "1")).strip()
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"sweep.seeds must be a count or comma-separated integers; got {text!r}") from None
+    if "," not in text:
+        if len(values) != 1 or values[0] < 1:
+            raise ValueError(f"sweep.seeds as a count must be >= 1; got {text!r}")
+        values = [config.seed + i for i in range(values[0])]
+    if not values or len(set(values)) != len(values):
+        raise ValueError(f"sweep.seeds must list distinct seeds; got {text!r}")
+    return values
+
+
 def cells(config) -> list[tuple[str, object]]:
-    """(cell name, full run config) for every objective x max_staleness."""
+    """(cell name, full run config) for every objective x max_staleness x seed."""
+    runs_seeds = seeds(config)
     names = [n.strip() for n in str(config.sweep.objectives).split(",") if n.strip()]
     for n in names:
         objectives.get(n)  # unknown names list the registered ones
@@ -50,20 +71,31 @@ def cells(config) -> list[tuple[str, object]]:
             if config.sweep.delay != "fixed":  # a bounded random delay in [0.5, k] steps
                 c.runtime.delay.update(dict(kind=config.sweep.delay if k else "none", min=0.5, max=float(max(k, 1))))
                 c.runtime.step_seconds = 1.0
-            experiment.validate(c)
-            out.append((f"{name}_s{k}", c))
+            for seed in runs_seeds:
+                one = c.copy_and_resolve_references()
+                one.seed = seed
+                experiment.validate(one)
+                out.append((f"{name}_s{k}" + (f"_seed{seed}" if len(runs_seeds) > 1 else ""), one))
     return out
 
 
 def pivot_table(rows: list[dict]) -> str:
-    """Objectives down, max_staleness across, final held-out reward (best in brackets)."""
+    """Objectives down, max_staleness across, final held-out reward: mean ± 95% CI over a
+    cell's seeds (one seed: the value, its best in brackets)."""
     objs = list(dict.fromkeys(r["objective"] for r in rows))
     ks = sorted({r["max_staleness"] for r in rows})
-    by = {(r["objective"], r["max_staleness"]): r for r in rows}
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["objective"], r["max_staleness"]), []).append(r)
+
+    def cell(group):
+        if len(group) == 1:
+            return f"{group[0]['eval_final']:.3f} ({group[0]['eval_best']:.3f})"
+        return stats.fmt(*stats.mean_ci([r["eval_final"] for r in group])) + f" (n={len(group)})"
+
     lines = ["| objective | " + " | ".join(f"s={k}" for k in ks) + " |", "|" + " --- |" * (len(ks) + 1)]
     for o in objs:
-        cells_ = [f"{by[o, k]['eval_final']:.3f} ({by[o, k]['eval_best']:.3f})" if (o, k) in by else "" for k in ks]
-        lines.append(f"| {o} | " + " | ".join(cells_) + " |")
+        lines.append(f"| {o} | " + " | ".join(cell(by[o, k]) if (o, k) in by else "" for k in ks) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -76,25 +108,38 @@ def run(config, workdir: str, log=print) -> list[dict]:
         d = os.path.join(workdir, name)
         experiment.run(c, d, log=lambda line: None)
         dirs.append(d)
-    rows = [report.summary_row(report.load_run(d)) for d in dirs]
+    loaded = [report.load_run(d) for d in dirs]
+    rows = [report.summary_row(r) for r in loaded]
     report.write_report(dirs, os.path.join(workdir, "report"))
+    arm_rows, threshold = stats.arm_rows(loaded)
     with open(os.path.join(workdir, "results.md"), "w") as f:
-        f.write("# Final held-out eval/reward (best in brackets)\n\n" + pivot_table(rows) + "\n## Runs\n\n"
-                + report.markdown_table(rows) + "\nPlots: report/report.md\n")
+        f.write("# Final held-out eval/reward (mean ± 95% CI over seeds; one seed: best in brackets)\n\n"
+                + pivot_table(rows) + "\n## Arms\n\n" + stats.arms_table(arm_rows, threshold)
+                + "\n## Runs\n\n" + report.markdown_table(rows) + "\nPlots: report/report.md\n")
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return rows
 
 
+def _seeds_flag():
+    from absl import flags
+
+    return flags.DEFINE_string("seeds", None, "seeds per arm: a count N or a comma-separated list "
+                                              "(overrides --config.sweep.seeds)")
+
+
 def main(argv):
-    from absl import logging
+    from absl import flags, logging
 
     from jaxrl_llm.main import CONFIG, WORKDIR  # the same --config / --workdir flags
 
     del argv
     logging.set_verbosity(logging.WARNING)
-    experiment.set_cpu_devices(CONFIG.value.cpu_devices)
-    run(CONFIG.value, WORKDIR.value)
+    config = CONFIG.value
+    if "seeds" in flags.FLAGS and flags.FLAGS["seeds"].value:  # --seeds (defined when run as a module)
+        config.sweep.seeds = flags.FLAGS["seeds"].value
+    experiment.set_cpu_devices(config.cpu_devices)
+    run(config, WORKDIR.value)
     print(open(os.path.join(WORKDIR.value, "results.md")).read())
 
 
@@ -103,4 +148,5 @@ if __name__ == "__main__":
 
     import jaxrl_llm.main  # noqa: F401  (defines the flags before parsing)
 
+    _seeds_flag()
     app.run(main)
