@@ -214,16 +214,19 @@ def plot_bands(runs: Sequence[dict], out: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, group in stats.arms(runs):
+    groups = stats.arms(runs)
+    many = len(groups) > 4  # the legend goes beside the axes, bands fainter
+    fig, ax = plt.subplots(figsize=(10, 4.5) if many else (7, 4))
+    for i, (label, group) in enumerate(groups):
         x, mean, half = stats.curve(group)
         if x.size:
-            (line,) = ax.plot(x, mean, "o-", lw=2, label=f"{label} (n={len(group)})")
+            color = plt.cm.tab20(i % 20) if len(groups) > 10 else f"C{i}"
+            ax.plot(x, mean, "o-", lw=2, color=color, label=f"{label} (n={len(group)})")
             if len(group) > 1:
-                ax.fill_between(x, mean - half, mean + half, color=line.get_color(), alpha=0.2)
+                ax.fill_between(x, mean - half, mean + half, color=color, alpha=0.08 if many else 0.2)
     ax.set(xlabel="learner step", ylabel="held-out eval/reward", title="mean over seeds, 95% confidence band")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, **(dict(loc="center left", bbox_to_anchor=(1.01, 0.5)) if many else {}))
     fig.tight_layout()
     path = os.path.join(out, "reward_bands.png")
     fig.savefig(path, dpi=110)
