@@ -105,6 +105,23 @@ def markdown_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _finish(fig, ax, path, xlabel, ylabel, title="", many=False, **grid) -> str:
+    """Label, legend (beside the axes when there are many curves, not over them), save, close."""
+    import matplotlib.pyplot as plt
+
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3, **grid)
+    if many:
+        fig.set_size_inches(10, 4.5)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    else:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot(runs: Sequence[dict], out: str) -> list[str]:
     import matplotlib
 
@@ -114,18 +131,7 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
     paths = []
 
     def save(fig, ax, name, xlabel, ylabel, title="", **grid):
-        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-        ax.grid(alpha=0.3, **grid)
-        if len(runs) > 4:  # many runs: the legend goes beside the axes, not over the curves
-            fig.set_size_inches(10, 4.5)
-            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-        else:
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out, f"{name}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_finish(fig, ax, os.path.join(out, f"{name}.png"), xlabel, ylabel, title, len(runs) > 4, **grid))
 
     colors = (plt.rcParams["axes.prop_cycle"].by_key()["color"] if len(runs) <= 10
               else [plt.cm.tab20(i % 20) for i in range(20)])
@@ -215,8 +221,8 @@ def plot_bands(runs: Sequence[dict], out: str) -> str:
     import matplotlib.pyplot as plt
 
     groups = stats.arms(runs)
-    many = len(groups) > 4  # the legend goes beside the axes, bands fainter
-    fig, ax = plt.subplots(figsize=(10, 4.5) if many else (7, 4))
+    many = len(groups) > 4  # bands fainter
+    fig, ax = plt.subplots(figsize=(7, 4))
     for i, (label, group) in enumerate(groups):
         x, mean, half = stats.curve(group)
         if x.size:
@@ -224,14 +230,8 @@ def plot_bands(runs: Sequence[dict], out: str) -> str:
             ax.plot(x, mean, "o-", lw=2, color=color, label=f"{label} (n={len(group)})")
             if len(group) > 1:
                 ax.fill_between(x, mean - half, mean + half, color=color, alpha=0.08 if many else 0.2)
-    ax.set(xlabel="learner step", ylabel="held-out eval/reward", title="mean over seeds, 95% confidence band")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, **(dict(loc="center left", bbox_to_anchor=(1.01, 0.5)) if many else {}))
-    fig.tight_layout()
-    path = os.path.join(out, "reward_bands.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, os.path.join(out, "reward_bands.png"), "learner step", "held-out eval/reward",
+                   "mean over seeds, 95% confidence band", many)
 
 
 def write_report(workdirs: Sequence[str], out: str, threshold: float | None = None) -> str:
