@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -145,8 +146,8 @@ def write_checkpoint(path: str, tiny: bool) -> None:
 
     from jaxrl_llm.testing import make_tokenizer
 
-    rng = __import__("random").Random(0)
-    rows = [(a, b) for a, b in ((rng.randint(10, 99), rng.randint(10, 99)) for _ in range(32))]
+    rng = random.Random(0)
+    rows = [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(32)]
     with open(os.path.join(path, "train.jsonl"), "w") as f:
         for a, b in rows:
             f.write(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
