@@ -1,5 +1,6 @@
 """Default experiment: embedded 2-digit addition, tiny Qwen2-style model warm-started on the
-task, asynchronous sampling, A-3PO. Runs on a 2-core CPU with no downloads.
+task to 20% accuracy, asynchronous sampling, A-3PO, 3,000 steps with a cosine learning rate.
+Runs on a 2-core CPU in about 1.5 minutes with no downloads.
 
     python -m jaxrl_llm.main --config=configs/default.py --workdir=runs/default
     python -m jaxrl_llm.main --config=configs/default.py:gepo --config.runtime.max_staleness=8 ...
@@ -22,12 +23,13 @@ def get_config(arg: str = "a3po"):
     c.task = tasks.default_config()  # arithmetic, 2-digit addition, 128 held-out problems
     c.model = experiment.model_config()  # hf_path: a local HF directory; empty: this tiny random model
     c.aux_model = experiment.aux_model_config()  # a second model (configs/jackpot_small_actor.py); off
-    c.warm_start = warmstart.default_config()  # ~40% held-out accuracy: RL has room and signal
+    c.warm_start = warmstart.default_config()  # until 20% validation accuracy: RL has room and signal
     c.sampler = sampling.default_config()
     c.objective = objectives.default_config(arg)
     c.learner = learner.default_config()
     c.learner.lr = 1e-4  # 3e-4 collapses the policy on this task
     c.learner.num_minibatches = 4
+    c.learner.schedule = "cosine"  # decays over the run (below): a steady final policy, not a noisy one
     c.runtime = orchestrator.default_config()
     c.runtime.mode = "async"
     c.runtime.prompts_per_batch = 32
@@ -35,4 +37,7 @@ def get_config(arg: str = "a3po"):
     c.mesh = sharding.default_config()
     c.distributed = distributed.default_config()  # many hosts: see README "Many hosts"
     c.train = experiment.train_config()  # steps, eval/save cadence, resume, preemption grace
+    c.train.update(dict(steps=3000, eval_every=100, save_every=500))
+    # The schedule spans the run however --config.train.steps or num_minibatches are overridden.
+    c.learner.total_steps = c.train.get_ref("steps") * c.learner.get_ref("num_minibatches")
     return c

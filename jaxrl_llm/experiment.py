@@ -211,21 +211,22 @@ def build(config):
     placement = NamedSharding(mesh, PartitionSpec()) if own else None
     orch = orchestrator.Orchestrator(lrn, Sampler(lrn.rollout_model_cfg, _sampler_cfg(config, task), mesh), task,
                                      config.runtime, placement=placement)
-    # A sampling auxiliary (a rollout model) is evaluated beside the policy.
-    aux_eval = lrn.aux is not None and lrn.aux.samples
+    # A sampling auxiliary (a rollout model) is evaluated beside the policy; any auxiliary may be warm-started.
     return dict(task=task, model_cfg=mcfg, params=params, memory_plan=plan, aux_cfg=acfg, aux_params=aux_params,
                 learner=lrn, orchestrator=orch, greedy=Sampler(mcfg, _sampler_cfg(config, task, greedy=True), mesh),
-                aux_greedy=aux_eval and Sampler(acfg, _sampler_cfg(config, task, greedy=True), mesh))
+                aux_greedy=acfg and Sampler(acfg, _sampler_cfg(config, task, greedy=True), mesh),
+                aux_eval=lrn.aux is not None and lrn.aux.samples)
 
 
-def _initial_params(config, params, cfg, task, key):
+def _initial_params(config, params, cfg, task, key, greedy, notes):
     """Given weights, or random ones warm-started on the task (tasks with `supervised`)."""
     if params is not None:
         return params
     params = models.init_params(cfg, key)
     w = config.warm_start
     if w.steps and hasattr(task, "supervised") and distributed.is_main():  # the others take process 0's
-        params, _ = warmstart.warm_start(params, cfg, task, w.steps, w.batch_size, w.lr, config.seed)
+        params, note = warmstart.to_target(params, cfg, task, greedy, w, config.seed)
+        notes.append(note)
     return distributed.broadcast(params)  # every process starts from process 0's weights
 
 
@@ -253,8 +254,9 @@ def run(config, workdir: str, log=None) -> dict:
     if resumed:
         state = lrn.place(restored)
     else:
-        params = _initial_params(config, loaded, b["model_cfg"], task, key)
-        aux = (_initial_params(config, loaded_aux, b["aux_cfg"], task, jax.random.fold_in(key, 1))
+        params = _initial_params(config, loaded, b["model_cfg"], task, key, b["greedy"], notes)
+        aux = (_initial_params(config, loaded_aux, b["aux_cfg"], task, jax.random.fold_in(key, 1),
+                               b["aux_greedy"], notes)
                if b["aux_cfg"] else None)
         state = lrn.init(key, params=params, aux_params=aux)
         del params, aux
@@ -283,7 +285,7 @@ def run(config, workdir: str, log=None) -> dict:
 
     def evaluate(state) -> dict:
         rec = {"eval/reward": accuracy(state.params, b["greedy"])}
-        if b["aux_greedy"]:
+        if b["aux_eval"]:
             rec[f"eval/{lrn.aux.name}_reward"] = accuracy(state.aux.params, b["aux_greedy"])
         rec.update(step=int(state.version), time_s=time.time() - t_start)
         writer.write(rec)

@@ -30,7 +30,7 @@ from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm import distributed, objectives, packing, sharding
+from jaxrl_llm import distributed, objectives, packing, sharding, step_metrics
 from jaxrl_llm import validation as V
 from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch
 from jaxrl_llm.models import decoder, heads
@@ -102,38 +102,6 @@ def make_optimizer(c) -> optax.GradientTransformation:
         raise ValueError(f"unknown schedule {c.schedule!r}; valid: constant, cosine")
     return optax.chain(optax.clip_by_global_norm(c.max_grad_norm),
                        optax.adamw(lr, c.b1, c.b2, c.eps, weight_decay=c.weight_decay))
-
-
-def _finite(tree):
-    return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
-
-
-def _reduce_metrics(ms):
-    """Per-minibatch metrics [M] -> one number each (max/min keep their meaning). `mismatch/`
-    is the first minibatch's: only there are the params the ones the step started from."""
-    out = {}
-    for k, v in ms.items():
-        if k.startswith("mismatch/"):
-            out[k] = v[0]
-        else:
-            out[k] = v.max() if k.endswith("/max") else v.min() if k.endswith("/min") else v.mean()
-    return out
-
-
-def mismatch_metrics(logp_BxL, batch: TrajectoryBatch, version, eps_low: float, eps_high: float):
-    """Learner/sampler mismatch on fresh tokens (d = 0: drawn from the params being trained):
-    |log pi_theta - log pi_behav| mean and max, the k3 estimate of KL(behav || theta)
-    (r - 1 - log r, r = pi_theta / pi_behav; Schulman's k3) and the fraction of ratios outside
-    the clip band [1 - eps_low, 1 + eps_high]. 0 in exact arithmetic with `policy_dist` sampled."""
-    fresh = batch.loss_mask * (batch.versions == version)
-    log_r = logp_BxL - batch.behav_logp
-    r = jnp.exp(log_r)
-    outside = ((r < 1.0 - eps_low) | (r > 1.0 + eps_high)).astype(jnp.float32)
-    return {"mismatch/abs_logp_mean": masked_mean(jnp.abs(log_r), fresh),
-            "mismatch/abs_logp_max": jnp.max(jnp.abs(log_r) * fresh),
-            "mismatch/k3_kl": masked_mean(r - 1.0 - log_r, fresh),
-            "mismatch/out_of_clip_frac": masked_mean(outside, fresh),
-            "mismatch/fresh_tokens": fresh.sum()}
 
 
 class Learner:
@@ -286,7 +254,7 @@ class Learner:
         mask = batch.loss_mask
         lp = jax.lax.stop_gradient(s["logp"])
         metrics["kl_behav/sampled"] = masked_mean(batch.behav_logp - lp, mask)  # E_behav[log b - log theta]
-        metrics.update(mismatch_metrics(lp, batch, version, self.obj_cfg.clip.eps_low, self.obj_cfg.clip.eps_high))
+        metrics.update(step_metrics.mismatch(lp, batch, version, self.obj_cfg.clip.eps_low, self.obj_cfg.clip.eps_high))
         if "logp_at_ids" in s:
             pb = jnp.exp(batch.topk_logp)
             # Truncated supports put -inf at some ids: 0 log 0 = 0 where pi_behav has none, and a
@@ -308,7 +276,7 @@ class Learner:
                 updates, new_opt = self.opt.update(g, o, p)
                 return optax.apply_updates(p, updates), new_opt, optax.global_norm(updates)
 
-            ok = jnp.isfinite(loss) & _finite(grads)
+            ok = jnp.isfinite(loss) & step_metrics.finite(grads)
             return (*jax.lax.cond(ok, apply, lambda p, o, _: (p, o, jnp.float32(0.0)), params, opt_state, grads), ok)
 
         def one(carry, xs):
@@ -331,7 +299,7 @@ class Learner:
             return st, metrics
 
         state, ms = jax.lax.scan(one, state, (mbs, plan))
-        metrics = _reduce_metrics(ms)
+        metrics = step_metrics.reduce_minibatches(ms)
         metrics["param_norm"] = optax.global_norm(state.params)
         metrics["trained_tokens"] = batch.loss_mask.sum()
         return state.replace(version=state.version + 1), metrics

@@ -2,10 +2,13 @@
 
 import threading
 import time
+from types import SimpleNamespace
 
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl_llm import learner as L
@@ -250,7 +253,7 @@ def _lengths_under(policy, steps=8):
                      prompts_per_batch=4, queue_size=8, max_staleness=1, staleness_policy=policy)
     st, hist = orch.run(st, steps)
     assert int(st.version) == steps  # nothing hangs at the bound
-    return orch.lengths, hist
+    return {k: orch.lengths.samples(k) for k in ("generated", "trained", "dropped")}, hist
 
 
 def test_admission_trains_the_lengths_the_sampler_generated():
@@ -262,13 +265,13 @@ def test_admission_trains_the_lengths_the_sampler_generated():
     from scipy import stats
 
     admit, hist = _lengths_under("admit")
-    assert not admit["dropped"] and all(m["runtime/dropped"] == 0 for m in hist)
+    assert not admit["dropped"].size and all(m["runtime/dropped"] == 0 for m in hist)
     assert all(m["staleness/max"] <= 1 and m["runtime/over_stale"] == 0 for m in hist)
     assert len(set(admit["generated"])) > 4  # uneven lengths
     assert stats.ks_2samp(admit["trained"], admit["generated"]).pvalue > 0.01
     assert hist[-1]["runtime/tokens_trained_frac"] > 0.5 and hist[-1]["runtime/tokens_dropped_frac"] == 0
     drop, hist = _lengths_under("drop")
-    assert drop["dropped"] and hist[-1]["runtime/dropped"] > 0
+    assert drop["dropped"].size and hist[-1]["runtime/dropped"] > 0
     assert sum(drop["trained"]) + sum(drop["dropped"]) <= sum(drop["generated"])
     assert 0 < hist[-1]["runtime/tokens_dropped_frac"] < 1
     # Measured (4 runs, 8 steps): trained mean 7.0-7.4 tokens, dropped 16.1-16.5, generated 13.1-13.4
@@ -305,3 +308,24 @@ def test_chunked_runs_follow_the_version_not_the_call(mode, kw):
         runs.append((orch.task.drawn, _staleness(hist)))
     assert runs[0] == runs[1]
     assert runs[0][0][0] != runs[0][0][1]  # no prompt batch repeats at a chunk boundary
+
+
+@settings(max_examples=50, deadline=None)
+@given(hst.lists(hst.lists(hst.integers(0, 40), min_size=1, max_size=20), min_size=1, max_size=6))
+def test_length_counts_equal_metrics_over_every_row(batches):
+    """The run-long length metrics from counts per length equal NumPy's over the list of rows."""
+    from jaxrl_llm.runtime.lengths import LengthCounts
+
+    counts, rows = LengthCounts(), {"generated": [], "trained": [], "dropped": []}
+    for i, lengths in enumerate(batches):
+        kinds = ("generated", "trained") if i % 3 else ("generated", "dropped")
+        for k in kinds:
+            counts.add(k, SimpleNamespace(loss_mask=np.arange(41)[None, :] < np.asarray(lengths)[:, None]))
+            rows[k] += lengths
+    m, gen = counts.metrics(), max(1, sum(rows["generated"]))
+    for k, v in rows.items():
+        assert list(counts.samples(k)) == sorted(v)
+        assert m[f"runtime/length_{k}_mean"] == pytest.approx(np.mean(v) if v else 0.0)
+        assert m[f"runtime/length_{k}_p90"] == pytest.approx(np.percentile(v, 90) if v else 0.0)
+    assert m["runtime/tokens_trained_frac"] == pytest.approx(sum(rows["trained"]) / gen)
+    assert m["runtime/tokens_dropped_frac"] == pytest.approx(sum(rows["dropped"]) / gen)

@@ -1,3 +1,5 @@
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -28,6 +30,30 @@ def test_tokenizer_round_trip_and_rewards():
         A.Arithmetic(ops="/")
     with pytest.raises(ValueError, match="not in the arithmetic vocabulary"):
         A.encode("1/2")
+
+
+def test_terms_and_scratchpad_knobs_against_python_arithmetic():
+    """Operands are evaluated left to right; the scratchpad writes each running result."""
+    task = A.Arithmetic(digits=2, ops="+-*", terms=4, scratchpad=True)
+    rng = np.random.default_rng(1)
+    for prompt_text, want in (task.problem(rng) for _ in range(200)):
+        nums, ops = [int(n) for n in re.split(r"[-+*]", prompt_text[:-1])], re.findall(r"[-+*]", prompt_text[:-1])
+        running, acc = [], nums[0]
+        for op, n in zip(ops, nums[1:]):
+            acc = eval(f"({acc}){op}({n})")
+            running.append(str(acc))
+        assert want == "=".join(running) and len(nums) == 4
+        prompt = [A.BOS] + A.encode(prompt_text)
+        assert task.answer(prompt) == running[-1] and len(prompt) <= task.max_prompt_len
+        assert len(A.encode(want)) + 1 <= task.max_answer_len
+        assert task.reward(prompt, A.encode(want) + [A.EOS]) == 1.0
+        assert task.reward(prompt, A.encode(running[-1]) + [A.EOS]) == 1.0  # only the final result is graded
+        assert task.reward(prompt, A.encode("0=" + running[-1] + "1") + [A.EOS]) == 0.0
+    assert A.Arithmetic(digits=2, ops="+").max_answer_len == 4  # 99+99 = 198, <eos>
+    assert A.Arithmetic(digits=2, ops="+*", terms=3).max_answer_len == 7  # 99*99*99 = 970299, <eos>
+    assert A.Arithmetic(digits=1, ops="-", terms=3, scratchpad=True).max_answer_len >= 3 + 4  # "-9=" "-18<eos>"
+    with pytest.raises(ValueError, match="terms >= 2"):
+        A.Arithmetic(terms=1)
 
 
 def test_digits_reward_gives_partial_credit():
@@ -65,3 +91,27 @@ def test_raising_and_non_finite_rewards_score_zero_and_are_counted():
     tokens = np.array([[0], [1], [2], [3]])
     rewards, failures = tasks.score(Task(), [[9]] * 4, tokens, np.ones_like(tokens, bool), 1)
     assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0] and failures == 3
+
+
+def test_warm_start_stops_at_its_target_accuracy():
+    """The warm start ends at the first check whose validation accuracy reaches the target (so
+    the RL start does not depend on where the seed's supervised curve happens to be)."""
+    import ml_collections
+
+    task = A.Arithmetic(digits=1, ops="+", eval_size=32)
+    cfg = ModelConfig(vocab_size=A.VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16)
+    greedy = Sampler(cfg, SamplerConfig(max_new_tokens=task.max_answer_len, temperature=0.0, eos_token_id=A.EOS,
+                                        pad_token_id=A.PAD, prompt_buckets=(task.max_prompt_len,)))
+    w = ml_collections.ConfigDict(dict(steps=300, batch_size=64, lr=3e-3, target=0.3, check_every=20, check_size=64))
+    params, note = warmstart.to_target(models.init_params(cfg, jax.random.key(0)), cfg, task, greedy, w)
+    steps = int(note.split(" steps")[0].split()[-1])
+    val = task.prompts(np.random.default_rng(warmstart.VALIDATION_SEED), 64)
+    assert steps % 20 == 0 and steps < 300, note
+    assert warmstart.accuracy(params, greedy, task, val) >= 0.3, note
+    # one check earlier it had not reached the target: rerun to that step
+    earlier, _ = warmstart.warm_start(models.init_params(cfg, jax.random.key(0)), cfg, task, steps - 20, 64, 3e-3)
+    assert warmstart.accuracy(earlier, greedy, task, val) < 0.3
+    w.target, w.steps = 1.0, 40
+    _, note = warmstart.to_target(params, cfg, task, greedy, w)
+    assert "not reached in 40 steps" in note and "warm_start.steps" in note

@@ -65,7 +65,7 @@ class SamplerWorker(threading.Thread):
                 self.busy_s += time.perf_counter() - t
                 self.reward_failures += failures
                 self.produced += 1
-                self.orch.lengths["generated"].extend(completion_lengths(batch))
+                self.orch.lengths.add("generated", batch)
                 self._put(batch)
         except QueueClosed:
             pass
@@ -141,7 +141,7 @@ class SamplerWorker(threading.Thread):
                 del drawn[draw]
             for i in range(len(complete)):
                 group = jax.tree.map(lambda x: x[i * g:(i + 1) * g], batch)
-                orch.lengths["generated"].extend(completion_lengths(group))
+                orch.lengths.add("generated", group)
                 waited += self._put(group)
                 if admission is not None:
                     admission.enqueued(admitted[i])
@@ -152,11 +152,6 @@ def _raise_failed(workers) -> None:
     for w in workers:
         if w.error is not None:
             raise RuntimeError(f"sampler {w.index} failed: {type(w.error).__name__}: {w.error}") from w.error
-
-
-def completion_lengths(batch) -> list:
-    """Generated tokens of each row."""
-    return np.asarray(batch.loss_mask).sum(1).astype(int).tolist()
 
 
 def streams(orch) -> bool:
@@ -189,28 +184,16 @@ def _next_batch(queue: VersionedQueue, workers, learner_version: int, items: int
             return got[0] if items == 1 else TrajectoryBatch.concat(got)
 
 
-def _length_metrics(lengths: dict) -> dict:
-    """Fractions of generated tokens trained and dropped so far, and the completion lengths of
-    each (a drop policy trains shorter answers than the sampler produced)."""
-    generated = max(1, sum(lengths["generated"]))
-    m = {f"runtime/tokens_{k}_frac": sum(lengths[k]) / generated for k in ("trained", "dropped")}
-    for k, v in lengths.items():
-        m[f"runtime/length_{k}_mean"] = float(np.mean(v)) if v else 0.0
-        m[f"runtime/length_{k}_p90"] = float(np.percentile(v, 90)) if v else 0.0
-    return m
-
-
 def run(orch, state, num_steps: int, emit):
     """The learner loop of the async mode; returns the final state."""
     c = orch.cfg
     items = c.prompts_per_batch if streams(orch) else 1  # queue entries per learner batch
     admit = c.staleness_policy == "admit"
     orch.admission = Admission(c.max_staleness, items) if admit else None
-    orch.lengths = orch.lengths or {"generated": [], "trained": [], "dropped": []}  # per row, across run() calls
     # Under admission every admitted group fits in the queue (no producer blocks the oldest group).
     size = max(c.queue_size, c.max_staleness + 1 if admit else 0) * items
     queue = VersionedQueue(size, None if c.max_staleness < 0 else c.max_staleness, c.staleness_policy,
-                           on_drop=lambda b: orch.lengths["dropped"].extend(completion_lengths(b)))
+                           on_drop=lambda b: orch.lengths.add("dropped", b))
     stop = threading.Event()
     workers = [SamplerWorker(orch, w, queue, stop) for w in range(c.num_samplers)]
     orch.add_workers(workers)
@@ -221,14 +204,14 @@ def run(orch, state, num_steps: int, emit):
         for _ in range(num_steps):
             t0 = time.perf_counter()
             batch = _next_batch(queue, workers, int(state.version), items, orch.admission)
-            orch.lengths["trained"].extend(completion_lengths(batch))
+            orch.lengths.add("trained", batch)
             idle += time.perf_counter() - t0
             state, m = orch.train(state, batch, dropped=queue.stats.dropped)
             if orch.admission is not None:  # after the new version is published: admission reads both
                 orch.admission.trained(items)
             elapsed = time.perf_counter() - start
             trained += batch.shape[0]
-            m.update(_length_metrics(orch.lengths))
+            m.update(orch.lengths.metrics())
             m.update({"runtime/queue_depth": float(len(queue)), "runtime/samples_per_s": trained / elapsed,
                       "runtime/learner_idle": idle / elapsed,
                       "runtime/sampler_busy": sum(w.busy_s for w in workers) / (elapsed * c.num_samplers)})

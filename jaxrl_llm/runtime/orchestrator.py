@@ -33,6 +33,7 @@ from jaxrl_llm import advantages, distributed, staleness, tasks
 from jaxrl_llm import validation as V
 from jaxrl_llm.runtime import async_mode
 from jaxrl_llm.runtime import delay as delay_lib
+from jaxrl_llm.runtime.lengths import LengthCounts
 from jaxrl_llm.runtime.weights import WeightStore
 
 MODES = ("sync", "iterative", "offpolicy", "simulated", "async")
@@ -137,7 +138,7 @@ class Orchestrator:
         self._held = self._sampled = None  # iterative: the reused batch; offpolicy: its sampler params
         self.produced: dict[int, int] = {}  # async: batches each sampler worker has drawn so far
         self.admission = None  # async with staleness_policy="admit" (runtime/admission.py)
-        self.lengths: dict = {}  # async: completion lengths generated / trained / dropped
+        self.lengths = LengthCounts()  # async: completion lengths generated / trained / dropped, across run() calls
 
     @property
     def reward_failures(self) -> int:

@@ -21,8 +21,9 @@ def default_config() -> ml_collections.ConfigDict:
     """Every task's fields, so any of them can be set from the command line."""
     return ml_collections.ConfigDict(dict(
         name="arithmetic", eval_size=128,
-        # arithmetic (reward: exact | digits, partial credit per answer position)
-        digits=2, ops="+", reward="exact",
+        # arithmetic (reward: exact | digits, partial credit per answer position); difficulty:
+        # digits per operand, operators, operands per problem, running results written first
+        digits=2, ops="+", reward="exact", terms=2, scratchpad=False,
         # math: a local dataset path; the tokenizer comes from model.hf_path unless `tokenizer` is set
         path="", tokenizer="", split="train", eval_split="test", question_key="", answer_key="",
         max_prompt_len=512, max_answer_len=512, chat_template=True, system_prompt="",
@@ -33,6 +34,7 @@ def default_config() -> ml_collections.ConfigDict:
 
 RULES = {
     "name": V.one_of(*NAMES), "eval_size": V.integer(1), "digits": V.integer(1), "ops": V.text(),
+    "terms": V.integer(2), "scratchpad": V.boolean(),
     "reward": V.one_of("exact", "digits"), "path": V.anything(), "tokenizer": V.anything(),  # paths.py
     "split": V.text(), "eval_split": V.text(), "question_key": V.text(), "answer_key": V.text(),
     "max_prompt_len": V.integer(1), "max_answer_len": V.integer(1), "chat_template": V.boolean(),
@@ -57,7 +59,8 @@ def make(c, hf_path: str = ""):
     if c.name == "arithmetic":
         from jaxrl_llm.tasks.arithmetic import Arithmetic
 
-        return Arithmetic(digits=c.digits, ops=c.ops, eval_size=c.eval_size, reward_kind=c.reward)
+        return Arithmetic(digits=c.digits, ops=c.ops, eval_size=c.eval_size, reward_kind=c.reward, terms=c.terms,
+                          scratchpad=c.scratchpad)
     from jaxrl_llm.models import load_tokenizer
     from jaxrl_llm.tasks.math_dataset import MathDataset
 

@@ -3,12 +3,18 @@
 Prompt "<bos>37+48=", answer "85<eos>"; reward 1 for an exact match of the completion up to
 the first <eos>, else 0 (`reward="digits"`: partial credit, the fraction of answer positions
 right, over the longer of answer and completion: a dense signal for tiny models and tests).
-Difficulty: number of digits per operand and the operators.
+
+Difficulty knobs: `digits` per operand, the operators `ops`, the number of operands `terms`
+(evaluated left to right, like a calculator: 2+3*4 = 20), and `scratchpad`: the warm start's
+answers then write every running result before the final one ("12+34+56=" -> "46=102"), so
+the completion is longer, and the reward grades the text after the completion's last "=" (the
+scratchpad itself is not graded).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Sequence
 
 import numpy as np
@@ -46,13 +52,15 @@ class Arithmetic:
     eval_size: int = 64
     eval_seed: int = 12345
     reward_kind: str = "exact"  # exact | digits
+    terms: int = 2
+    scratchpad: bool = False
 
     def __post_init__(self):
         bad = sorted(set(self.ops) - set(OPS))
         if not self.ops or bad:
             raise ValueError(f"unknown operator(s) {bad}; valid: {', '.join(OPS)}")
-        if self.digits < 1:
-            raise ValueError("digits must be >= 1")
+        if self.digits < 1 or self.terms < 2:
+            raise ValueError(f"task.digits must be >= 1 and task.terms >= 2 (got {self.digits}, {self.terms})")
         if self.reward_kind not in ("exact", "digits"):
             raise ValueError(f"unknown task.reward {self.reward_kind!r}; valid: exact, digits")
 
@@ -64,31 +72,49 @@ class Arithmetic:
 
     @property
     def max_prompt_len(self) -> int:
-        return 2 * self.digits + 3  # <bos> a op b =
+        return 1 + self.terms * (self.digits + 1)  # <bos>, operands, operators and "="
 
     @property
     def max_answer_len(self) -> int:
-        return 2 * self.digits + 2  # product digits (+ sign) + <eos>
+        """Characters of the longest running results (a sign where "-" is an operator), "=" or <eos> after each."""
+        top, lens = 10**self.digits - 1, []
+        bound = top
+        for _ in range(self.terms - 1):
+            bound = max(bound * top if "*" in self.ops else 0, bound + top)
+            lens.append(len(str(bound)) + ("-" in self.ops) + 1)
+        return sum(lens) if self.scratchpad else lens[-1]
 
     def problem(self, rng: np.random.Generator):
+        """(prompt text, expected completion text): the answer, after the running results with a scratchpad."""
         hi = 10**self.digits
-        a, b = int(rng.integers(0, hi)), int(rng.integers(0, hi))
-        op = self.ops[int(rng.integers(0, len(self.ops)))]
-        return f"{a}{op}{b}=", str(OPS[op](a, b))
+        nums = [int(rng.integers(0, hi)) for _ in range(self.terms)]
+        ops = [self.ops[int(rng.integers(0, len(self.ops)))] for _ in range(self.terms - 1)]
+        text = str(nums[0]) + "".join(op + str(n) for op, n in zip(ops, nums[1:])) + "="
+        return text, "=".join(self._running(nums, ops) if self.scratchpad else self._running(nums, ops)[-1:])
+
+    @staticmethod
+    def _running(nums, ops) -> list[str]:
+        out, acc = [], nums[0]
+        for op, n in zip(ops, nums[1:]):
+            acc = OPS[op](acc, n)
+            out.append(str(acc))
+        return out
 
     def prompts(self, rng: np.random.Generator, n: int) -> list[list[int]]:
         return [[BOS] + encode(self.problem(rng)[0]) for _ in range(n)]
 
     def answer(self, prompt: Sequence[int]) -> str:
         text = decode([t for t in prompt if t != BOS])
-        for op in OPS:  # operands are non-negative, so the first operator splits them
-            if op in text[:-1]:
-                a, b = text[:-1].split(op, 1)
-                return str(OPS[op](int(a), int(b)))
-        raise ValueError(f"not an arithmetic prompt: {text!r}")
+        parts = re.fullmatch(r"(\d+(?:[-+*]\d+)+)=", text)  # operands are non-negative
+        if not parts:
+            raise ValueError(f"not an arithmetic prompt: {text!r}")
+        nums, ops = re.split(r"[-+*]", parts[1]), re.findall(r"[-+*]", parts[1])
+        return self._running([int(n) for n in nums], ops)[-1]
 
     def reward(self, prompt: Sequence[int], completion: Sequence[int]) -> float:
         got, want = decode(completion), self.answer(prompt)
+        if self.scratchpad:
+            got = got.rsplit("=", 1)[-1]
         if self.reward_kind == "exact":
             return float(got == want)
         return sum(a == b for a, b in zip(got, want)) / max(len(got), len(want))
@@ -102,5 +128,5 @@ class Arithmetic:
         out = []
         for _ in range(n):
             q, a = self.problem(rng)
-            out.append(([BOS] + encode(q), encode(a) + [EOS]))
+            out.append(([BOS] + encode(q), encode(a) + [EOS]))  # with a scratchpad, a holds the running results
         return out
