@@ -18,7 +18,8 @@ TINY = ["--config=configs/default.py", "--config.task.eval_size=8", "--config.mo
         "--config.model.intermediate_size=32", "--config.model.num_heads=2", "--config.model.num_kv_heads=1",
         "--config.model.head_dim=8", "--config.model.num_layers=1", "--config.warm_start.steps=5",
         "--config.runtime.prompts_per_batch=2", "--config.sampler.num_samples=4",
-        "--config.learner.num_minibatches=2", "--config.train.progress=False", "--config.train.tensorboard=False"]
+        "--config.learner.num_minibatches=2", "--config.train.progress=False", "--config.train.tensorboard=False",
+        "--config.learner.schedule=constant"]  # the default cosine spans train.steps, which resumes here change
 
 
 def _launch(args, processes=2, devices=1, timeout=300):
