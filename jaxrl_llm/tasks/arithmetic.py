@@ -90,7 +90,8 @@ class Arithmetic:
         nums = [int(rng.integers(0, hi)) for _ in range(self.terms)]
         ops = [self.ops[int(rng.integers(0, len(self.ops)))] for _ in range(self.terms - 1)]
         text = str(nums[0]) + "".join(op + str(n) for op, n in zip(ops, nums[1:])) + "="
-        return text, "=".join(self._running(nums, ops) if self.scratchpad else self._running(nums, ops)[-1:])
+        running = self._running(nums, ops)
+        return text, "=".join(running if self.scratchpad else running[-1:])
 
     @staticmethod
     def _running(nums, ops) -> list[str]:

@@ -84,7 +84,7 @@ def accuracy(params, sampler, task, prompts, key=None) -> float:
     return float(rewards.mean())
 
 
-def to_target(params, cfg, task, greedy, w, seed: int = 0, log=None):
+def to_target(params, cfg, task, greedy, w, seed: int = 0):
     """The configured warm start (`w`: its config section): stops at `w.target` validation
     accuracy (greedy sampler `greedy`) or after `w.steps`. Returns (params, note)."""
     if not w.target:
