@@ -3,6 +3,7 @@ evaluation, metrics, checkpoints (resumed automatically from the workdir)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -150,6 +151,27 @@ def devices(config):
     return [d for p in sorted(by_process) for d in by_process[p][:-n]], local[-n:]
 
 
+@contextlib.contextmanager
+def compilation_cache(directory: str):
+    """Within: every compiled program is kept in `directory` (JAX's persistent cache), so runs
+    that differ only in seed or in values the programs take as inputs (a sweep's cells) compile
+    once. JAX's previous settings come back on exit."""
+    settings = {"jax_compilation_cache_dir": directory, "jax_persistent_cache_min_compile_time_secs": 0.0,
+                "jax_persistent_cache_min_entry_size_bytes": 0}
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    before = {k: getattr(jax.config, k) for k in settings}
+    try:
+        for k, v in settings.items():
+            jax.config.update(k, v)
+        cc.reset_cache()  # JAX decides whether to use the cache once, at its first compile
+        yield
+    finally:
+        for k, v in before.items():
+            jax.config.update(k, v)
+        cc.reset_cache()
+
+
 def set_cpu_devices(n: int) -> None:
     """Expose `n` CPU devices to JAX (-1: one per core; 0: leave JAX's default). Must run before
     the first JAX computation; samplers and the learner then split rows over them."""
@@ -218,14 +240,16 @@ def build(config):
                 aux_eval=lrn.aux is not None and lrn.aux.samples)
 
 
-def _initial_params(config, params, cfg, task, key, greedy, notes):
+def _initial_params(config, params, cfg, task, key, greedy, notes, role="policy"):
     """Given weights, or random ones warm-started on the task (tasks with `supervised`)."""
     if params is not None:
         return params
     params = models.init_params(cfg, key)
     w = config.warm_start
     if w.steps and hasattr(task, "supervised") and distributed.is_main():  # the others take process 0's
-        params, note = warmstart.to_target(params, cfg, task, greedy, w, config.seed)
+        params, note = warmstart.cached(
+            lambda p: warmstart.to_target(p, cfg, task, greedy, w, config.seed), params, w,
+            warmstart.cache_key(cfg, config.task, w, config.seed, role))
         notes.append(note)
     return distributed.broadcast(params)  # every process starts from process 0's weights
 
@@ -256,7 +280,7 @@ def run(config, workdir: str, log=None) -> dict:
     else:
         params = _initial_params(config, loaded, b["model_cfg"], task, key, b["greedy"], notes)
         aux = (_initial_params(config, loaded_aux, b["aux_cfg"], task, jax.random.fold_in(key, 1),
-                               b["aux_greedy"], notes)
+                               b["aux_greedy"], notes, role="actor")
                if b["aux_cfg"] else None)
         state = lrn.init(key, params=params, aux_params=aux)
         del params, aux

@@ -6,7 +6,8 @@
 
 Each cell is an ordinary run in WORKDIR/<objective>_s<k> (with several seeds
 WORKDIR/<objective>_s<k>_seed<n>; so it resumes, and a finished cell is skipped).
-`--seeds=N` (or `--config.sweep.seeds`) runs every arm for N seeds from `config.seed`, or for
+Cells of one seed warm-start once (WORKDIR/warm_start) and all share compiled programs
+(WORKDIR/jax_cache). `--seeds=N` (or `--config.sweep.seeds`) runs every arm for N seeds from `config.seed`, or for
 the listed ones (`--seeds=0,7,9`). WORKDIR/results.md holds the objective x staleness table
 of final held-out reward (mean ± 95% CI over seeds), the per-arm table (`jaxrl_llm.stats`), the
 per-run table, and the report's plots over all cells (reward_bands.png: mean and 95% band).
@@ -103,11 +104,14 @@ def run(config, workdir: str, log=print) -> list[dict]:
     grid = cells(config)  # validate every cell before the first one runs
     os.makedirs(workdir, exist_ok=True)
     dirs = []
-    for i, (name, c) in enumerate(grid):
-        log(f"[{i + 1}/{len(grid)}] {name}")
-        d = os.path.join(workdir, name)
-        experiment.run(c, d, log=lambda line: None)
-        dirs.append(d)
+    # Cells of one seed share their warm start, and all cells their compiled programs.
+    with experiment.compilation_cache(os.path.join(workdir, "jax_cache")):
+        for i, (name, c) in enumerate(grid):
+            log(f"[{i + 1}/{len(grid)}] {name}")
+            d = os.path.join(workdir, name)
+            c.warm_start.cache_dir = c.warm_start.cache_dir or os.path.join(workdir, "warm_start")
+            experiment.run(c, d, log=lambda line: None)
+            dirs.append(d)
     loaded = [report.load_run(d) for d in dirs]
     rows = [report.summary_row(r) for r in loaded]
     report.write_report(dirs, os.path.join(workdir, "report"))

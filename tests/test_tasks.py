@@ -1,5 +1,7 @@
+import dataclasses
 import re
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -115,3 +117,40 @@ def test_warm_start_stops_at_its_target_accuracy():
     w.target, w.steps = 1.0, 40
     _, note = warmstart.to_target(params, cfg, task, greedy, w)
     assert "not reached in 40 steps" in note and "warm_start.steps" in note
+
+
+def test_warm_start_cache_restores_the_same_weights_and_keys_on_what_it_depends(tmp_path):
+    import ml_collections
+
+    task = A.Arithmetic(digits=1, ops="+", eval_size=8)
+    cfg = ModelConfig(vocab_size=A.VOCAB_SIZE, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8)
+    w = ml_collections.ConfigDict(dict(steps=3, batch_size=8, lr=1e-3, target=0.0, check_every=1, check_size=8,
+                                       cache_dir=str(tmp_path)))
+    task_cfg = ml_collections.ConfigDict(dict(name="arithmetic", digits=1))
+    calls = []
+
+    def compute(p):
+        calls.append(1)
+        return warmstart.to_target(p, cfg, task, None, w, seed=0)
+
+    init = models.init_params(cfg, jax.random.key(0))
+    key = warmstart.cache_key(cfg, task_cfg, w, 0, "policy")
+    first, note = warmstart.cached(compute, init, w, key)
+    again, note2 = warmstart.cached(compute, init, w, key)
+    assert len(calls) == 1 and note2 == note + " (cached)" and note == "warm start: 3 steps"
+    chex.assert_trees_all_equal(first, again)
+    assert not np.allclose(np.asarray(jax.tree.leaves(first)[0]), np.asarray(jax.tree.leaves(init)[0]))
+    # a different seed, model role, model shape or warm-start setting is a different entry;
+    # the cache directory itself is not part of the key
+    other = [warmstart.cache_key(cfg, task_cfg, w, 1, "policy"), warmstart.cache_key(cfg, task_cfg, w, 0, "actor"),
+             warmstart.cache_key(dataclasses.replace(cfg, hidden_size=32), task_cfg, w, 0, "policy")]
+    w2 = w.copy_and_resolve_references()
+    w2.lr = 2e-3
+    other.append(warmstart.cache_key(cfg, task_cfg, w2, 0, "policy"))
+    assert len({key, *other}) == 5
+    w2.lr, w2.cache_dir = 1e-3, "/elsewhere"
+    assert warmstart.cache_key(cfg, task_cfg, w2, 0, "policy") == key
+    w.cache_dir = ""  # off: computed every time
+    warmstart.cached(compute, init, w, key)
+    assert len(calls) == 2

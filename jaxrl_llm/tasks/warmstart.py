@@ -10,6 +10,12 @@ checked every `check_every` steps, and the warm start ends at the first check th
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
+
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,12 +34,14 @@ def default_config():
     steps, ending once greedy validation accuracy reaches `target` (0: run every step)."""
     import ml_collections
 
+    # cache_dir: warm starts are kept there by everything they depend on, so runs that share a
+    # seed (the arms of a sweep) warm-start once; empty: no cache.
     return ml_collections.ConfigDict(dict(steps=2000, batch_size=64, lr=1e-3, target=0.2, check_every=5,
-                                          check_size=256))
+                                          check_size=256, cache_dir=""))
 
 
 RULES = {"steps": V.integer(0), "batch_size": V.integer(1), "lr": V.positive(), "target": V.unit(),
-         "check_every": V.integer(1), "check_size": V.integer(1)}
+         "check_every": V.integer(1), "check_size": V.integer(1), "cache_dir": V.text()}
 
 
 def pack(pairs, length: int, pad: int = 0):
@@ -103,3 +111,35 @@ def to_target(params, cfg, task, greedy, w, seed: int = 0):
         return params, (f"warm start: target {w.target} not reached in {len(losses)} steps ({got}); "
                         "raise warm_start.steps or lower warm_start.target")
     return params, f"warm start: {len(losses)} steps to {got} (target {w.target})"
+
+
+def cache_key(cfg, task_config, w, seed: int, role: str) -> str:
+    """Everything a warm start depends on: the model's shapes, the task, the warm start's own
+    settings, the seed, which model (`role`: policy or rollout actor), JAX's version and the
+    CPU numerics flags (an AVX2-emulated run does not reuse a native one's weights)."""
+    what = dict(model=dataclasses.asdict(cfg), task=task_config.to_dict(),
+                warm_start={k: v for k, v in w.items() if k != "cache_dir"}, seed=seed, role=role,
+                jax=jax.__version__, backend=jax.default_backend(), xla_flags=os.environ.get("XLA_FLAGS", ""))
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def cached(compute, params, w, key: str):
+    """`compute(params)` -> (params, note), through `w.cache_dir` when set: a hit restores the
+    stored weights (into `params`' structure) and its note; a miss computes and stores both
+    (written to a temporary name and renamed, so a killed run leaves no half file)."""
+    if not w.cache_dir:
+        return compute(params)
+    path = os.path.join(w.cache_dir, f"warm_start_{key}")
+    if os.path.exists(path + ".msgpack") and os.path.exists(path + ".json"):
+        with open(path + ".msgpack", "rb") as f:
+            restored = flax.serialization.from_bytes(jax.device_get(params), f.read())
+        with open(path + ".json") as f:
+            return jax.tree.map(jnp.asarray, restored), json.load(f)["note"] + " (cached)"
+    params, note = compute(params)
+    os.makedirs(w.cache_dir, exist_ok=True)
+    for ext, data in ((".msgpack", flax.serialization.to_bytes(jax.device_get(params))),
+                      (".json", json.dumps({"note": note}).encode())):
+        with open(path + ext + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(path + ext + ".tmp", path + ext)
+    return params, note
