@@ -173,6 +173,9 @@ def jackpot_parts(xs, s, cfg, u):
     inf = f64(bt.behav_logp)
     ref = f64(bt.prox_logp) if jc.p_ref == "prox" else xs
     tgt = xs if jc.p_target == "new" else ref
+    if jc.correction != "obrs":  # the paper's baselines: every token kept, rho = 1 or TIS
+        rho = np.ones_like(m) if jc.correction == "none" else np.minimum(np.exp(ref - inf), jc.c1)
+        return np.ones_like(m), None, None, rho, ref
     accepted = (u < np.minimum(1.0, np.exp(tgt) / (jc.lam * np.exp(inf)))).astype(np.float64)
     b, L = m.shape
     z = np.zeros((b, L))

@@ -35,6 +35,8 @@ CASES = [
     ("jackpot", dict(jackpot__lam=0.7, jackpot__c1=1.5, jackpot__c2=1.3)),
     ("jackpot", dict(jackpot__p_target="ref", jackpot__lam=1.3)),
     ("jackpot", dict(jackpot__p_ref="current", kl__coef=0.1)),
+    ("jackpot", dict(jackpot__correction="tis", jackpot__c1=1.5)),
+    ("jackpot", dict(jackpot__correction="none")),
 ]
 
 

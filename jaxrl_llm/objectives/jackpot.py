@@ -104,6 +104,11 @@ def jackpot(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
 
     With p_target = new this is Algorithm 1 verbatim. Rejected tokens are zeros that still
     count in the mean (Eq. 5 is an expectation over x ~ p_inf).
+
+    `jackpot.correction` selects the paper's baselines on the same tokens (Fig. 1, §5): "tis"
+    keeps every token with rho = min(p_ref / p_inf, c1) (truncated importance sampling); "none"
+    keeps every token with rho = 1, i.e. PPO on the actor's tokens as if the policy had
+    sampled them (the "without any alignment" run, with distill_coef = 0).
     """
     jc = cfg.jackpot
     if batch.topk == 0:
@@ -129,6 +134,16 @@ def jackpot(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
             log_tgt_topk = sg(_require(policy.logp_at_behav_topk, "PolicyOutput.logp_at_behav_topk"))
 
     mask = batch.loss_mask.astype(jnp.float32)
+    clamp = cfg.log_ratio_clamp
+    ratio = common.safe_exp(policy.logp - log_ref, clamp)
+    surr, clipped = common.clipped_surrogate(
+        ratio, batch.advantages, 1.0 - cfg.clip.eps_low, 1.0 + cfg.clip.eps_high, cfg.clip.dual_clip
+    )
+    if jc.correction != "obrs":
+        rho = (jnp.ones_like(mask) if jc.correction == "none"
+               else jnp.minimum(common.safe_exp(log_ref - log_inf, clamp), jc.c1))
+        return common.finish(rho * surr, policy, batch, cfg, ratio_BxL=ratio, is_weight_BxL=rho, clipped_BxL=clipped,
+                             anchor_logp_BxL=log_ref, extra={})
     log_a = obrs_log_accept(log_tgt, log_inf, jc.lam)
     u = jax.random.uniform(rng, log_a.shape)
     accepted = (u < jnp.exp(log_a)).astype(jnp.float32)
@@ -136,16 +151,10 @@ def jackpot(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
     accept_rate = common.masked_mean(accepted, mask)
     z_mean = common.masked_mean(z, mask)
     kappa = accept_rate / jnp.maximum(z_mean, 1e-30)
-    clamp = cfg.log_ratio_clamp
     log_w = jnp.log(jnp.maximum(kappa * z, 1e-30)) + jnp.maximum(jnp.log(jc.lam), log_tgt - log_inf)
     w_obrs = common.safe_exp(log_w, clamp)
     rho = jnp.minimum(w_obrs, jc.c1) * jnp.minimum(common.safe_exp(log_ref - log_tgt, clamp), jc.c2)
     rho = sg(rho)  # a data weight (Algorithm 1 line 26)
-
-    ratio = common.safe_exp(policy.logp - log_ref, clamp)
-    surr, clipped = common.clipped_surrogate(
-        ratio, batch.advantages, 1.0 - cfg.clip.eps_low, 1.0 + cfg.clip.eps_high, cfg.clip.dual_clip
-    )
     extra = {
         "jackpot/accept_rate": accept_rate,
         "jackpot/kappa": kappa,

@@ -106,9 +106,10 @@ def default_config(name: str = "ppo") -> ml_collections.ConfigDict:
     # Off-policy GRPO: r' = pi_k/alpha from prox_logp ("prox") or the r' ~ 1 approximation.
     c.offpolicy_grpo = ml_collections.ConfigDict(dict(r_prime="one", zero_var_mask=True))
     # Jackpot (OBRS): lam = lambda, caps c1 (OBRS weight) and c2 (p_ref/p_target);
-    # distill_coef = lambda_distill of the jointly trained rollout actor (Eq. 8), when there is one.
+    # distill_coef = lambda_distill of the jointly trained rollout actor (Eq. 8), when there is one;
+    # correction: obrs (Jackpot), tis (min(p_ref/p_inf, c1)) or none (the paper's baselines).
     c.jackpot = ml_collections.ConfigDict(
-        dict(lam=1.0, c1=2.0, c2=2.0, p_target="new", p_ref="prox", distill_coef=1.0)
+        dict(lam=1.0, c1=2.0, c2=2.0, p_target="new", p_ref="prox", distill_coef=1.0, correction="obrs")
     )
     return c
 
@@ -132,7 +133,8 @@ RULES = {
     "a3po": {"prox_metrics": V.boolean()},
     "offpolicy_grpo": {"r_prime": V.one_of("one", "prox"), "zero_var_mask": V.boolean()},
     "jackpot": {"lam": V.positive(), "c1": V.positive(), "c2": V.positive(), "p_target": V.one_of("new", "ref"),
-                "p_ref": V.one_of("prox", "current"), "distill_coef": V.non_negative()},
+                "p_ref": V.one_of("prox", "current"), "distill_coef": V.non_negative(),
+                "correction": V.one_of("obrs", "tis", "none")},
 }
 
 _VALID = {
@@ -141,6 +143,7 @@ _VALID = {
     "offpolicy_grpo.r_prime": ("one", "prox"),
     "jackpot.p_target": ("new", "ref"),
     "jackpot.p_ref": ("prox", "current"),
+    "jackpot.correction": ("obrs", "tis", "none"),
 }
 _IS_USERS = ("decoupled_ppo", "a3po")
 
