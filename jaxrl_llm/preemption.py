@@ -11,6 +11,8 @@ import signal
 import sys
 import threading
 
+from jaxrl_llm import distributed
+
 
 class Preempted(KeyboardInterrupt):
     """SIGTERM arrived: take the Ctrl-C path once the step in flight is recorded."""
@@ -45,8 +47,17 @@ class Grace:
             self._start_timer()
 
     def check(self):
-        if self.signum is not None:
-            raise Preempted(self.signum)
+        """Raise `Preempted` once a signal came. On many processes (called at the same step on
+        each) they first agree with one tiny collective, so every process stops, and saves, at
+        the step where the first of them saw a signal, even one that never got it itself."""
+        signum = self.signum
+        if distributed.count() > 1:
+            signum = int(distributed.agree(signum or 0).max()) or None
+        if signum is not None:
+            if self.signum is None:
+                self.signum = signum
+                self._start_timer()
+            raise Preempted(signum)
 
     def start(self, exc):
         """In the interrupt handler: the save begins; further signals must not break it."""

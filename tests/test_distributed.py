@@ -63,18 +63,59 @@ def test_every_mode_runs_on_two_processes(mode, extra, tmp_path):
     assert "[0] " in r.stdout and "[1] " not in r.stdout.replace("[1] [Gloo]", "")  # only process 0 prints
 
 
-def test_resume_on_two_processes_continues_as_an_uninterrupted_run(tmp_path):
+def test_both_processes_killed_after_a_checkpoint_resume_as_an_uninterrupted_run(tmp_path):
+    """kill -9 of every process once a checkpoint exists and a step past it was logged; resumed
+    to 2 steps past the last logged one, the run equals an uninterrupted one of that length,
+    with one metrics record per step."""
     args = [*TINY, "--config.runtime.mode=sync", "--config.train.eval_every=2", "--config.train.save_every=2"]
-    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    assert _launch([*args, f"--workdir={straight}", "--config.train.steps=4"]).returncode == 0
-    assert _launch([*args, f"--workdir={resumed}", "--config.train.steps=2"]).returncode == 0
-    r = _launch([*args, f"--workdir={resumed}", "--config.train.steps=4"])
-    assert r.returncode == 0 and "resumed" in r.stdout
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    cmds = launch.commands(2, 1, [*args, f"--workdir={resumed}", "--config.train.steps=100000"], launch.free_port())
+    procs = [subprocess.Popen(c, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for c in cmds]
+    deadline, path = time.monotonic() + 240, resumed / "metrics.jsonl"
+    try:
+        while time.monotonic() < deadline and not (
+                (resumed / "checkpoints").is_dir() and any(c.name.isdigit() for c in (resumed / "checkpoints").iterdir())
+                and path.exists() and any(x.get("step", 0) >= 3 and "loss" in x for x in _records(resumed))):
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+    logged = max(x["step"] for x in _records(resumed) if "loss" in x)
+    r = _launch([*args, f"--workdir={resumed}", f"--config.train.steps={logged + 2}"])
+    assert r.returncode == 0 and "resumed" in r.stdout, r.stdout[-3000:]
+    restored = int(r.stdout.split("resumed from")[1].split("at version")[1].split()[0])
+    assert 2 <= restored <= logged  # records past the restored version were logged, then cut
+    assert _launch([*args, f"--workdir={straight}", f"--config.train.steps={logged + 2}"]).returncode == 0
     a, b = ([x for x in _records(w) if "loss" in x] for w in (straight, resumed))
-    assert [x["step"] for x in b] == [1, 2, 3, 4]
+    assert [x["step"] for x in b] == list(range(1, logged + 3)), "one record per step"
     for x, y in zip(a, b):
         for k in ("loss", "grad_norm", "param_norm", "reward/mean"):
             assert x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-7), (x["step"], k)
+
+
+def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
+    """Preemption of one host: the processes agree on the step, each saves it and exits 143,
+    and a resume continues from that step with one record per step."""
+    args = [*TINY, "--config.runtime.mode=sync", "--config.train.eval_every=100000", "--config.train.save_every=100000"]
+    cmds = launch.commands(2, 1, [*args, f"--workdir={tmp_path}", "--config.train.steps=100000"], launch.free_port())
+    procs = [subprocess.Popen(c, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in cmds]
+    deadline, path = time.monotonic() + 240, tmp_path / "metrics.jsonl"
+    try:
+        while time.monotonic() < deadline and not (path.exists() and '"loss"' in path.read_text()):
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [143, 143], outs[0][-2000:] + outs[1][-2000:]
+    stopped = int(outs[0].split("interrupted (SIGTERM) at version")[1].split(":")[0])
+    assert sorted(int(c.name) for c in (tmp_path / "checkpoints").iterdir() if c.name.isdigit())[-1] == stopped
+    r = _launch([*args, f"--workdir={tmp_path}", f"--config.train.steps={stopped + 1}"])
+    assert r.returncode == 0 and f"at version {stopped}" in r.stdout, r.stdout[-3000:]
+    assert [x["step"] for x in _records(tmp_path) if "loss" in x] == list(range(1, stopped + 2))
 
 
 def test_a_killed_process_ends_the_others_naming_it(tmp_path):
