@@ -1,0 +1,251 @@
+"""Run the papers' headline claims in miniature on the embedded task and judge them.
+
+    python -m jaxrl_llm.reproduce --workdir=runs/claims             # 3 seeds, 1,000 steps per run
+    python -m jaxrl_llm.reproduce --workdir=runs/claims_quick --quick   # 300 steps per run
+    python -m jaxrl_llm.reproduce --workdir=W --seeds=5 --claims=gepo_high_staleness,staleness_sweep
+
+Every arm of every claim (`jaxrl_llm.claims`) runs for every seed as an ordinary run in
+W/runs/<arm>_seed<n> (arms with equal configs run once; a finished run is skipped, an
+interrupted one resumes). Runs of one seed share their warm start (W/warm_start) and compiled
+programs (W/jax_cache). Writes W/claims.json, W/claims.md and W/figures/<claim>/reward_bands.png.
+`--set key=value` (repeatable) overrides every run's config, e.g. a smaller model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import os
+import time
+
+import numpy as np
+
+from jaxrl_llm import claims as C
+from jaxrl_llm import experiment, report, stats
+
+QUICK_STEPS, FULL_STEPS = 300, 1000
+
+
+def settings(workdir: str, steps: int) -> dict:
+    """What every run shares: its length and evaluation cadence (ten evaluations, the claims'
+    metric averages the last three), groups of 8 samples (half the default's 16: 87 runs of the
+    quick set fit in 30 minutes on 2 cores), a larger held-out set (512 problems) for less noise,
+    no TensorBoard or progress bar, the shared warm-start cache."""
+    return {"train.steps": steps, "train.eval_every": max(steps // 10, 1), "train.save_every": max(steps // 2, 1),
+            "sampler.num_samples": 8, "train.progress": False, "train.tensorboard": False, "task.eval_size": 512,
+            "warm_start.cache_dir": os.path.join(workdir, "warm_start")}
+
+
+def load_config(spec: str):
+    """"configs/<name>.py[:arg]" -> that file's get_config(arg)."""
+    path, _, arg = spec.partition(":")
+    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def arm_config(arm: C.Arm, seed: int, common: dict, extra: dict):
+    c = load_config(arm.config)
+    for key, value in list(arm.overrides) + list(common.items()) + list(extra.items()):
+        *parents, leaf = key.split(".")
+        target = c
+        for part in parents:
+            target = target[part]
+        target[leaf] = value  # a FieldReference's users follow (learner.total_steps)
+    c.seed = seed
+    c = c.copy_and_resolve_references()
+    experiment.validate(c)
+    return c
+
+
+def parse_set(items) -> dict:
+    out = {}
+    for item in items or ():
+        key, eq, text = item.partition("=")
+        if not eq:
+            raise ValueError(f"--set takes key=value; got {item!r}")
+        try:
+            out[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out[key] = text
+    return out
+
+
+def plan(selected, seeds, common, extra):
+    """[(run dir name, config)] for every distinct arm x seed, and {arm label: its run dir
+    name} (an arm whose config equals an earlier arm's shares that arm's runs)."""
+    runs, names, by_key = [], {}, {}
+    for seed in seeds:
+        for claim in selected:
+            for arm in claim.arms:
+                c = arm_config(arm, seed, common, extra)
+                key = c.to_json_best_effort(sort_keys=True)
+                if key not in by_key:
+                    by_key[key] = f"{arm.label}_seed{seed}"
+                    runs.append((by_key[key], c))
+                names.setdefault(arm.label, {})[seed] = by_key[key]
+    return runs, names
+
+
+def run_all(runs, workdir: str, log=print) -> None:
+    t0 = time.time()
+    for i, (name, c) in enumerate(runs):
+        d = os.path.join(workdir, "runs", name)
+        done = os.path.join(d, "done.json")
+        if os.path.exists(done):
+            continue
+        t = time.time()
+        try:
+            summary = experiment.run(c, d, log=lambda line: None)
+        except Exception as e:  # one failed run does not lose the others: its arm reports nan
+            summary = {"error": f"{type(e).__name__}: {e}"}
+            log(f"  {name} failed: {summary['error']}")
+        with open(done, "w") as f:
+            json.dump(summary, f, default=float)
+        log(f"[{i + 1}/{len(runs)}] {name}: eval/reward {summary.get('eval/reward_start', float('nan')):.3f} -> "
+            f"{summary.get('eval/reward', float('nan')):.3f} in {time.time() - t:.0f} s (total {time.time() - t0:.0f} s)")
+
+
+def run_seconds(runs, workdir: str) -> float:
+    """Wall-clock seconds the runs took (each run's own `time_s`, resumed parts not counted)."""
+    total = 0.0
+    for name, _ in runs:
+        with open(os.path.join(workdir, "runs", name, "done.json")) as f:
+            total += float(json.load(f).get("time_s", 0.0))
+    return total
+
+
+def a3po_prox_time(config, seed: int, calls: int = 200) -> float:
+    """Seconds per call of A-3PO's proximal interpolation (`a3po_prox_logp`, jitted alone, so
+    dispatch included) on a batch of the run's shape: rows x (prompt + answer length)."""
+    import jax
+
+    from jaxrl_llm import tasks, testing
+    from jaxrl_llm.objectives.ppo import a3po_prox_logp
+
+    task = tasks.make(config.task)
+    s = testing.random_batch(seed, num_prompts=config.runtime.prompts_per_batch,
+                             group_size=config.sampler.num_samples,
+                             length=task.max_prompt_len + task.max_answer_len, vocab=8)
+    fn = jax.jit(a3po_prox_logp)
+    jax.block_until_ready(fn(s.policy, s.batch))
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(s.policy, s.batch))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def _load(workdir: str, name: str) -> dict:
+    d = os.path.join(workdir, "runs", name)
+    try:
+        return report.load_run(d)
+    except FileNotFoundError:  # failed before its first record
+        return dict(name=name, config={}, steps=[], evals=[])
+
+
+def judge_all(selected, seeds, names, workdir, extra_measured) -> list[dict]:
+    rows = []
+    for claim in selected:
+        labels = [a.label for a in claim.arms]
+        runs = {label: [_load(workdir, names[label][s]) for s in seeds] for label in labels}
+        res = C.Results(runs, extra_measured)
+        row = {"claim": claim.key, "paper": claim.paper[0], "arxiv": claim.paper[1], "statement": claim.statement,
+               "metric": claim.metric, "rule": claim.rule_text, "seeds": list(seeds),
+               "arms": {label: dict(zip(("mean", "ci95"), stats.mean_ci(res.final(label))),
+                                    values=[float(v) for v in res.final(label)],
+                                    runs=[names[label][s] for s in seeds]) for label in labels}}
+        row.update({k: extra_measured[k] for k in claim.measured}, **C.judge(claim, res))
+        out = os.path.join(workdir, "figures", claim.key)
+        os.makedirs(out, exist_ok=True)
+        row["figure"] = os.path.relpath(report.plot_bands([r for label in labels for r in runs[label]], out), workdir)
+        rows.append(row)
+    return rows
+
+
+def _fmt(m, h, digits=3):
+    return stats.fmt(m, h, digits)
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    out = [header, "", "| claim | paper | arms: final held-out reward (mean ± 95% CI) | seeds | verdict |",
+           "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        arms = ("; ".join(f"{k} {_fmt(v['mean'], v['ci95'])}" for k, v in r["arms"].items())
+                if len(r["arms"]) <= 4 else f"{len(r['arms'])} arms: the table in its section")
+        out.append(f"| {r['claim']} | {r['arxiv']} | {arms} | {', '.join(map(str, r['seeds']))} | **{r['verdict']}** |")
+    for r in rows:
+        out += ["", f"## {r['claim']}: {r['verdict']}", "", f"*{r['paper']}* ({r['arxiv']})", "",
+                f"Claim: {r['statement']}", "", f"Metric: {r['metric']}. Rule: `{r['rule']}`.", "",
+                "| check | per seed | mean ± 95% CI | verdict |", "| --- | --- | --- | --- |"]
+        for c in r["checks"]:  # 4 significant digits: rewards, ratios and seconds alike
+            ci = f" ± {c['ci95']:.2g}" if np.isfinite(c["ci95"]) else ""
+            out.append(f"| {c['check']} | {', '.join(f'{v:.4g}' for v in c['values'])} | "
+                       f"{c['mean']:.4g}{ci} | {c['verdict']} |")
+        if r["claim"] == "staleness_sweep":
+            out += ["", sweep_table(r)]
+        out += ["", f"![{r['claim']}]({r['figure']})"]
+    return "\n".join(out) + "\n"
+
+
+def sweep_table(row: dict) -> str:
+    lines = ["| objective | " + " | ".join(f"s={k}" for k in C.STALENESS) + " |",
+             "|" + " --- |" * (len(C.STALENESS) + 1)]
+    for o in C.SWEEP_OBJECTIVES:
+        cells = [_fmt(row["arms"][f"{o}_s{k}"]["mean"], row["arms"][f"{o}_s{k}"]["ci95"]) for k in C.STALENESS]
+        lines.append(f"| {o} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_seeds(text: str) -> list[int]:
+    values = [int(x) for x in str(text).split(",") if x.strip()]
+    if len(values) == 1 and "," not in str(text):
+        if values[0] < 1:
+            raise ValueError(f"--seeds as a count must be >= 1; got {text!r}")
+        return list(range(values[0]))
+    if not values or len(set(values)) != len(values):
+        raise ValueError(f"--seeds must be a count or distinct comma-separated seeds; got {text!r}")
+    return values
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--seeds", default="3", help="a count N (seeds 0..N-1) or a comma-separated list")
+    ap.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps per run instead of {FULL_STEPS}")
+    ap.add_argument("--steps", type=int, default=0, help="steps per run (overrides --quick)")
+    ap.add_argument("--claims", default="", help="comma-separated claim keys (default: all)")
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="override every run's config")
+    args = ap.parse_args(argv)
+    known = {c.key: c for c in C.all_claims()}
+    wanted = [k.strip() for k in args.claims.split(",") if k.strip()] or list(known)
+    unknown = [k for k in wanted if k not in known]
+    if unknown:
+        ap.error(f"unknown claim(s) {', '.join(unknown)}; valid: {', '.join(known)}")
+    selected, seeds = [known[k] for k in wanted], parse_seeds(args.seeds)
+    steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
+    runs, names = plan(selected, seeds, settings(args.workdir, steps), parse_set(args.set))  # all validated first
+    os.makedirs(args.workdir, exist_ok=True)
+    print(f"{len(runs)} runs ({len(selected)} claims, seeds {seeds}, {steps} steps each) in {args.workdir}/runs")
+    t0, measured = time.time(), {}
+    with experiment.compilation_cache(os.path.join(args.workdir, "jax_cache")):
+        run_all(runs, args.workdir)
+        if any(c.key == "a3po_vs_decoupled_ppo" for c in selected):
+            configs = dict(runs)
+            measured["a3po_prox_time_s"] = [a3po_prox_time(configs[names["a3po_s4"][s]], s) for s in seeds]
+    rows = judge_all(selected, seeds, names, args.workdir, measured)
+    with open(os.path.join(args.workdir, "claims.json"), "w") as f:
+        json.dump(rows, f, indent=1, default=float)
+    header = (f"# Claims in miniature ({len(runs)} runs of {steps} steps, seeds {', '.join(map(str, seeds))}; "
+              f"{run_seconds(runs, args.workdir):.0f} s of run time, {time.time() - t0:.0f} s this invocation)")
+    with open(os.path.join(args.workdir, "claims.md"), "w") as f:
+        f.write(markdown(rows, header))
+    for r in rows:
+        print(f"{r['claim']}: {r['verdict']}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
