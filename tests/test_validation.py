@@ -98,12 +98,12 @@ def test_several_mistakes_are_reported_together():
 
 def test_cross_field_rules():
     c = get_config()
-    c.learner.num_minibatches = 3  # 32 prompts x 8 samples = 256 rows
+    c.learner.num_minibatches = 3  # 32 prompts x 16 samples = 512 rows
     c.model.num_kv_heads = 3
     c.mesh.fsdp = 3
     with pytest.raises(ConfigError) as e:
         experiment.validate(c)
     msg = str(e.value)
-    assert "learner.num_minibatches=3 does not divide the batch's 256 rows" in msg
+    assert "learner.num_minibatches=3 does not divide the batch's 512 rows" in msg
     assert "model.num_heads=4 is not a multiple of model.num_kv_heads=3" in msg
     assert "mesh / runtime.sampler_devices" in msg and msg.startswith("config problems:")
