@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from jaxrl_llm import claims as C
-from jaxrl_llm import experiment, report, stats
+from jaxrl_llm import experiment, report, stats, sweep
 
 QUICK_STEPS, FULL_STEPS = 300, 1000
 
@@ -199,17 +199,6 @@ def sweep_table(row: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_seeds(text: str) -> list[int]:
-    values = [int(x) for x in str(text).split(",") if x.strip()]
-    if len(values) == 1 and "," not in str(text):
-        if values[0] < 1:
-            raise ValueError(f"--seeds as a count must be >= 1; got {text!r}")
-        return list(range(values[0]))
-    if not values or len(set(values)) != len(values):
-        raise ValueError(f"--seeds must be a count or distinct comma-separated seeds; got {text!r}")
-    return values
-
-
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", required=True)
@@ -224,7 +213,11 @@ def main(argv=None) -> list[dict]:
     unknown = [k for k in wanted if k not in known]
     if unknown:
         ap.error(f"unknown claim(s) {', '.join(unknown)}; valid: {', '.join(known)}")
-    selected, seeds = [known[k] for k in wanted], parse_seeds(args.seeds)
+    try:
+        seeds = sweep.parse_seeds(args.seeds, what="--seeds")
+    except ValueError as e:
+        ap.error(str(e))
+    selected = [known[k] for k in wanted]
     steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
     runs, names = plan(selected, seeds, settings(args.workdir, steps), parse_set(args.set))  # all validated first
     os.makedirs(args.workdir, exist_ok=True)

@@ -37,20 +37,25 @@ def _ints(text: str) -> list[int]:
         raise ValueError(f"sweep.max_staleness must be comma-separated integers; got {text!r}") from None
 
 
-def seeds(config) -> list[int]:
-    """`sweep.seeds`: a count N (config.seed onwards) or a comma-separated list of seeds."""
-    text = str(config.sweep.get("seeds", "1")).strip()
+def parse_seeds(text, first: int = 0, what: str = "sweep.seeds") -> list[int]:
+    """A count N (seeds first .. first + N - 1) or a comma-separated list of distinct seeds."""
+    text = str(text).strip()
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"sweep.seeds must be a count or comma-separated integers; got {text!r}") from None
+        raise ValueError(f"{what} must be a count or comma-separated integers; got {text!r}") from None
     if "," not in text:
         if len(values) != 1 or values[0] < 1:
-            raise ValueError(f"sweep.seeds as a count must be >= 1; got {text!r}")
-        values = [config.seed + i for i in range(values[0])]
+            raise ValueError(f"{what} as a count must be >= 1; got {text!r}")
+        values = [first + i for i in range(values[0])]
     if not values or len(set(values)) != len(values):
-        raise ValueError(f"sweep.seeds must list distinct seeds; got {text!r}")
+        raise ValueError(f"{what} must list distinct seeds; got {text!r}")
     return values
+
+
+def seeds(config) -> list[int]:
+    """`sweep.seeds`: a count N (config.seed onwards) or a comma-separated list of seeds."""
+    return parse_seeds(config.sweep.get("seeds", "1"), config.seed)
 
 
 def cells(config) -> list[tuple[str, object]]:

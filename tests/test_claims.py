@@ -92,5 +92,6 @@ def test_reproduce_writes_claims_with_seeds_and_verdicts_and_skips_finished_runs
     assert "| a3po_vs_decoupled_ppo | arXiv:2512.06547 |" in md and "## offpolicy_grpo_v10" in md
     reproduce.main(args)  # every run finished: nothing runs again
     assert "/8]" not in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        reproduce.main([f"--workdir={tmp_path}", "--claims=nope"])
+    for bad in ("--claims=nope", "--seeds=0", "--seeds=1,1"):  # argparse errors name the flag
+        with pytest.raises(SystemExit):
+            reproduce.main([f"--workdir={tmp_path}", bad])
