@@ -89,7 +89,9 @@ def mean_of(key: str, skip: int = 5) -> Callable:
 def _check(text: str, values, verdict_of) -> dict:
     mean, half = stats.mean_ci(values)
     lo, hi = mean - half, mean + half
-    verdict = "inconclusive" if not np.isfinite(half) else verdict_of(lo, hi)
+    # a seed without a number (a failed run) leaves the claim unjudged, not judged on fewer seeds
+    complete = np.isfinite(np.asarray(values, float)).all() and np.isfinite(half)
+    verdict = verdict_of(lo, hi) if complete else "inconclusive"
     return {"check": text, "values": [float(v) for v in values], "mean": mean, "ci95": half, "verdict": verdict}
 
 

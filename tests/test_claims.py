@@ -36,6 +36,7 @@ def test_greater_at_least_and_combine():
     assert C.at_least([0.9, 1.0, 0.95], 0.95, "r")["verdict"] == "inconclusive"
     assert C.at_least([0.99], 0.95, "one seed")["verdict"] == "inconclusive"  # no interval from one value
     assert C.at_least([0.99, float("nan")], 0.95, "r")["verdict"] == "inconclusive"
+    assert C.at_least([0.99, 0.99, 0.98, float("nan")], 0.95, "a failed seed")["verdict"] == "inconclusive"
     v = lambda *xs: [{"verdict": x} for x in xs]  # noqa: E731
     assert C.combine(v("holds", "holds")) == "holds"
     assert C.combine(v("holds", "inconclusive")) == "inconclusive"
