@@ -3,10 +3,15 @@
 Saved: params, optimizer state, step, version, rng, skipped count, reference params and the
 objective's auxiliary model (params, optimizer state) when present. Checkpoints are keyed by the policy
 version; saving is asynchronous (the next step overlaps the write) and keeps the newest K.
+
+Beside version V's orbax directory, `V.runtime/process_<i>.json` holds each process's host-side
+runtime state (`Orchestrator.runtime_state`: the async data position, delay streams, run-long
+counters), written at the same save; orbax does not list it as a checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
@@ -47,13 +52,44 @@ class Checkpointer:
                                                enable_async_checkpointing=async_save, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
-    def save(self, state: TrainState, force: bool = False) -> bool:
-        """Save if the version is on the save interval, or nothing is saved yet, or `force`.
-        Returns whether it saved."""
+    def save(self, state: TrainState, force: bool = False, runtime: Optional[dict] = None) -> bool:
+        """Save if the version is on the save interval, or nothing is saved yet, or `force`,
+        with this process's `runtime` state (JSON-able) beside it. Returns whether it saved."""
+        version = int(state.version)
         try:
-            return self.manager.save(int(state.version), args=ocp.args.StandardSave(state), force=force)
+            saved = self.manager.save(version, args=ocp.args.StandardSave(state), force=force)
+            if saved and runtime is not None:
+                self._write_runtime(version, runtime)
+            return saved
         except OSError as e:  # disk full, no permission, ...: stop clearly; the previous one stays
-            raise self._write_error(int(state.version), e) from e
+            raise self._write_error(version, e) from e
+
+    def _runtime_path(self, version: int) -> str:
+        return os.path.join(self.directory, f"{version}.runtime", f"process_{distributed.index()}.json")
+
+    def _write_runtime(self, version: int, runtime: dict) -> None:
+        path = self._runtime_path(version)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(runtime, f)
+        os.replace(path + ".tmp", path)  # never half a file under the final name
+        if distributed.is_main():  # runtime states of checkpoints orbax no longer keeps
+            kept = self.manager.all_steps()
+            for name in os.listdir(self.directory):
+                v = name[:-len(".runtime")]
+                if name.endswith(".runtime") and v.isdigit() and kept and int(v) < min(kept):
+                    for f in os.listdir(os.path.join(self.directory, name)):
+                        os.remove(os.path.join(self.directory, name, f))
+                    os.rmdir(os.path.join(self.directory, name))
+
+    def runtime(self, version: int) -> Optional[dict]:
+        """This process's runtime state saved with `version`, or None (none was saved, e.g. a
+        checkpoint written by `save` without one, or by a run with fewer processes)."""
+        try:
+            with open(self._runtime_path(version)) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
 
     def latest_version(self) -> Optional[int]:
         return self.manager.latest_step()

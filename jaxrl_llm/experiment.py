@@ -299,6 +299,14 @@ def run(config, workdir: str, log=None) -> dict:
         log(note)
     if resumed:
         log(f"resumed from {workdir} at version {int(state.version)}")
+        saved = ckpt.runtime(int(state.version))
+        if saved is not None:
+            note = orch.load_runtime_state(saved)
+        else:
+            note = (f"no runtime state was saved with version {int(state.version)} (an older checkpoint, or "
+                    "one from fewer processes): async samplers start their prompt streams from the beginning")
+        if note:
+            log(note)
     # Each process evaluates its share of the held-out set; the mean is over all of it.
     eval_prompts = task.eval_prompts()[distributed.index()::distributed.count()]
 
@@ -355,14 +363,14 @@ def run(config, workdir: str, log=None) -> dict:
             v, t = int(state.version), config.train
             todo = min(t.eval_every - v % t.eval_every, t.save_every - v % t.save_every, t.steps - v)
             state, _ = orch.run(state, todo, on_metrics)
-            ckpt.save(state)
+            ckpt.save(state, runtime=orch.runtime_state())
             if int(state.version) % config.train.eval_every == 0 or int(state.version) == config.train.steps:
                 summary["eval/reward"] = evaluate(state)["eval/reward"]
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (preemption) through `preemption.Grace`
         grace.start(e)
         state = orch.state or state  # `state` itself may have been donated mid-chunk
         log(f"interrupted ({grace.signal_name}) at version {int(state.version)}: saving a checkpoint")
-        ckpt.save(state, force=True)
+        ckpt.save(state, force=True, runtime=orch.runtime_state())
         summary["interrupted_by"] = grace.signal_name
     finally:
         inflight = sys.exc_info()[1]  # an error already on its way out is the one to report

@@ -165,3 +165,32 @@ def test_a_failed_checkpoint_write_stops_clearly_and_the_previous_one_resumes(tm
     assert experiment.run(_config(), str(tmp_path), log=lines.append)["version"] == STEPS
     assert any("resumed" in x and "version 2" in x for x in lines)
     assert [r["step"] for r in _steps(str(tmp_path))] == [1, 2, 3, 4]
+
+
+def test_an_async_run_resumed_from_its_checkpoint_trains_no_prompt_twice(tmp_path, monkeypatch):
+    """Async mode keeps its data position in the checkpoint (`<version>.runtime/`): the resumed
+    process continues each sampler's prompt stream instead of starting it over, and groups that
+    were queued at the save are generated again, not lost. Counted over both processes' runs."""
+    from jaxrl_llm.runtime.position import DataPosition
+
+    delivered = []
+    real = DataPosition.deliver
+    monkeypatch.setattr(DataPosition, "deliver",
+                        lambda self, w, d, g=None: (delivered.append((w, d)), real(self, w, d, g))[1])
+    c = _config()
+    c.runtime.update(dict(mode="async", queue_size=2, max_staleness=-1))
+    c.train.keep = 2  # the runtime state of a checkpoint orbax deleted goes too
+    workdir = str(tmp_path)
+    experiment.run(c, workdir, log=lambda *_: None)
+    ckdir = os.path.join(workdir, "checkpoints")
+    saved = json.load(open(os.path.join(ckdir, f"{STEPS}.runtime", "process_0.json")))
+    assert saved["position"]["workers"]["0"]["next"] == STEPS  # one draw per step, in order
+    c.train.steps = STEPS + 2
+    lines = []
+    experiment.run(c, workdir, log=lines.append)
+    assert not any("no runtime state" in x for x in lines)
+    assert delivered == [(0, d) for d in range(STEPS + 2)]
+    assert [r["step"] for r in _steps(workdir)] == list(range(1, STEPS + 3))
+    kept = checkpoint.Checkpointer(ckdir).manager.all_steps()
+    assert sorted(kept) == [STEPS, STEPS + 2]
+    assert sorted(n for n in os.listdir(ckdir) if n.endswith(".runtime")) == sorted(f"{v}.runtime" for v in kept)

@@ -5,6 +5,10 @@ a version becomes usable once the delay model's delay (seconds) has passed since
 publication, checked between batches and, with `refresh_mid_generation`, between decode
 segments. The learner loop (`run`) takes acceptable batches from the queue, trains, and
 publishes. A failing worker stops the run with its error and traceback; nothing hangs.
+Each queue item carries its origin (worker, draw, groups); what the learner trains or the queue
+drops is delivered to the orchestrator's `DataPosition` (position.py), and workers start each
+run() call at their first undelivered draw, so what was queued or decoding when the previous
+call stopped is generated again, never skipped.
 
 With continuous batching (`sampler.batching="continuous"`) a worker streams instead: its
 decode slots never wait for a batch to end, each prompt group goes to the queue as soon as its
@@ -41,7 +45,7 @@ class SamplerWorker(threading.Thread):
         self.version, self.params, _ = orch.store.latest_timed()
         self.delay = orch.delay.sample(self.rng)
         self.busy_s, self.reward_failures, self.error = 0.0, 0, None
-        self.produced = orch.produced.get(index, 0)
+        self.todo = orch.position.todo(index)  # draws (and groups) not yet delivered, in order
 
     def refresh(self):
         """Switch to the newest weights once their delay has passed; returns (version, params)
@@ -57,16 +61,20 @@ class SamplerWorker(threading.Thread):
         try:
             if streams(self.orch):
                 return self._stream()
-            while not self.stop.is_set():  # `produced` continues across run() calls
+            g = self.orch.sampler.cfg.num_samples
+            for draw, groups in self.todo:
+                if self.stop.is_set():
+                    break
                 self.refresh()
                 t = time.perf_counter()
-                batch, failures = self.orch.produce(self.params, self.version, self.index + 1, self.produced,
-                                                    refresh=mid)
+                batch, failures = self.orch.produce(self.params, self.version, self.index + 1, draw, refresh=mid)
                 self.busy_s += time.perf_counter() - t
                 self.reward_failures += failures
-                self.produced += 1
+                if len(groups) < self.orch.cfg.prompts_per_batch:  # partly delivered (e.g. before a batching change)
+                    rows = np.concatenate([k * g + np.arange(g) for k in groups])
+                    batch = jax.tree.map(lambda x: x[rows], batch)
                 self.orch.lengths.add("generated", batch)
-                self._put(batch)
+                self._put((self.index, draw, groups), batch)
         except QueueClosed:
             pass
         except BaseException as e:  # surfaced by the learner loop
@@ -74,14 +82,15 @@ class SamplerWorker(threading.Thread):
             self.stop.set()
             self.queue.close()
 
-    def _put(self, batch):
-        """Enqueue under the batch's oldest token version; waits while the queue is full.
-        Returns the seconds it waited."""
+    def _put(self, origin, batch):
+        """Enqueue `(origin, batch)` under the batch's oldest token version (origin: (worker,
+        draw, groups), what the learner delivers once it trains on it); waits while the queue
+        is full. Returns the seconds it waited."""
         version = staleness.oldest_version(batch.versions, batch.loss_mask)
         t = time.perf_counter()
         while not self.stop.is_set():
             try:
-                self.queue.put(batch, version, timeout=POLL_S)
+                self.queue.put((origin, batch), version, timeout=POLL_S)
                 break
             except QueueTimeout:
                 continue
@@ -99,18 +108,22 @@ class SamplerWorker(threading.Thread):
         drawn, parts = {}, {}
         admission = orch.admission
 
+        upcoming = [next(self.todo)]  # the next draw, taken from `todo` once admitted
+
         def feed():
+            draw, groups = upcoming[0]
             if admission is not None and not admission.try_admit(self.version, orch.store.latest_timed()[0],
-                                                                 orch.cfg.prompts_per_batch):
+                                                                 len(groups)):
                 return ()  # held back: the learner could not train these tokens within the bound
-            prompts, key = orch.draw(self.index + 1, self.produced)
+            upcoming[0] = next(self.todo)
+            prompts, key = orch.draw(self.index + 1, draw)
             toks, mask, _ = sampler.pad_prompts(prompts, width=p)
             if toks.shape[1] != p:
                 raise ValueError(f"a prompt is longer than the task's max_prompt_len bucket {p}")
-            drawn[self.produced] = [prompts, toks, mask, len(prompts), self.version]
-            ids = self.produced * per_draw + np.arange(per_draw)
-            self.produced += 1
-            return ids, toks, mask, np.full(per_draw, sampler.cfg.max_new_tokens), engine.row_keys(key, ids % per_draw)
+            drawn[draw] = [prompts, toks, mask, len(groups), self.version]
+            rows = np.concatenate([k * g + np.arange(g) for k in groups])  # only groups not yet delivered
+            return (draw * per_draw + rows, toks[rows], mask[rows], np.full(len(rows), sampler.cfg.max_new_tokens),
+                    engine.row_keys(key, rows))
 
         self.refresh()
         start, waited = time.perf_counter(), 0.0
@@ -139,10 +152,10 @@ class SamplerWorker(threading.Thread):
             admitted = [drawn[d][4] for d, _ in sel]
             for draw in {d for d, _ in sel if drawn[d][3] == 0}:
                 del drawn[draw]
-            for i in range(len(complete)):
+            for i, (draw, rows) in enumerate(sel):
                 group = jax.tree.map(lambda x: x[i * g:(i + 1) * g], batch)
                 orch.lengths.add("generated", group)
-                waited += self._put(group)
+                waited += self._put((self.index, draw, [int(rows[0]) // g]), group)
                 if admission is not None:
                     admission.enqueued(admitted[i])
             self.busy_s = time.perf_counter() - start - waited
@@ -160,8 +173,8 @@ def streams(orch) -> bool:
 
 
 def _next_batch(queue: VersionedQueue, workers, learner_version: int, items: int = 1, admission=None):
-    """The next acceptable batch for the learner (`items` queue entries, e.g. prompt groups,
-    stacked), once every process holds one (one small collective per poll, so no process
+    """The next acceptable `items` queue entries ((origin, batch) each; e.g. prompt groups)
+    for the learner, once every process holds one (one small collective per poll, so no process
     enters a learner step another will not); a failed worker, here or in another process,
     raises instead of waiting. With `admission`, groups are taken only once the step may run
     (`Admission.may_step`), oldest first."""
@@ -181,7 +194,7 @@ def _next_batch(queue: VersionedQueue, workers, learner_version: int, items: int
             _raise_failed(workers)
             raise RuntimeError(f"process {int(np.argmin(status))}'s sampler failed; see its log")
         if (status == 1).all():
-            return got[0] if items == 1 else TrajectoryBatch.concat(got)
+            return got
 
 
 def run(orch, state, num_steps: int, emit):
@@ -193,7 +206,7 @@ def run(orch, state, num_steps: int, emit):
     # Under admission every admitted group fits in the queue (no producer blocks the oldest group).
     size = max(c.queue_size, c.max_staleness + 1 if admit else 0) * items
     queue = VersionedQueue(size, None if c.max_staleness < 0 else c.max_staleness, c.staleness_policy,
-                           on_drop=lambda b: orch.lengths.add("dropped", b))
+                           on_drop=orch.dropped_item)
     stop = threading.Event()
     workers = [SamplerWorker(orch, w, queue, stop) for w in range(c.num_samplers)]
     orch.add_workers(workers)
@@ -203,10 +216,13 @@ def run(orch, state, num_steps: int, emit):
     try:
         for _ in range(num_steps):
             t0 = time.perf_counter()
-            batch = _next_batch(queue, workers, int(state.version), items, orch.admission)
+            got = _next_batch(queue, workers, int(state.version), items, orch.admission)
+            batch = got[0][1] if items == 1 else TrajectoryBatch.concat([b for _, b in got])
             orch.lengths.add("trained", batch)
             idle += time.perf_counter() - t0
-            state, m = orch.train(state, batch, dropped=queue.stats.dropped)
+            state, m = orch.train(state, batch)
+            for origin, _ in got:  # trained: not generated again after a stop or a resume
+                orch.position.deliver(*origin)
             if orch.admission is not None:  # after the new version is published: admission reads both
                 orch.admission.trained(items)
             elapsed = time.perf_counter() - start

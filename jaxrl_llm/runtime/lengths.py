@@ -36,6 +36,14 @@ class LengthCounts:
             grown[:len(new)] += new
             self._counts[kind] = grown
 
+    def state(self) -> dict:
+        with self._lock:
+            return {k: c.tolist() for k, c in self._counts.items()}
+
+    def load(self, state: dict) -> None:
+        with self._lock:
+            self._counts = {k: np.asarray(state[k], np.int64) for k in KINDS}
+
     def samples(self, kind: str) -> np.ndarray:
         """Every recorded length of `kind`, sorted."""
         c = self._counts[kind]

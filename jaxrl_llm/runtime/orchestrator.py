@@ -34,6 +34,7 @@ from jaxrl_llm import validation as V
 from jaxrl_llm.runtime import async_mode
 from jaxrl_llm.runtime import delay as delay_lib
 from jaxrl_llm.runtime.lengths import LengthCounts
+from jaxrl_llm.runtime.position import DataPosition
 from jaxrl_llm.runtime.weights import WeightStore
 
 MODES = ("sync", "iterative", "offpolicy", "simulated", "async")
@@ -136,7 +137,8 @@ class Orchestrator:
         self._key = jax.random.key(self.cfg.seed)
         self._delay_rng = np.random.default_rng([self.cfg.seed, 10_007])  # simulated delays
         self._held = self._sampled = None  # iterative: the reused batch; offpolicy: its sampler params
-        self.produced: dict[int, int] = {}  # async: batches each sampler worker has drawn so far
+        self.position = DataPosition(self.cfg.prompts_per_batch)  # async: what each worker has delivered
+        self.dropped = 0  # async: queue items dropped as over-stale, across run() calls
         self.admission = None  # async with staleness_policy="admit" (runtime/admission.py)
         self.lengths = LengthCounts()  # async: completion lengths generated / trained / dropped, across run() calls
 
@@ -153,7 +155,28 @@ class Orchestrator:
         for w in workers:
             self._workers.remove(w)
             self._reward_failures += w.reward_failures
-            self.produced[w.index] = w.produced
+
+    def dropped_item(self, item) -> None:
+        """The queue dropped `(origin, batch)` as over-stale: counted, and delivered (not
+        generated again)."""
+        origin, batch = item
+        self.dropped += 1
+        self.lengths.add("dropped", batch)
+        self.position.deliver(*origin)
+
+    def runtime_state(self) -> dict:
+        """What a checkpoint keeps besides the TrainState so that a resumed run continues as
+        this one would have (JSON-able, per process): the async data position, the simulated
+        mode's delay stream, and run-long counters."""
+        return {"position": self.position.state(), "delay_rng": self._delay_rng.bit_generator.state,
+                "over_stale": self.over_stale, "dropped": self.dropped, "lengths": self.lengths.state()}
+
+    def load_runtime_state(self, s: dict) -> Optional[str]:
+        """Continue from `runtime_state()`; returns a note where it cannot be exact."""
+        self._delay_rng.bit_generator.state = s["delay_rng"]
+        self.over_stale, self.dropped = s["over_stale"], s["dropped"]
+        self.lengths.load(s["lengths"])
+        return self.position.load(s["position"])
 
     # ------------------------------------------------------------------ one batch
     def produce(self, params, version: int, worker: int, counter: int, refresh=None):
@@ -182,7 +205,7 @@ class Orchestrator:
                                  mask_zero_variance=self.cfg.mask_zero_variance)
         return batch.replace(rewards=jnp.asarray(rewards), advantages=adv), failures
 
-    def train(self, state, batch, dropped: int = 0):
+    def train(self, state, batch):
         """One learner step on `batch` (with many processes: this process's rows of the global
         batch), then publish the new version. Host-side metrics are over every process.
         Returns (state, metrics)."""
@@ -192,7 +215,7 @@ class Orchestrator:
         # One gather for every process's scalars: [max staleness, reward sum, rows, failures,
         # dropped, histogram length] (each host collective costs ~1-2 ms over gloo).
         g = distributed.gather(np.array([d.max(initial=0), rewards.sum(), rewards.size, self.reward_failures,
-                                         dropped, hist.size], np.float64))
+                                         self.dropped, hist.size], np.float64))
         self.over_stale += int(staleness.exceeds(int(g[:, 0].max()), self.cfg.max_staleness))
         totals = g[:, 1:5].sum(0)
         state, m = self.learner.train_step(state, batch)
@@ -238,8 +261,8 @@ class Orchestrator:
             self.schedule.append(d)
             return self._produce(self.store.get(version - d), version - d, version)
         if c.mode == "iterative":
-            if version % c.reuse == 0 or self._held is None:
-                self._held = self._produce(self.store.latest()[1], version, version)
+            if version % c.reuse == 0 or self._held is None:  # None mid-cycle: resumed; same prompts, restored params
+                self._held = self._produce(self.store.latest()[1], version, version - version % c.reuse)
             return self._held
         if c.mode == "sync" or version % c.refresh_every == 0 or self._sampled is None:
             self._sampled = self.store.latest()  # offpolicy: sampler params of the last refresh
