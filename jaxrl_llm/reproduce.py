@@ -93,7 +93,7 @@ def run_all(runs, workdir: str, log=print) -> None:
     for i, (name, c) in enumerate(runs):
         d = os.path.join(workdir, "runs", name)
         done = os.path.join(d, "done.json")
-        if os.path.exists(done):
+        if _finished(done):  # a failed run is tried again (resuming from its checkpoints)
             continue
         t = time.time()
         try:
@@ -101,10 +101,19 @@ def run_all(runs, workdir: str, log=print) -> None:
         except Exception as e:  # one failed run does not lose the others: its arm reports nan
             summary = {"error": f"{type(e).__name__}: {e}"}
             log(f"  {name} failed: {summary['error']}")
+        os.makedirs(d, exist_ok=True)  # a run can fail before it made its directory
         with open(done, "w") as f:
             json.dump(summary, f, default=float)
         log(f"[{i + 1}/{len(runs)}] {name}: eval/reward {summary.get('eval/reward_start', float('nan')):.3f} -> "
             f"{summary.get('eval/reward', float('nan')):.3f} in {time.time() - t:.0f} s (total {time.time() - t0:.0f} s)")
+
+
+def _finished(done: str) -> bool:
+    try:
+        with open(done) as f:
+            return "error" not in json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
 
 
 def run_seconds(runs, workdir: str) -> float:
@@ -117,25 +126,16 @@ def run_seconds(runs, workdir: str) -> float:
 
 
 def a3po_prox_time(config, seed: int, calls: int = 200) -> float:
-    """Seconds per call of A-3PO's proximal interpolation (`a3po_prox_logp`, jitted alone, so
-    dispatch included) on a batch of the run's shape: rows x (prompt + answer length)."""
-    import jax
-
+    """Median seconds per call of A-3PO's proximal interpolation on a batch of the run's shape:
+    rows x (prompt + answer length)."""
     from jaxrl_llm import tasks, testing
-    from jaxrl_llm.objectives.ppo import a3po_prox_logp
+    from jaxrl_llm.objectives.ppo import time_a3po_prox
 
     task = tasks.make(config.task)
     s = testing.random_batch(seed, num_prompts=config.runtime.prompts_per_batch,
                              group_size=config.sampler.num_samples,
                              length=task.max_prompt_len + task.max_answer_len, vocab=8)
-    fn = jax.jit(a3po_prox_logp)
-    jax.block_until_ready(fn(s.policy, s.batch))
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(s.policy, s.batch))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return float(np.median(time_a3po_prox(s.policy, s.batch, calls)))
 
 
 def _load(workdir: str, name: str) -> dict:

@@ -96,3 +96,20 @@ def test_reproduce_writes_claims_with_seeds_and_verdicts_and_skips_finished_runs
     for bad in ("--claims=nope", "--seeds=0", "--seeds=1,1"):  # argparse errors name the flag
         with pytest.raises(SystemExit):
             reproduce.main([f"--workdir={tmp_path}", bad])
+
+
+def test_a_failed_run_is_tried_again_and_a_finished_one_is_not(tmp_path, monkeypatch):
+    calls = []
+
+    def run(config, workdir, log=None):
+        calls.append(workdir)
+        if len(calls) == 1:
+            raise RuntimeError("disk went away")
+        return {"eval/reward": 0.5}
+
+    monkeypatch.setattr(reproduce.experiment, "run", run)
+    lines = []
+    for _ in range(3):
+        reproduce.run_all([("a_seed0", None)], str(tmp_path), log=lines.append)
+    assert len(calls) == 2 and "failed: RuntimeError: disk went away" in lines[0]
+    assert json.load(open(tmp_path / "runs" / "a_seed0" / "done.json")) == {"eval/reward": 0.5}

@@ -98,6 +98,24 @@ def a3po_prox_logp(policy: PolicyOutput, batch: TrajectoryBatch):
     return prox, alpha
 
 
+def time_a3po_prox(policy: PolicyOutput, batch: TrajectoryBatch, repeats: int = 50) -> list[float]:
+    """Seconds of each of `repeats` calls of `a3po_prox_logp` jitted alone (dispatch included;
+    the compiling call is not counted): what A-3PO pays for pi_prox, to set against the
+    recompute pass of decoupled PPO (experiments/bench_learner.py, `jaxrl_llm.reproduce`)."""
+    import time
+
+    import jax
+
+    fn = jax.jit(lambda p, b: a3po_prox_logp(p, b)[0])
+    jax.block_until_ready(fn(policy, batch))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(policy, batch))
+        times.append(time.perf_counter() - t)
+    return times
+
+
 # Staleness buckets of the proximal-approximation diagnostics: d = 0, 1, 2, 3-4, 5-8, 9+.
 PROX_BUCKETS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, None))
 
