@@ -24,13 +24,14 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import struct
 
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm import distributed, objectives, packing, sharding, step_metrics
+from jaxrl_llm import distributed, minibatches, objectives, packing, sharding, step_metrics
 from jaxrl_llm import validation as V
 from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch
 from jaxrl_llm.models import decoder, heads
@@ -132,6 +133,9 @@ class Learner:
             axes = self.aux.logical_axes and self.aux.logical_axes(self.aux_ctx)
             self.aux_sh = (sharding.param_shardings(axes, self.mesh, mesh_cfg) if axes is not None
                            else sharding.replicated(self.mesh))
+        # Pure data parallelism (fsdp = tensor = 1): each batch shard differentiates its own copy
+        # of the params and the copies' gradients meet in one flat all-reduce (`_replica_grads`).
+        self._replicas = sharding.batch_size(self.mesh) if sharding.pure_data(self.mesh) else 0
         self.forward_traces = 0  # policy forwards traced (a3po must add none)
         self._prox = jax.jit(self._prox_pass)
         self._ref = jax.jit(self._ref_pass)
@@ -208,12 +212,22 @@ class Learner:
         return jax.device_put(state, shardings)
 
     # ------------------------------------------------------------------ passes
-    def _stats(self, params, batch, topk=0, gather=True, return_hidden=False, plan=None):
+    def _stats(self, params, batch, topk=0, gather=True, return_hidden=False, plan=None, replicas=0):
         """Per-token stats in the padded [B, L] layout; with a (one-minibatch) `plan` the
-        decoder runs on the packed rows and the results are scattered back."""
+        decoder runs on the packed rows and the results are scattered back. `replicas` = S:
+        `params` holds one copy per batch shard ([S, ...]); shard s's rows use copy s."""
         self.forward_traces += 1
         gather_ids = batch.topk_ids if gather and batch.topk > 0 else None
         kw = dict(dist=self.dist, topk=topk, chunk=self.cfg.logprob_chunk, return_hidden=return_hidden)
+        if replicas:
+            on = NamedSharding(self.mesh, P(sharding.BATCH_AXES))
+            split = lambda x: None if x is None else jax.lax.with_sharding_constraint(  # noqa: E731
+                x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]), on)
+            one = lambda p, t, m, k, g: heads.sequence_logprobs(  # noqa: E731
+                p, self.model_cfg, t, m, kept_BxL=k, gather_ids_BxLxK=g, **kw)
+            out = jax.vmap(one)(params, split(batch.tokens), split(batch.input_mask), split(batch.behav_kept),
+                                split(gather_ids))
+            return {k: v.reshape(-1, *v.shape[2:]) for k, v in out.items()}
         if plan is None:
             return heads.sequence_logprobs(params, self.model_cfg, batch.tokens, batch.input_mask,
                                            kept_BxL=batch.behav_kept, gather_ids_BxLxK=gather_ids, **kw)
@@ -229,10 +243,10 @@ class Learner:
         minibatch), the results concatenated back to [B, ...]."""
         if plan is None:
             return self._stats(params, batch, **kw)
-        m = plan.src.shape[0]
-        mbs = jax.tree_util.tree_map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+        m, shards = plan.src.shape[0], sharding.batch_size(self.mesh)
+        mbs = jax.tree_util.tree_map(lambda x: minibatches.split(x, m, shards), batch)
         out = jax.lax.map(lambda a: self._stats(params, a[0], plan=a[1], **kw), (mbs, plan))
-        return jax.tree_util.tree_map(lambda y: y.reshape(-1, *y.shape[2:]), out)
+        return jax.tree_util.tree_map(lambda y: minibatches.join(y, shards), out)
 
     def _prox_pass(self, params, batch, plan):
         """pi_prox = the policy at the start of the step (decoupled PPO's recompute pass)."""
@@ -242,11 +256,11 @@ class Learner:
     def _ref_pass(self, ref_params, batch, plan):
         return self._batch_stats(ref_params, batch, plan, gather=False)["logp"]
 
-    def _loss(self, params, batch, version, rng, plan=None):
+    def _loss(self, params, batch, version, rng, plan=None, replicas=0):
         """Objective loss; aux = (metrics, sg(final hidden states)), the latter handed to the
         auxiliary model's loss instead of a second policy forward."""
         topk = batch.topk if "topk" in self.needs else 0
-        s = self._stats(params, batch, topk=topk, return_hidden=self.aux is not None, plan=plan)
+        s = self._stats(params, batch, topk=topk, return_hidden=self.aux is not None, plan=plan, replicas=replicas)
         policy = PolicyOutput(logp=s["logp"], version=version, entropy=s["entropy"],
                               logp_at_behav_topk=s.get("logp_at_ids"), topk_ids=s.get("topk_ids"),
                               topk_logp=s.get("topk_logp"), rng=rng)
@@ -264,10 +278,28 @@ class Learner:
             metrics["kl_behav/topk"] = masked_mean(kl, mask)
         return loss, (metrics, jax.lax.stop_gradient(s.get("hidden")))
 
+    def _replica_grads(self, params, batch, version, rng):
+        """`value_and_grad(_loss)` by shard: each of the S batch shards differentiates its own
+        copy of the (replicated) params on its rows, within the same global loss, so copy s's
+        gradient is shard s's part of the sum; the parts are flattened into one [S, N] array
+        and summed: one all-reduce of N floats per update. XLA's own partitioning reduces each
+        parameter's gradient separately (one collective per tensor), which over gloo / DCN costs
+        a round trip each (experiments/README.md "Many hosts")."""
+        d = self._replicas
+        on = NamedSharding(self.mesh, P(sharding.BATCH_AXES))
+        copies = jax.tree_util.tree_map(
+            lambda p: jax.lax.with_sharding_constraint(jnp.broadcast_to(p, (d,) + p.shape), on), params)
+        out, g = jax.value_and_grad(self._loss, has_aux=True)(copies, batch, version, rng, replicas=d)
+        leaves, tree = jax.tree_util.tree_flatten(g)
+        flat = jnp.concatenate([x.reshape(d, -1).astype(jnp.float32) for x in leaves], axis=1).sum(0)
+        parts = jnp.split(flat, np.cumsum([x[0].size for x in leaves])[:-1].tolist())
+        return out, tree.unflatten([p.reshape(x.shape[1:]).astype(x.dtype) for p, x in zip(parts, leaves)])
+
     def _train_step(self, state: TrainState, batch: TrajectoryBatch, plan: Optional[packing.PackPlan] = None):
         self.step_traces += 1
         m_count = self.cfg.num_minibatches
-        mbs = jax.tree_util.tree_map(lambda x: x.reshape(m_count, x.shape[0] // m_count, *x.shape[1:]), batch)
+        shards = sharding.batch_size(self.mesh)
+        mbs = jax.tree_util.tree_map(lambda x: minibatches.split(x, m_count, shards), batch)  # laid out by prepare
 
         def update(params, opt_state, grads, loss):
             # Nothing is applied on a non-finite loss or gradient. A cond, not a select between
@@ -282,8 +314,11 @@ class Learner:
         def one(carry, xs):
             st, (mb, pl) = carry, xs
             rng = jax.random.fold_in(st.rng, st.step)
-            (loss, (metrics, hidden)), grads = jax.value_and_grad(self._loss, has_aux=True)(
-                st.params, mb, st.version, rng, pl)
+            if self._replicas and pl is None:
+                (loss, (metrics, hidden)), grads = self._replica_grads(st.params, mb, st.version, rng)
+            else:
+                (loss, (metrics, hidden)), grads = jax.value_and_grad(self._loss, has_aux=True)(
+                    st.params, mb, st.version, rng, pl)
             params, opt_state, update_norm, ok = update(st.params, st.opt_state, grads, loss)
             metrics.update({"grad_norm": optax.global_norm(grads), "update_norm": update_norm})
             aux = st.aux
@@ -320,6 +355,7 @@ class Learner:
                 and batch.shape[1] >= self.cfg.get("packing_min_len", 0)):
             plan = packing.plan(jax.device_get(batch.input_mask), self.cfg.num_minibatches,
                                 multiple=sharding.batch_size(self.mesh))
+        batch = self._layout(batch)
         batch = sharding.shard_batch(batch, self.mesh)
         if plan is not None:  # packed rows split over the batch axes like the batch's rows
             row_sh = NamedSharding(self.mesh, P(None, sharding.BATCH_AXES))
@@ -337,6 +373,19 @@ class Learner:
         if "ref_logp" in self.needs:
             batch = batch.replace(ref_logp=self._ref(state.ref_params, batch, plan))
         return batch, plan, timings
+
+    def _layout(self, batch: TrajectoryBatch) -> TrajectoryBatch:
+        """This process's rows in the order `minibatches.split` expects (each device's block
+        carries its share of every minibatch); with many processes, group ids made distinct
+        across processes (each numbers its own groups from 0)."""
+        shards, procs = sharding.batch_size(self.mesh), distributed.count()
+        order = minibatches.host_order(batch.shape[0], self.cfg.num_minibatches, max(1, shards // procs), shards)
+        if procs > 1:
+            ids = np.unique(np.asarray(batch.group_ids), return_inverse=True)[1].reshape(-1)
+            batch = batch.replace(group_ids=(ids + distributed.index() * ids.size).astype(np.int32))
+        if order is None:
+            return batch
+        return jax.tree_util.tree_map(lambda x: x[order], batch)
 
     def lower_step(self, state: TrainState, batch: TrajectoryBatch):
         """`train_step`'s program, lowered and not run (its memory analysis, its HLO)."""

@@ -84,6 +84,11 @@ def batch_size(mesh: Mesh) -> int:
     return int(np.prod([mesh.shape[a] for a in BATCH_AXES if a in mesh.shape]))
 
 
+def pure_data(mesh: Mesh) -> bool:
+    """Whether the mesh only splits rows (data > 1, fsdp = tensor = 1): params replicated."""
+    return mesh.shape.get("data", 1) > 1 and all(mesh.shape.get(a, 1) == 1 for a in ("fsdp", "tensor"))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

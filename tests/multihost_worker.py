@@ -1,9 +1,13 @@
-"""One process of a many-process learner run: `python -m tests.multihost_worker PID N PORT DEVICES OUT`.
+"""One process of a many-process learner run:
+`python -m tests.multihost_worker PID N PORT DEVICES OUT [OBJECTIVE]`.
 
-Every process builds the same 16-row global batch and feeds the learner its own rows; the
-learner's mesh (data=2 x fsdp=2) spans all processes' devices. Process 0 writes the params
-after 3 steps (gathered onto its devices) and the losses to OUT (.npz). With N=1 the one
-process feeds all rows: the reference the many-process run must equal.
+Every process builds the same 16-row global batch (4 groups of 4) and feeds the learner its own
+rows, with group ids numbered from 0 as each process's sampler numbers them; the learner's mesh
+(data=2 x fsdp=2) spans all processes' devices. Process 0 writes the params after 3 steps
+(gathered onto its devices) and the losses to OUT (.npz). With N=1 the one process feeds all
+rows: the reference the many-process run must equal. Its rows come in the order that gives it
+the two-process minibatches (`jaxrl_llm.minibatches`: minibatch m holds every process's m-th
+chunk of its rows).
 """
 
 import sys
@@ -11,7 +15,7 @@ import sys
 import jax
 
 
-def main(pid, n, port, devices, out):
+def main(pid, n, port, devices, out, objective="decoupled_ppo"):
     jax.config.update("jax_num_cpu_devices", int(devices))
     from jaxrl_llm import distributed
 
@@ -30,15 +34,19 @@ def main(pid, n, port, devices, out):
     c = L.default_config()
     c.lr, c.num_minibatches = 3e-3, 2
     mesh = sharding.make_mesh(dict(data=2, fsdp=2, tensor=1, rules=sharding.DEFAULT_RULES))
-    lrn = L.Learner(model, {"name": "decoupled_ppo", "kl": {"coef": 0.05}}, c, mesh=mesh)
+    lrn = L.Learner(model, {"name": objective, "kl": {"coef": 0.05}}, c, mesh=mesh)
     state = lrn.init(jax.random.key(0))
     data_params = models.init_params(model, jax.random.key(7))
     rows = 16 // distributed.count()
-    mine = slice(distributed.index() * rows, (distributed.index() + 1) * rows)
+    # 1 process: [process 0's chunk 0, process 1's chunk 0, process 0's chunk 1, ...] of 2 processes
+    mine = (np.arange(16).reshape(2, 2, 4).transpose(1, 0, 2).reshape(-1) if distributed.count() == 1
+            else np.arange(distributed.index() * rows, (distributed.index() + 1) * rows))
     losses = []
     for i in range(3):
         batch = testing.model_batch(data_params, model, seed=i, num_prompts=4, group_size=4, version=i)
-        state, m = lrn.train_step(state, jax.tree_util.tree_map(lambda x: np.asarray(x)[mine], batch))
+        batch = jax.tree_util.tree_map(lambda x: np.asarray(x)[mine], batch)
+        batch = batch.replace(group_ids=batch.group_ids - batch.group_ids.min())  # a process numbers its own
+        state, m = lrn.train_step(state, batch)
         losses.append(m["loss"])
     params = distributed.to_local(state.params)
     if distributed.is_main():

@@ -32,12 +32,13 @@ def _records(workdir):
     return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
 
 
-def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path):
+@pytest.mark.parametrize("objective", ["decoupled_ppo", "gepo"])  # gepo: group ids distinct across processes
+def test_two_processes_equal_one_process_on_the_same_global_batch(objective, tmp_path):
     def run(n, devices):
         port = launch.free_port()
         out = str(tmp_path / f"p{n}.npz")
-        cmds = [[sys.executable, "-m", "tests.multihost_worker", str(i), str(n), str(port), str(devices), out]
-                for i in range(n)]
+        cmds = [[sys.executable, "-m", "tests.multihost_worker", str(i), str(n), str(port), str(devices), out,
+                 objective] for i in range(n)]
         procs = [subprocess.Popen(c, cwd=ROOT, env=ENV) for c in cmds]
         assert all(p.wait(timeout=300) == 0 for p in procs)
         return np.load(out)

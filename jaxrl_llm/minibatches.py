@@ -1,0 +1,55 @@
+"""Which rows form each minibatch, laid out so that no minibatch leaves its devices.
+
+A step's B rows are split over the S devices of the batch axes (data x fsdp) in contiguous
+blocks, and its M minibatch updates run in a scan. Slicing minibatch m out of the contiguous
+layout would put it on B/(M·B/S) of the devices: XLA then all-gathers the whole batch inside
+every scan iteration and each device computes every minibatch (no data parallelism; over
+gloo/DCN the gathers dominate a multi-process step). Instead each device's block holds its
+share of every minibatch: in the jit, `[B] -> [S, M, c] -> [M, S, c] -> [M, B/M]` with
+c = B/(S·M), a local reshape.
+
+Which rows go together is the same with one device or many: with P processes of K shards
+each (S = P·K), minibatch m is every process's m-th contiguous chunk of its own rows, in
+process order (one process: rows [m·B/M, (m+1)·B/M), exactly the unsharded split). Each
+process reorders its rows on the host (`host_order`) so that its K blocks carry those chunks.
+Whole prompt groups stay together when a chunk holds whole groups (rows per process / M a
+multiple of the group size). Where the rows do not divide (B/S not a multiple of M) the plain
+contiguous split is used (correct, with the gathers).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def _local(rows: int, m: int, shards: int) -> bool:
+    return shards > 1 and rows % (shards * m) == 0
+
+
+def host_order(local_rows: int, m: int, local_shards: int, shards: int) -> Optional[np.ndarray]:
+    """The order in which a process hands its rows to the learner (None: as they are), so that
+    its k-th block of rows holds the k-th slice of each of its M chunks."""
+    if not _local(local_rows * (shards // local_shards), m, shards) or local_shards == 1:
+        return None
+    c = local_rows // (m * local_shards)
+    return np.arange(local_rows).reshape(m, local_shards, c).transpose(1, 0, 2).reshape(-1)
+
+
+def split(x, m: int, shards: int):
+    """[B, ...] (laid out by `host_order`) -> [M, B/M, ...], minibatch by minibatch."""
+    if not _local(x.shape[0], m, shards):
+        return x.reshape(m, x.shape[0] // m, *x.shape[1:])
+    y = x.reshape(shards, m, x.shape[0] // (shards * m), *x.shape[1:])
+    return jnp.swapaxes(y, 0, 1).reshape(m, x.shape[0] // m, *x.shape[1:])
+
+
+def join(y, shards: int):
+    """The inverse of `split`: [M, B/M, ...] -> [B, ...] in the batch's layout."""
+    m, b = y.shape[:2]
+    if not _local(m * b, m, shards):
+        return y.reshape(m * b, *y.shape[2:])
+    z = y.reshape(m, shards, b // shards, *y.shape[2:])
+    return jnp.swapaxes(z, 0, 1).reshape(m * b, *y.shape[2:])
