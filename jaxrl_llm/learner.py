@@ -314,7 +314,7 @@ class Learner:
         def one(carry, xs):
             st, (mb, pl) = carry, xs
             rng = jax.random.fold_in(st.rng, st.step)
-            if self._replicas and pl is None:
+            if self._replicas and pl is None and mb.shape[0] % self._replicas == 0:
                 (loss, (metrics, hidden)), grads = self._replica_grads(st.params, mb, st.version, rng)
             else:
                 (loss, (metrics, hidden)), grads = jax.value_and_grad(self._loss, has_aux=True)(
