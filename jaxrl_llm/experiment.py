@@ -363,7 +363,8 @@ def run(config, workdir: str, log=None) -> dict:
             v, t = int(state.version), config.train
             todo = min(t.eval_every - v % t.eval_every, t.save_every - v % t.save_every, t.steps - v)
             state, _ = orch.run(state, todo, on_metrics)
-            ckpt.save(state, runtime=orch.runtime_state())
+            # On the save interval, and always at the end: the final state is kept whatever the interval.
+            ckpt.save(state, force=int(state.version) == config.train.steps, runtime=orch.runtime_state())
             if int(state.version) % config.train.eval_every == 0 or int(state.version) == config.train.steps:
                 summary["eval/reward"] = evaluate(state)["eval/reward"]
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (preemption) through `preemption.Grace`

@@ -194,3 +194,37 @@ def test_an_async_run_resumed_from_its_checkpoint_trains_no_prompt_twice(tmp_pat
     kept = checkpoint.Checkpointer(ckdir).manager.all_steps()
     assert sorted(kept) == [STEPS, STEPS + 2]
     assert sorted(n for n in os.listdir(ckdir) if n.endswith(".runtime")) == sorted(f"{v}.runtime" for v in kept)
+
+
+def test_async_run_killed_with_sigkill_resumes_its_prompt_stream_where_the_checkpoint_left_it(tmp_path):
+    """kill -9 mid-run in async mode: the restored version's runtime state says every draw up
+    to it was trained once (one draw per step here) and the resumed process goes on from there;
+    a stream started over would deliver draw 0 twice, which `DataPosition` refuses."""
+    from tests.test_distributed import ENV, ROOT, TINY
+
+    base = [sys.executable, "-m", "jaxrl_llm.main", *TINY, "--config.runtime.mode=async",
+            "--config.runtime.max_staleness=-1", "--config.train.save_every=2", "--config.train.eval_every=1000",
+            "--config.train.keep=100"]
+    run = str(tmp_path / "run")
+    ckdir = os.path.join(run, "checkpoints")
+    p = subprocess.Popen([*base, f"--workdir={run}", "--config.train.steps=1000"], cwd=ROOT, env=ENV,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    path, deadline = os.path.join(run, "metrics.jsonl"), time.monotonic() + 240
+    while time.monotonic() < deadline and not (os.path.exists(os.path.join(ckdir, "4.runtime"))
+                                               and open(path).read().count('"loss"') >= 5):
+        time.sleep(0.1)
+    p.kill()
+    p.wait(timeout=60)
+    restored = checkpoint.Checkpointer(ckdir).latest_version()
+    assert restored >= 4
+
+    def position(version):
+        return json.load(open(os.path.join(ckdir, f"{version}.runtime", "process_0.json")))["position"]["workers"]["0"]
+
+    assert position(restored) == {"next": restored, "partial": {}}
+    end = restored + 3
+    r = subprocess.run([*base, f"--workdir={run}", f"--config.train.steps={end}"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert position(end) == {"next": end, "partial": {}}
+    assert [x["step"] for x in _steps(run)] == list(range(1, end + 1))
