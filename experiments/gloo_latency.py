@@ -1,0 +1,62 @@
+"""Seconds per all-reduce between 2 local processes over gloo, by buffer count and size (not a test).
+
+    python experiments/gloo_latency.py [--calls 200]
+
+Why the learner reduces one flat gradient (`Learner._replica_grads`): XLA:CPU's collectives
+run one gloo call per buffer of a combined (tuple) all-reduce, so many small tensors cost a
+round trip each where one buffer of the same total size costs about one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+CASES = ((1, 1), (1, 30), (3000, 30), (90000, 1))  # (floats per buffer, buffers)
+
+
+def worker(pid: int, port: str, calls: int) -> None:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 1)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid)
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    rows, rep = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
+    for n, k in CASES:
+        xs = [jax.make_array_from_process_local_data(rows, np.ones((1, n), np.float32)) for _ in range(k)]
+        f = jax.jit(lambda xs: [x.sum(0) for x in xs], out_shardings=rep)  # k buffers, one combined all-reduce
+        jax.block_until_ready(f(xs))
+        t = time.perf_counter()
+        for _ in range(calls):
+            jax.block_until_ready(f(xs))
+        if pid == 0:
+            print(f"{k:3d} buffer(s) x {n:6d} floats: {(time.perf_counter() - t) / calls * 1e6:8.0f} us per call",
+                  flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(int(args.worker[0]), args.worker[1], args.calls)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from jaxrl_llm.launch import free_port
+
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), port, "--calls", str(args.calls)],
+                              env=env, stderr=subprocess.DEVNULL) for i in range(2)]
+    sys.exit(max(p.wait() for p in procs))
+
+
+if __name__ == "__main__":
+    main()
