@@ -95,7 +95,8 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def restore(self, template: TrainState, version: Optional[int] = None) -> TrainState:
-        """Restore into the structure, dtypes and shardings of `template` (e.g. `learner.init(...)`)."""
+        """Restore into the structure, dtypes and shardings of `template`: a state or, without
+        allocating one, `learner.abstract_state()`."""
         version = self.latest_version() if version is None else version
         if version is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory!r}")

@@ -272,7 +272,7 @@ def run(config, workdir: str, log=None) -> dict:
     distributed.agree(0)  # nobody opens the directory while process 0 moves it
     ckpt = Checkpointer(ckdir, save_every=config.train.save_every, keep=config.train.keep)
     key = jax.random.key(config.seed)
-    restored = ckpt.restore_newest_readable(lambda: lrn.init(key), log=notes.append)
+    restored = ckpt.restore_newest_readable(lrn.abstract_state(), log=notes.append)
     resumed = restored is not None
     loaded, loaded_aux = b.pop("params"), b.pop("aux_params")  # dropped once the learner holds its copy
     if resumed:

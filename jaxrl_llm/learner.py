@@ -133,9 +133,12 @@ class Learner:
             axes = self.aux.logical_axes and self.aux.logical_axes(self.aux_ctx)
             self.aux_sh = (sharding.param_shardings(axes, self.mesh, mesh_cfg) if axes is not None
                            else sharding.replicated(self.mesh))
-        # Pure data parallelism (fsdp = tensor = 1): each batch shard differentiates its own copy
-        # of the params and the copies' gradients meet in one flat all-reduce (`_replica_grads`).
-        self._replicas = sharding.batch_size(self.mesh) if sharding.pure_data(self.mesh) else 0
+        # Pure data parallelism on CPU (fsdp = tensor = 1): each batch shard differentiates its own
+        # copy of the params and the copies' gradients meet in one flat all-reduce
+        # (`_replica_grads`): gloo makes one call per buffer. GPU/TPU collectives combine buffers
+        # themselves, and the flat copy would cost a gradient's memory there.
+        cpu = self.mesh.devices.flat[0].platform == "cpu"
+        self._replicas = sharding.batch_size(self.mesh) if cpu and sharding.pure_data(self.mesh) else 0
         self.forward_traces = 0  # policy forwards traced (a3po must add none)
         self._prox = jax.jit(self._prox_pass)
         self._ref = jax.jit(self._ref_pass)
@@ -187,15 +190,43 @@ class Learner:
             return distributed.put_global(jax.device_get(params), shardings)
         return jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p), out_shardings=shardings)(params)
 
-    def _opt_init(self, params, param_sh):
-        """Optimizer state created in place: moments sharded like their params, counters replicated."""
-        abstract = jax.eval_shape(self.opt.init, params)
+    def _opt_shardings(self, abstract_opt, param_sh):
+        """Moments sharded like their params (`param_sh`: a tree), counters replicated."""
         rep = sharding.replicated(self.mesh)
-        if isinstance(param_sh, jax.sharding.Sharding):  # one sharding for every leaf
-            param_sh = jax.tree_util.tree_map(lambda _: param_sh, params)
-        out_sh = optax.tree_map_params(self.opt, lambda _, sh: sh, abstract, param_sh,
-                                       transform_non_params=lambda _: rep)
+        return optax.tree_map_params(self.opt, lambda _, sh: sh, abstract_opt, param_sh,
+                                     transform_non_params=lambda _: rep)
+
+    def _opt_init(self, params, param_sh):
+        """Optimizer state created in place."""
+        out_sh = self._opt_shardings(jax.eval_shape(self.opt.init, params), _per_leaf(param_sh, params))
         return jax.jit(self.opt.init, out_shardings=out_sh)(params)
+
+    def abstract_state(self) -> TrainState:
+        """`init`'s state as ShapeDtypeStructs in its shardings, nothing allocated: the template
+        a checkpoint restores into (a concrete one would hold a second state during the read)."""
+        rep = sharding.replicated(self.mesh)
+        key = jax.random.key(0)
+
+        def structs(tree, shardings):
+            return jax.tree_util.tree_map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                          tree, shardings)
+
+        def model(init, shardings):
+            params = jax.eval_shape(init, key)
+            sh = _per_leaf(shardings, params)
+            opt = jax.eval_shape(self.opt.init, params)
+            return structs(params, sh), structs(opt, self._opt_shardings(opt, sh))
+
+        params, opt_state = model(lambda k: decoder.init_params(self.model_cfg, k), self.param_sh)
+        kw = {}
+        if self.aux is not None:
+            kw["aux"] = AuxState(*model(lambda k: self.aux.init(k, self.aux_ctx), self.aux_sh))
+        if "ref_logp" in self.needs:
+            kw["ref_params"] = params
+        scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+        rng = jax.eval_shape(lambda: jax.random.PRNGKey(self.cfg.seed))
+        return TrainState(params=params, opt_state=opt_state, step=scalar, version=scalar, skipped=scalar,
+                          rng=jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=rep), **kw)
 
     def place(self, state: TrainState) -> TrainState:
         """Commit every leaf to the mesh (params/optimizer keep their shardings, the rest is
@@ -407,6 +438,13 @@ class Learner:
                        version=float(state.version),
                        tokens_per_s=tokens / elapsed)
         return state, metrics
+
+
+def _per_leaf(shardings, tree):
+    """One sharding for every leaf of `tree`, or already a tree of them."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree_util.tree_map(lambda _: shardings, tree)
+    return shardings
 
 
 def _active_aux(objective, aux_model_cfg):
