@@ -62,6 +62,10 @@ def test_every_mode_runs_on_two_processes(mode, extra, tmp_path):
     assert [x["step"] for x in steps] == [1, 2, 3] and all(x["processes"] == 2 for x in steps)
     assert [x["step"] for x in recs if "eval/reward" in x] == [0, 3]
     assert "[0] " in r.stdout and "[1] " not in r.stdout.replace("[1] [Gloo]", "")  # only process 0 prints
+    # the final version is saved with each process's own data position (async: one draw per step)
+    saved = [json.load(open(tmp_path / "checkpoints" / "3.runtime" / f"process_{i}.json")) for i in range(2)]
+    if mode == "async" and not extra:
+        assert [s["position"]["workers"]["0"] for s in saved] == [{"next": 3, "partial": {}}] * 2
 
 
 def test_both_processes_killed_after_a_checkpoint_resume_as_an_uninterrupted_run(tmp_path):
