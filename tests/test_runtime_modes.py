@@ -392,3 +392,21 @@ def test_async_trains_every_prompt_once_across_chunks_and_a_resume(batching, max
             assert not partial
     if max_staleness == 0:
         assert hist[-1]["runtime/dropped"] == resumed.dropped > 0
+
+
+def test_simulated_delays_continue_across_a_resume():
+    """The delay stream is part of the runtime state: 3 steps, then a new orchestrator given
+    that state for 4 more, draw the delays of 7 uninterrupted steps; only the params of the
+    restored version are at hand after the resume, so there the staleness is capped by the
+    versions trained since (a resumed run used to ask for params it never had and fail)."""
+    kw = dict(max_staleness=3, delay=dict(kind="lognormal", min=0.5, max=6.0, value=1.0, weibull_shape=1.5))
+    straight, st = _orch("simulated", **kw)
+    straight.run(st, 7)
+    first, st = _orch("simulated", **kw)
+    st, _ = first.run(st, 3)
+    second, _ = _orch("simulated", **kw)
+    assert second.load_runtime_state(first.runtime_state()) is None
+    second.run(st, 4)
+    want = straight.schedule[3:]
+    assert first.schedule == straight.schedule[:3] and len(set(straight.schedule)) > 1
+    assert second.schedule == [min(d, i) for i, d in enumerate(want)] and max(want) > 0

@@ -257,7 +257,10 @@ class Orchestrator:
         boundaries) and resumed runs keep them; prompts are drawn per version."""
         c = self.cfg
         if c.mode == "simulated":
-            d = min(int(self.delay.steps(self._delay_rng, c.step_seconds, c.max_staleness)), version)
+            # Capped by the oldest params retained: right after a resume only the restored
+            # version is (past params are not checkpointed), so the first steps run fresher.
+            d = min(int(self.delay.steps(self._delay_rng, c.step_seconds, c.max_staleness)),
+                    version - self.store.versions[0])
             self.schedule.append(d)
             return self._produce(self.store.get(version - d), version - d, version)
         if c.mode == "iterative":
