@@ -2,7 +2,7 @@
 
     python experiments/gloo_latency.py [--calls 200]
 
-Why the learner reduces one flat gradient (`Learner._replica_grads`): XLA:CPU's collectives
+Why the learner reduces one flat gradient (`minibatches.replica_value_and_grad`): XLA:CPU's collectives
 run one gloo call per buffer of a combined (tuple) all-reduce, so many small tensors cost a
 round trip each where one buffer of the same total size costs about one.
 """

@@ -24,7 +24,6 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 from flax import struct
 
@@ -133,12 +132,12 @@ class Learner:
             axes = self.aux.logical_axes and self.aux.logical_axes(self.aux_ctx)
             self.aux_sh = (sharding.param_shardings(axes, self.mesh, mesh_cfg) if axes is not None
                            else sharding.replicated(self.mesh))
-        # Pure data parallelism on CPU (fsdp = tensor = 1): each batch shard differentiates its own
-        # copy of the params and the copies' gradients meet in one flat all-reduce
-        # (`_replica_grads`): gloo makes one call per buffer. GPU/TPU collectives combine buffers
-        # themselves, and the flat copy would cost a gradient's memory there.
+        # Pure data parallelism on CPU (fsdp = tensor = 1): one flat gradient all-reduce
+        # (`minibatches.replica_value_and_grad`); gloo makes one call per buffer. GPU/TPU
+        # collectives combine buffers themselves, and the flat copy would cost a gradient's memory.
         cpu = self.mesh.devices.flat[0].platform == "cpu"
         self._replicas = sharding.batch_size(self.mesh) if cpu and sharding.pure_data(self.mesh) else 0
+        self._on_shards = NamedSharding(self.mesh, P(sharding.BATCH_AXES))
         self.forward_traces = 0  # policy forwards traced (a3po must add none)
         self._prox = jax.jit(self._prox_pass)
         self._ref = jax.jit(self._ref_pass)
@@ -251,9 +250,7 @@ class Learner:
         gather_ids = batch.topk_ids if gather and batch.topk > 0 else None
         kw = dict(dist=self.dist, topk=topk, chunk=self.cfg.logprob_chunk, return_hidden=return_hidden)
         if replicas:
-            on = NamedSharding(self.mesh, P(sharding.BATCH_AXES))
-            split = lambda x: None if x is None else jax.lax.with_sharding_constraint(  # noqa: E731
-                x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]), on)
+            split = lambda x: minibatches.by_shard(x, replicas, self._on_shards)  # noqa: E731
             one = lambda p, t, m, k, g: heads.sequence_logprobs(  # noqa: E731
                 p, self.model_cfg, t, m, kept_BxL=k, gather_ids_BxLxK=g, **kw)
             out = jax.vmap(one)(params, split(batch.tokens), split(batch.input_mask), split(batch.behav_kept),
@@ -309,23 +306,6 @@ class Learner:
             metrics["kl_behav/topk"] = masked_mean(kl, mask)
         return loss, (metrics, jax.lax.stop_gradient(s.get("hidden")))
 
-    def _replica_grads(self, params, batch, version, rng):
-        """`value_and_grad(_loss)` by shard: each of the S batch shards differentiates its own
-        copy of the (replicated) params on its rows, within the same global loss, so copy s's
-        gradient is shard s's part of the sum; the parts are flattened into one [S, N] array
-        and summed: one all-reduce of N floats per update. XLA's own partitioning reduces each
-        parameter's gradient separately (one collective per tensor), which over gloo / DCN costs
-        a round trip each (experiments/README.md "Many hosts")."""
-        d = self._replicas
-        on = NamedSharding(self.mesh, P(sharding.BATCH_AXES))
-        copies = jax.tree_util.tree_map(
-            lambda p: jax.lax.with_sharding_constraint(jnp.broadcast_to(p, (d,) + p.shape), on), params)
-        out, g = jax.value_and_grad(self._loss, has_aux=True)(copies, batch, version, rng, replicas=d)
-        leaves, tree = jax.tree_util.tree_flatten(g)
-        flat = jnp.concatenate([x.reshape(d, -1).astype(jnp.float32) for x in leaves], axis=1).sum(0)
-        parts = jnp.split(flat, np.cumsum([x[0].size for x in leaves])[:-1].tolist())
-        return out, tree.unflatten([p.reshape(x.shape[1:]).astype(x.dtype) for p, x in zip(parts, leaves)])
-
     def _train_step(self, state: TrainState, batch: TrajectoryBatch, plan: Optional[packing.PackPlan] = None):
         self.step_traces += 1
         m_count = self.cfg.num_minibatches
@@ -346,7 +326,8 @@ class Learner:
             st, (mb, pl) = carry, xs
             rng = jax.random.fold_in(st.rng, st.step)
             if self._replicas and pl is None and mb.shape[0] % self._replicas == 0:
-                (loss, (metrics, hidden)), grads = self._replica_grads(st.params, mb, st.version, rng)
+                (loss, (metrics, hidden)), grads = minibatches.replica_value_and_grad(
+                    self._loss, st.params, self._replicas, self._on_shards, mb, st.version, rng, replicas=self._replicas)
             else:
                 (loss, (metrics, hidden)), grads = jax.value_and_grad(self._loss, has_aux=True)(
                     st.params, mb, st.version, rng, pl)
@@ -386,7 +367,8 @@ class Learner:
                 and batch.shape[1] >= self.cfg.get("packing_min_len", 0)):
             plan = packing.plan(jax.device_get(batch.input_mask), self.cfg.num_minibatches,
                                 multiple=sharding.batch_size(self.mesh))
-        batch = self._layout(batch)
+        batch = minibatches.host_layout(batch, self.cfg.num_minibatches, sharding.batch_size(self.mesh),
+                                        distributed.count(), distributed.index())
         batch = sharding.shard_batch(batch, self.mesh)
         if plan is not None:  # packed rows split over the batch axes like the batch's rows
             row_sh = NamedSharding(self.mesh, P(None, sharding.BATCH_AXES))
@@ -404,19 +386,6 @@ class Learner:
         if "ref_logp" in self.needs:
             batch = batch.replace(ref_logp=self._ref(state.ref_params, batch, plan))
         return batch, plan, timings
-
-    def _layout(self, batch: TrajectoryBatch) -> TrajectoryBatch:
-        """This process's rows in the order `minibatches.split` expects (each device's block
-        carries its share of every minibatch); with many processes, group ids made distinct
-        across processes (each numbers its own groups from 0)."""
-        shards, procs = sharding.batch_size(self.mesh), distributed.count()
-        order = minibatches.host_order(batch.shape[0], self.cfg.num_minibatches, max(1, shards // procs), shards)
-        if procs > 1:
-            ids = np.unique(np.asarray(batch.group_ids), return_inverse=True)[1].reshape(-1)
-            batch = batch.replace(group_ids=(ids + distributed.index() * ids.size).astype(np.int32))
-        if order is None:
-            return batch
-        return jax.tree_util.tree_map(lambda x: x[order], batch)
 
     def lower_step(self, state: TrainState, batch: TrajectoryBatch):
         """`train_step`'s program, lowered and not run (its memory analysis, its HLO)."""

@@ -15,12 +15,16 @@ process reorders its rows on the host (`host_order`) so that its K blocks carry 
 Whole prompt groups stay together when a chunk holds whole groups (rows per process / M a
 multiple of the group size). Where the rows do not divide (B/S not a multiple of M) the plain
 contiguous split is used (correct, with the gathers).
+
+`replica_value_and_grad`: on pure data meshes on CPU the gradient crosses devices and hosts as
+one flat buffer instead of one per parameter (XLA:CPU's gloo makes a call per buffer).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -53,3 +57,33 @@ def join(y, shards: int):
         return y.reshape(m * b, *y.shape[2:])
     z = y.reshape(m, shards, b // shards, *y.shape[2:])
     return jnp.swapaxes(z, 0, 1).reshape(m * b, *y.shape[2:])
+
+
+def host_layout(batch, m: int, shards: int, procs: int, index: int):
+    """This process's rows (a TrajectoryBatch) in the order `split` expects; with many
+    processes, group ids made distinct across processes (each numbers its own from 0)."""
+    order = host_order(batch.shape[0], m, max(1, shards // procs), shards)
+    if procs > 1:
+        ids = np.unique(np.asarray(batch.group_ids), return_inverse=True)[1].reshape(-1)
+        batch = batch.replace(group_ids=(ids + index * ids.size).astype(np.int32))
+    return batch if order is None else jax.tree_util.tree_map(lambda x: x[order], batch)
+
+
+def by_shard(x, shards: int, sharding):
+    """[B, ...] -> [S, B/S, ...], the leading axis on the batch shards (a local reshape)."""
+    return None if x is None else jax.lax.with_sharding_constraint(
+        x.reshape(shards, x.shape[0] // shards, *x.shape[1:]), sharding)
+
+
+def replica_value_and_grad(fn, params, shards: int, sharding, *args, **kw):
+    """`value_and_grad(fn, has_aux=True)` w.r.t. replicated `params`, by shard: `fn` gets one
+    params copy per batch shard ([S, ...] on `sharding`; shard s's rows must use copy s) inside
+    the same global loss, so copy s's gradient is shard s's part of the sum; the parts are
+    flattened into one [S, N] array and summed: one all-reduce of N floats per update."""
+    copies = jax.tree_util.tree_map(
+        lambda p: jax.lax.with_sharding_constraint(jnp.broadcast_to(p, (shards,) + p.shape), sharding), params)
+    out, g = jax.value_and_grad(fn, has_aux=True)(copies, *args, **kw)
+    leaves, tree = jax.tree_util.tree_flatten(g)
+    flat = jnp.concatenate([x.reshape(shards, -1).astype(jnp.float32) for x in leaves], axis=1).sum(0)
+    parts = jnp.split(flat, np.cumsum([x[0].size for x in leaves])[:-1].tolist())
+    return out, tree.unflatten([p.reshape(x.shape[1:]).astype(x.dtype) for p, x in zip(parts, leaves)])

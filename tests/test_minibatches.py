@@ -71,7 +71,7 @@ CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layer
                                                 ({"name": "decoupled_ppo"}, False, 8)])  # 4-row minibatches
 def test_a_pure_data_mesh_trains_like_one_device(objective, aux, data):
     """data=4: every shard differentiates its own params copy and the gradients meet in one
-    flat all-reduce (`Learner._replica_grads`); the steps equal a single device's. data=8 with
+    flat all-reduce (`minibatches.replica_value_and_grad`); the steps equal a single device's. data=8 with
     minibatches of 4 rows: XLA's own partitioning, the same steps."""
     c = L.default_config()
     c.lr, c.num_minibatches, c.packing = 3e-3, 2, "off"
