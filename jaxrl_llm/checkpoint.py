@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Optional
 
 import jax
@@ -78,9 +79,7 @@ class Checkpointer:
             for name in os.listdir(self.directory):
                 v = name[:-len(".runtime")]
                 if name.endswith(".runtime") and v.isdigit() and kept and int(v) < min(kept):
-                    for f in os.listdir(os.path.join(self.directory, name)):
-                        os.remove(os.path.join(self.directory, name, f))
-                    os.rmdir(os.path.join(self.directory, name))
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def runtime(self, version: int) -> Optional[dict]:
         """This process's runtime state saved with `version`, or None (none was saved, e.g. a

@@ -210,7 +210,8 @@ def test_async_run_killed_with_sigkill_resumes_its_prompt_stream_where_the_check
     p = subprocess.Popen([*base, f"--workdir={run}", "--config.train.steps=1000"], cwd=ROOT, env=ENV,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     path, deadline = os.path.join(run, "metrics.jsonl"), time.monotonic() + 240
-    while time.monotonic() < deadline and not (os.path.exists(os.path.join(ckdir, "4.runtime"))
+    # orbax renames a checkpoint to its version once written, so a "4" directory is complete
+    while time.monotonic() < deadline and not (os.path.isdir(os.path.join(ckdir, "4"))
                                                and open(path).read().count('"loss"') >= 5):
         time.sleep(0.1)
     p.kill()
