@@ -19,7 +19,7 @@ QWEN25 = {  # (layers, hidden, mlp, heads, kv heads, head_dim, tied)
     "3B": (36, 2048, 11008, 16, 2, 128, True),
     "7B": (28, 3584, 18944, 28, 4, 128, False),
 }
-MACHINES = {"24 GiB CPU": (24, "cpu"), "80 GB GPU": (80e9 / memory.GB, "gpu")}  # XLA:CPU adds f32 weight copies
+MACHINES = {"24 GiB CPU": (24, "cpu"), "80 GB GPU": (80e9 / memory.GB, "gpu")}  # XLA:CPU adds a layer's f32 weight copy
 
 
 def plan_gb(shape, rows, seq_len, minibatches, sample_rows, platform, prompt=256):

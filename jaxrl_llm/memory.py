@@ -17,7 +17,8 @@ Sampler (one call over `rows` rows): its weight copy in its compute dtype, the f
   unembedding the decode loop forms once (a copy when tied or not float32), the KV cache
   (2 x layers x rows x kv heads x head_dim x positions) twice (a segment's window grows by
   copying), per-step logits, and the prefill's attention over the prompt; on CPU a float32
-  copy of bfloat16 weights (XLA:CPU's bf16 matmuls run in float32).
+  copy of one layer's bfloat16 weights (XLA:CPU's bf16 matmuls run in float32; the decode
+  step converts layer by layer, `sampler._upcast_in_loop`).
 """
 
 from __future__ import annotations
@@ -68,17 +69,16 @@ def learner(cfg: ModelConfig, rows: int, seq_len: int, minibatches: int = 1, chu
 def sampler(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int, cache_dtype: str = "float32",
             weights_dtype: Optional[str] = None, platform: Optional[str] = None) -> dict:
     """Bytes of one sampler call over `rows` rows, by part. On CPU, XLA computes bfloat16
-    matmuls in float32 and holds float32 copies of bfloat16 weights for them (measured at 0.5B
-    shapes: a bf16 sampler peaks above a float32 one), so that copy is planned there too."""
+    matmuls in float32 from float32 copies of the weights, one layer at a time."""
     import jax
 
     w = nbytes(weights_dtype or cfg.dtype)
-    upcast = 4 * cfg.num_params if w == 2 and (platform or jax.default_backend()) == "cpu" else 0
+    upcast = 4 * cfg.layer_params if w == 2 and (platform or jax.default_backend()) == "cpu" else 0
     unembed = cfg.hidden_size * cfg.vocab_size * 4
     copies_unembed = cfg.tie_word_embeddings or w != 4
     positions = prompt_len + new_tokens
     cache = 2 * cfg.num_layers * rows * cfg.num_kv_heads * cfg.head_dim * positions * nbytes(cache_dtype)
-    return {"weights": cfg.num_params * w, "cpu_f32_copy": upcast, "unembed_f32": unembed if copies_unembed else 0,
+    return {"weights": cfg.num_params * w, "cpu_f32_layer": upcast, "unembed_f32": unembed if copies_unembed else 0,
             "kv_cache": 2 * cache, "logits": 4 * rows * cfg.vocab_size * 4,
             "prefill": rows * cfg.num_heads * prompt_len * prompt_len * 8 + rows * prompt_len * cfg.hidden_size * 16}
 

@@ -59,4 +59,29 @@ def test_bench_scale_end_to_end_runs_the_cli_on_a_written_checkpoint():
     a = argparse.Namespace(tiny=True, remat="full", rows=8, new_tokens=16, minibatches=1, dtypes="bfloat16")
     out = bench_scale.run_end_to_end(a)["bfloat16"]
     assert 0 < out["run_budget_gb"] < out["run_peak_rss_gb"]  # tiny: the runtime outweighs the plan
-    assert "sampler_cpu_f32_copy" in out["run_plan"] and "learner_params" in out["run_plan"]
+    assert "sampler_cpu_f32_layer" in out["run_plan"] and "learner_params" in out["run_plan"]
+
+
+def test_a_bfloat16_sampler_holds_no_float32_copy_of_its_weights(monkeypatch):
+    """XLA:CPU multiplies bf16 weights in float32; hoisted out of the decode loop, those
+    converts were a float32 copy of every weight for the whole call. The decode step keeps them
+    inside (`sampler._upcast_in_loop`): the compiled temp stays under the plan's one layer."""
+    from jaxrl_llm.models import decoder
+    from jaxrl_llm.rollout import Sampler, SamplerConfig
+    from jaxrl_llm.rollout import sampler as S
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=1024, num_layers=8, num_heads=4,
+                      num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    params = jax.tree.map(lambda x: x.astype("bfloat16"), decoder.init_params(cfg, jax.random.key(0)))
+    scfg = SamplerConfig(max_new_tokens=8, num_samples=1, prompt_buckets=(8,), cache_dtype="bfloat16")
+    prompts = [[1, 2, 3]] * 2
+
+    def temp():
+        compiled = Sampler(cfg, scfg).lower_generate(params, prompts, jax.random.key(1)).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    plan = memory.sampler(cfg, 2, 8, 8, "bfloat16", "bfloat16", platform="cpu")
+    layers_f32 = 4 * cfg.num_layers * cfg.layer_params
+    assert temp() < memory.total(plan) - plan["weights"] < layers_f32 / 2  # the weights are arguments
+    monkeypatch.setattr(S, "_upcast_in_loop", lambda params, _: params)  # the hoisted converts again
+    assert temp() > layers_f32

@@ -81,13 +81,16 @@ class ModelConfig:
         return dict(self.rope_params)
 
     @property
-    def num_params(self) -> int:
+    def layer_params(self) -> int:
         d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += self.qkv_bias * hd * (self.num_heads + 2 * self.num_kv_heads) + self.o_bias * d
-        layer = attn + 3 * d * f + self.mlp_bias * (2 * f + d) + 2 * d + self.qk_norm * 2 * hd
-        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + d
+        return attn + 3 * d * f + self.mlp_bias * (2 * f + d) + 2 * d + self.qk_norm * 2 * hd
+
+    @property
+    def num_params(self) -> int:
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * self.layer_params + embed + self.hidden_size
 
     @classmethod
     def from_hf(cls, hf: dict, **overrides) -> "ModelConfig":

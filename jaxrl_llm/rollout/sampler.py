@@ -138,11 +138,27 @@ def unembed_matrix(params, mcfg: ModelConfig):
     return decoder.unembed_matrix(params, mcfg).astype(jnp.float32)
 
 
+def _upcast_in_loop(params, loop_variant):
+    """XLA:CPU computes bfloat16 matmuls in float32: it converts each weight, and since the
+    weights are loop-invariant, while-loop code motion hoists every convert out of the decode
+    loop, so a bf16 sampler held a full float32 copy of its weights for the whole call (above a
+    float32 sampler's peak). Tying the weights to a loop-variant value keeps each convert inside
+    the step, where only one layer's float32 copy lives at a time. Measured at 0.5B shapes (16
+    rows, 64 + 128 tokens): compiled temp 2.88 -> 1.04 GiB, the call 6% slower (16.0-16.8 s
+    against 15.0-15.3 s, interleaved). Other platforms multiply bfloat16 natively: nothing to
+    do there."""
+    low = any(jnp.dtype(x.dtype).itemsize < 4 for x in jax.tree.leaves(params))
+    if not low or jax.default_backend() != "cpu":
+        return params
+    return jax.lax.optimization_barrier((params, loop_variant))[0]
+
+
 def decode_step(params, unembed_DxV, st: DecodeState, version, p: int, mcfg: ModelConfig,
                 scfg: SamplerConfig) -> DecodeState:
     """One decode step of every row: sample from the carried logits, record the token, run it
     through the model (`unembed_DxV`: `unembed_matrix(params)`). Token t of a row lives at column t of the outputs and at cache position
     p + t; with per-row steps (decode slots) these are scatters, and finished rows stand still."""
+    params = _upcast_in_loop(params, st.step)
     i = st.step
     b = st.done_B.shape[0]
     per_row = jnp.ndim(i) > 0
