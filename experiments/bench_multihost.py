@@ -1,6 +1,7 @@
 """Trained tokens/s of 2 processes x 1 device against 1 process x 2 devices (not a test).
 
     python experiments/bench_multihost.py [--json out.json] [--repeats 2] [--steps 40] [--mode sync]
+        [--minibatches 4]
 
 The embedded default (configs/default.py) with the same global batch either way: one process
 draws 32 prompts per step on a 2-device learner mesh; two processes (jax.distributed over
@@ -36,11 +37,11 @@ def tokens_per_s(workdir: str) -> tuple:
     return float(np.median([r["tokens_per_s"] for r in later])), tokens / (later[-1]["time_s"] - start["time_s"])
 
 
-def run(processes: int, steps: int, mode: str) -> tuple:
+def run(processes: int, steps: int, mode: str, minibatches: int) -> tuple:
     workdir = tempfile.mkdtemp(prefix=f"bench_mh{processes}_")
     args = ["--config=configs/default.py", f"--workdir={workdir}", f"--config.train.steps={steps}",
             f"--config.train.eval_every={steps}", "--config.train.progress=False", f"--config.runtime.mode={mode}",
-            f"--config.runtime.prompts_per_batch={32 // processes}"]
+            f"--config.runtime.prompts_per_batch={32 // processes}", f"--config.learner.num_minibatches={minibatches}"]
     if processes == 1:
         cmd = [sys.executable, "-m", "jaxrl_llm.main", *args, "--config.cpu_devices=2"]
     else:
@@ -53,12 +54,13 @@ def run(processes: int, steps: int, mode: str) -> tuple:
 
 def main():
     args = parse_args(__doc__.split("\n\n")[0], extra=lambda ap: (
-        ap.add_argument("--steps", type=int, default=40), ap.add_argument("--mode", default="sync")))
+        ap.add_argument("--steps", type=int, default=40), ap.add_argument("--mode", default="sync"),
+        ap.add_argument("--minibatches", type=int, default=4, help="learner updates per step (collectives per step)")))
     one, two = [], []
     for _ in range(args.repeats):
-        one.append(run(1, args.steps, args.mode))
-        two.append(run(2, args.steps, args.mode))
-    out = {"mode": args.mode, "steps": args.steps}
+        one.append(run(1, args.steps, args.mode, args.minibatches))
+        two.append(run(2, args.steps, args.mode, args.minibatches))
+    out = {"mode": args.mode, "steps": args.steps, "minibatches": args.minibatches}
     for i, name in enumerate(("learner", "trained")):
         a, b = [x[i] for x in one], [x[i] for x in two]
         out.update({f"{name}_tokens_per_s_1proc_2dev": a, f"{name}_tokens_per_s_2proc_1dev": b,
