@@ -137,6 +137,9 @@ class Learner:
         # collectives combine buffers themselves, and the flat copy would cost a gradient's memory.
         cpu = self.mesh.devices.flat[0].platform == "cpu"
         self._replicas = sharding.batch_size(self.mesh) if cpu and sharding.pure_data(self.mesh) else 0
+        # Many processes on CPU: the step's metrics are computed on a gathered copy of the rows
+        # (`minibatches.replicate_rows`), not with a gloo all-reduce per metric.
+        self._gather_metrics = cpu and self.mesh.devices.size > len(self.mesh.local_devices)
         self._on_shards = NamedSharding(self.mesh, P(sharding.BATCH_AXES))
         self.forward_traces = 0  # policy forwards traced (a3po must add none)
         self._prox = jax.jit(self._prox_pass)
@@ -284,27 +287,35 @@ class Learner:
     def _ref_pass(self, ref_params, batch, plan):
         return self._batch_stats(ref_params, batch, plan, gather=False)["logp"]
 
+    def _policy(self, s, version, rng) -> PolicyOutput:
+        return PolicyOutput(logp=s["logp"], version=version, entropy=s["entropy"],
+                            logp_at_behav_topk=s.get("logp_at_ids"), topk_ids=s.get("topk_ids"),
+                            topk_logp=s.get("topk_logp"), rng=rng)
+
     def _loss(self, params, batch, version, rng, plan=None, replicas=0):
-        """Objective loss; aux = (metrics, sg(final hidden states)), the latter handed to the
-        auxiliary model's loss instead of a second policy forward."""
+        """Objective loss; aux = (sg(per-token stats) for `_metrics`, sg(final hidden states)),
+        the latter handed to the auxiliary model's loss instead of a second policy forward."""
         topk = batch.topk if "topk" in self.needs else 0
         s = self._stats(params, batch, topk=topk, return_hidden=self.aux is not None, plan=plan, replicas=replicas)
-        policy = PolicyOutput(logp=s["logp"], version=version, entropy=s["entropy"],
-                              logp_at_behav_topk=s.get("logp_at_ids"), topk_ids=s.get("topk_ids"),
-                              topk_logp=s.get("topk_logp"), rng=rng)
-        loss, metrics = self.objective(policy, batch, self.obj_cfg)
-        mask = batch.loss_mask
-        lp = jax.lax.stop_gradient(s["logp"])
+        loss, _ = self.objective(self._policy(s, version, rng), batch, self.obj_cfg)
+        hidden = s.pop("hidden", None)
+        return loss, (jax.lax.stop_gradient(s), jax.lax.stop_gradient(hidden))
+
+    def _metrics(self, s, batch, version, rng):
+        """One update's metrics from the per-token stats its loss saw: the objective's own and
+        the learner's behaviour-KL and mismatch diagnostics."""
+        _, metrics = self.objective(self._policy(s, version, rng), batch, self.obj_cfg)
+        mask, lp = batch.loss_mask, s["logp"]
         metrics["kl_behav/sampled"] = masked_mean(batch.behav_logp - lp, mask)  # E_behav[log b - log theta]
         metrics.update(step_metrics.mismatch(lp, batch, version, self.obj_cfg.clip.eps_low, self.obj_cfg.clip.eps_high))
         if "logp_at_ids" in s:
             pb = jnp.exp(batch.topk_logp)
             # Truncated supports put -inf at some ids: 0 log 0 = 0 where pi_behav has none, and a
             # behaviour token outside pi_theta's kept set is floored at log-prob -30 (finite metric).
-            gap = batch.topk_logp - jnp.maximum(jax.lax.stop_gradient(s["logp_at_ids"]), -30.0)
+            gap = batch.topk_logp - jnp.maximum(s["logp_at_ids"], -30.0)
             kl = jnp.where(pb > 0, pb * gap, 0.0).sum(-1)
             metrics["kl_behav/topk"] = masked_mean(kl, mask)
-        return loss, (metrics, jax.lax.stop_gradient(s.get("hidden")))
+        return metrics
 
     def _train_step(self, state: TrainState, batch: TrajectoryBatch, plan: Optional[packing.PackPlan] = None):
         self.step_traces += 1
@@ -326,13 +337,13 @@ class Learner:
             st, (mb, pl) = carry, xs
             rng = jax.random.fold_in(st.rng, st.step)
             if self._replicas and pl is None and mb.shape[0] % self._replicas == 0:
-                (loss, (metrics, hidden)), grads = minibatches.replica_value_and_grad(
+                (loss, (stats, hidden)), grads = minibatches.replica_value_and_grad(
                     self._loss, st.params, self._replicas, self._on_shards, mb, st.version, rng, replicas=self._replicas)
             else:
-                (loss, (metrics, hidden)), grads = jax.value_and_grad(self._loss, has_aux=True)(
+                (loss, (stats, hidden)), grads = jax.value_and_grad(self._loss, has_aux=True)(
                     st.params, mb, st.version, rng, pl)
             params, opt_state, update_norm, ok = update(st.params, st.opt_state, grads, loss)
-            metrics.update({"grad_norm": optax.global_norm(grads), "update_norm": update_norm})
+            metrics = {"grad_norm": optax.global_norm(grads), "update_norm": update_norm}
             aux = st.aux
             if self.aux is not None:  # the objective's auxiliary model, from the same forward
                 (aloss, am), agrads = jax.value_and_grad(self.aux.loss, has_aux=True)(
@@ -343,9 +354,14 @@ class Learner:
                 ok = ok & aok
             st = st.replace(params=params, opt_state=opt_state, step=st.step + 1, aux=aux,
                             skipped=st.skipped + (~ok).astype(jnp.int32))
-            return st, metrics
+            return st, (metrics, stats, rng)
 
-        state, ms = jax.lax.scan(one, state, (mbs, plan))
+        state, (ms, stats, rngs) = jax.lax.scan(one, state, (mbs, plan))
+        # The objective's metrics for all M updates at once, after the loop: inside it every masked
+        # mean over the sharded batch was an all-reduce, a rendezvous of the processes, per update.
+        if self._gather_metrics:
+            stats, mbs = minibatches.replicate_rows((stats, mbs), 1, sharding.replicated(self.mesh))
+        ms.update(jax.vmap(self._metrics, in_axes=(0, 0, None, 0))(stats, mbs, state.version, rngs))
         metrics = step_metrics.reduce_minibatches(ms)
         metrics["param_norm"] = optax.global_norm(state.params)
         metrics["trained_tokens"] = batch.loss_mask.sum()

@@ -87,3 +87,19 @@ def replica_value_and_grad(fn, params, shards: int, sharding, *args, **kw):
     flat = jnp.concatenate([x.reshape(shards, -1).astype(jnp.float32) for x in leaves], axis=1).sum(0)
     parts = jnp.split(flat, np.cumsum([x[0].size for x in leaves])[:-1].tolist())
     return out, tree.unflatten([p.reshape(x.shape[1:]).astype(x.dtype) for p, x in zip(parts, leaves)])
+
+
+def replicate_rows(tree, rows: int, sharding):
+    """`tree` on every device (`sharding`: replicated) in one gather per dtype: its leaves,
+    [M, b, ...] with `rows` = 1 the row axis, are flattened to [M, b, n], concatenated
+    along the last axis, constrained to `sharding` (replicated) and split back. Over gloo a
+    collective costs a call per buffer and a rendezvous; this is one of each per dtype."""
+    leaves, tree_def = jax.tree_util.tree_flatten(tree)
+    out = list(leaves)
+    for dtype in sorted({x.dtype for x in leaves}, key=str):
+        idx = [i for i, x in enumerate(leaves) if x.dtype == dtype]
+        flat = [leaves[i].reshape(*leaves[i].shape[:rows + 1], -1) for i in idx]
+        joined = jax.lax.with_sharding_constraint(jnp.concatenate(flat, axis=-1), sharding)
+        for i, part in zip(idx, jnp.split(joined, np.cumsum([f.shape[-1] for f in flat])[:-1].tolist(), axis=-1)):
+            out[i] = part.reshape(leaves[i].shape)
+    return tree_def.unflatten(out)

@@ -4,7 +4,8 @@
 Every process builds the same 16-row global batch (4 groups of 4) and feeds the learner its own
 rows, with group ids numbered from 0 as each process's sampler numbers them; the learner's mesh
 (data=2 x fsdp=2) spans all processes' devices. Process 0 writes the params after 3 steps
-(gathered onto its devices) and the losses to OUT (.npz). With N=1 the one process feeds all
+(gathered onto its devices) and every step's metrics to OUT (.npz); many processes compute the
+metrics on a gathered copy of the rows (`minibatches.replicate_rows`), one process does not. With N=1 the one process feeds all
 rows: the reference the many-process run must equal. Its rows come in the order that gives it
 the two-process minibatches (`jaxrl_llm.minibatches`: minibatch m holds every process's m-th
 chunk of its rows).
@@ -41,17 +42,19 @@ def main(pid, n, port, devices, out, objective="decoupled_ppo"):
     # 1 process: [process 0's chunk 0, process 1's chunk 0, process 0's chunk 1, ...] of 2 processes
     mine = (np.arange(16).reshape(2, 2, 4).transpose(1, 0, 2).reshape(-1) if distributed.count() == 1
             else np.arange(distributed.index() * rows, (distributed.index() + 1) * rows))
-    losses = []
+    metrics = {}
     for i in range(3):
         batch = testing.model_batch(data_params, model, seed=i, num_prompts=4, group_size=4, version=i)
         batch = jax.tree_util.tree_map(lambda x: np.asarray(x)[mine], batch)
         batch = batch.replace(group_ids=batch.group_ids - batch.group_ids.min())  # a process numbers its own
         state, m = lrn.train_step(state, batch)
-        losses.append(m["loss"])
+        for k, v in m.items():
+            if not k.endswith(("time_s", "tokens_per_s")):
+                metrics.setdefault(f"metric/{k}", []).append(v)
     params = distributed.to_local(state.params)
     if distributed.is_main():
         flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)}
-        np.savez(out, losses=np.asarray(losses), **flat)
+        np.savez(out, **flat, **{k: np.asarray(v) for k, v in metrics.items()})
 
 
 if __name__ == "__main__":

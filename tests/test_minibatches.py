@@ -97,3 +97,22 @@ def test_a_pure_data_mesh_trains_like_one_device(objective, aux, data):
     n = sum(x.size for x in jax.tree_util.tree_leaves(s4.params))
     reduces = [line.split(" all-reduce")[0] for line in hlo.splitlines() if re.search(r" all-reduce(-start)?\(", line)]
     assert any(f"f32[{n}]" in r for r in reduces)  # the policy's gradient: one flat buffer
+
+
+def test_replicate_rows_gathers_every_leaf_in_one_buffer_per_dtype():
+    """The step's metric pass on many processes: leaves of three dtypes, rows sharded over 4
+    devices, come back equal and replicated through one all-gather per dtype."""
+    mesh = sharding.make_mesh(dict(data=4, fsdp=1, tensor=1, rules=sharding.DEFAULT_RULES), jax.devices()[:4])
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, sharding.BATCH_AXES))
+    rng = np.random.default_rng(0)
+    tree = {"logp": rng.normal(size=(2, 8, 5)).astype(np.float32), "topk": rng.normal(size=(2, 8, 5, 3)).astype(np.float32),
+            "ids": rng.integers(0, 9, (2, 8, 5)).astype(np.int32), "ok": rng.random((2, 8)) < 0.5,
+            "count": np.arange(16, dtype=np.int32).reshape(2, 8)}
+    placed = jax.device_put(tree, rows)
+    fn = jax.jit(lambda t: minibatches.replicate_rows(t, 1, sharding.replicated(mesh)))
+    out = fn(placed)
+    for k, v in tree.items():
+        np.testing.assert_array_equal(np.asarray(out[k]), v)
+        assert out[k].sharding.is_fully_replicated
+    hlo = fn.lower(placed).compile().as_text()
+    assert len(re.findall(r" all-gather(?:-start)?\(", hlo)) == 3  # float32, int32, bool
