@@ -364,7 +364,7 @@ class Learner:
         ms.update(jax.vmap(self._metrics, in_axes=(0, 0, None, 0))(stats, mbs, state.version, rngs))
         metrics = step_metrics.reduce_minibatches(ms)
         metrics["param_norm"] = optax.global_norm(state.params)
-        metrics["trained_tokens"] = batch.loss_mask.sum()
+        metrics["trained_tokens"] = mbs.loss_mask.sum()  # on the gathered rows: no extra rendezvous
         return state.replace(version=state.version + 1), metrics
 
     # ------------------------------------------------------------------ host API
