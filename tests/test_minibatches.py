@@ -59,7 +59,10 @@ def test_the_data_parallel_step_gathers_no_batch_and_reduces_gradients_once_per_
     state = lrn.init(jax.random.key(0))
     hlo = lrn.lower_step(state, testing.model_batch(state.params, cfg, seed=0)).compile().as_text()
     assert not re.findall(r"all-gather(?:-start)?\(", hlo)
-    assert re.findall(r"all-reduce(?:-start)?\(", hlo)
+    reduces = [line for line in hlo.splitlines() if re.search(r" all-reduce(?:-start)?\(", line)]
+    # Inside the update loop only the loss normaliser and the gradient (with the loss) meet; the
+    # metrics are reduced once, after it (they were 6 all-reduces of 41 buffers per update).
+    assert len([r for r in reduces if "/while/body/" in r]) == 2
 
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
