@@ -37,7 +37,7 @@ from jaxrl_llm.models import decoder, heads
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.policy_dist import PolicyDist
 from jaxrl_llm.objectives.auxiliary import AuxContext, AuxInputs
-from jaxrl_llm.objectives.common import check_choice, masked_mean
+from jaxrl_llm.objectives.common import check_choice
 
 
 @struct.dataclass
@@ -302,20 +302,8 @@ class Learner:
         return loss, (jax.lax.stop_gradient(s), jax.lax.stop_gradient(hidden))
 
     def _metrics(self, s, batch, version, rng):
-        """One update's metrics from the per-token stats its loss saw: the objective's own and
-        the learner's behaviour-KL and mismatch diagnostics."""
-        _, metrics = self.objective(self._policy(s, version, rng), batch, self.obj_cfg)
-        mask, lp = batch.loss_mask, s["logp"]
-        metrics["kl_behav/sampled"] = masked_mean(batch.behav_logp - lp, mask)  # E_behav[log b - log theta]
-        metrics.update(step_metrics.mismatch(lp, batch, version, self.obj_cfg.clip.eps_low, self.obj_cfg.clip.eps_high))
-        if "logp_at_ids" in s:
-            pb = jnp.exp(batch.topk_logp)
-            # Truncated supports put -inf at some ids: 0 log 0 = 0 where pi_behav has none, and a
-            # behaviour token outside pi_theta's kept set is floored at log-prob -30 (finite metric).
-            gap = batch.topk_logp - jnp.maximum(s["logp_at_ids"], -30.0)
-            kl = jnp.where(pb > 0, pb * gap, 0.0).sum(-1)
-            metrics["kl_behav/topk"] = masked_mean(kl, mask)
-        return metrics
+        """One update's metrics from the per-token stats its loss saw (`step_metrics.of_update`)."""
+        return step_metrics.of_update(self.objective, self.obj_cfg, self._policy(s, version, rng), batch)
 
     def _train_step(self, state: TrainState, batch: TrajectoryBatch, plan: Optional[packing.PackPlan] = None):
         self.step_traces += 1

@@ -6,13 +6,30 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.batch import TrajectoryBatch
+from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch
 from jaxrl_llm.objectives.common import masked_mean
 
 
 def finite(tree) -> jax.Array:
     """Whether every leaf of `tree` is finite (a skipped update otherwise)."""
     return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
+
+
+def of_update(objective, cfg, policy: PolicyOutput, batch: TrajectoryBatch) -> dict:
+    """One update's metrics: the objective's own, the behaviour KL (sampled and, with top-k
+    stats, over pi_behav's top-k) and the mismatch on fresh tokens. The learner calls it after
+    its update loop on the stats each update's loss saw (no reductions inside the loop)."""
+    _, metrics = objective(policy, batch, cfg)
+    mask, lp = batch.loss_mask, policy.logp
+    metrics["kl_behav/sampled"] = masked_mean(batch.behav_logp - lp, mask)  # E_behav[log b - log theta]
+    metrics.update(mismatch(lp, batch, policy.version, cfg.clip.eps_low, cfg.clip.eps_high))
+    if policy.logp_at_behav_topk is not None:
+        pb = jnp.exp(batch.topk_logp)
+        # Truncated supports put -inf at some ids: 0 log 0 = 0 where pi_behav has none, and a
+        # behaviour token outside pi_theta's kept set is floored at log-prob -30 (finite metric).
+        gap = batch.topk_logp - jnp.maximum(policy.logp_at_behav_topk, -30.0)
+        metrics["kl_behav/topk"] = masked_mean(jnp.where(pb > 0, pb * gap, 0.0).sum(-1), mask)
+    return metrics
 
 
 def reduce_minibatches(ms: dict) -> dict:
