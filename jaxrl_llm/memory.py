@@ -63,7 +63,8 @@ def learner(cfg: ModelConfig, rows: int, seq_len: int, minibatches: int = 1, chu
     mb = max(1, rows // minibatches)
     return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "update": 4 * n,
             "activations": activations(cfg, mb, seq_len) + mb * seq_len * 4,  # + the causal mask
-            "head": 3 * mb * min(chunk, seq_len) * cfg.vocab_size * 4}
+            "head": 3 * mb * min(chunk, seq_len) * cfg.vocab_size * 4,
+            "stats": rows * seq_len * 8}  # every update's log-probs and entropy, for the metric pass
 
 
 def sampler(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int, cache_dtype: str = "float32",
