@@ -5,10 +5,10 @@ Every process builds the same 16-row global batch (4 groups of 4) and feeds the 
 rows, with group ids numbered from 0 as each process's sampler numbers them; the learner's mesh
 (data=2 x fsdp=2) spans all processes' devices. Process 0 writes the params after 3 steps
 (gathered onto its devices) and every step's metrics to OUT (.npz); many processes compute the
-metrics on a gathered copy of the rows (`minibatches.replicate_rows`), one process does not. With N=1 the one process feeds all
-rows: the reference the many-process run must equal. Its rows come in the order that gives it
-the two-process minibatches (`jaxrl_llm.minibatches`: minibatch m holds every process's m-th
-chunk of its rows).
+metrics on a gathered copy of the rows (`minibatches.replicate_rows`), one process does not.
+With N=1 the one process feeds all rows: the reference the many-process run must equal. Its
+rows come in the order that gives it the two-process minibatches (`jaxrl_llm.minibatches`:
+minibatch m holds every process's m-th chunk of its rows).
 """
 
 import sys
