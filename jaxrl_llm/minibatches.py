@@ -84,22 +84,29 @@ def replica_value_and_grad(fn, params, shards: int, sharding, *args, **kw):
         lambda p: jax.lax.with_sharding_constraint(jnp.broadcast_to(p, (shards,) + p.shape), sharding), params)
     out, g = jax.value_and_grad(fn, has_aux=True)(copies, *args, **kw)
     leaves, tree = jax.tree_util.tree_flatten(g)
-    flat = jnp.concatenate([x.reshape(shards, -1).astype(jnp.float32) for x in leaves], axis=1).sum(0)
-    parts = jnp.split(flat, np.cumsum([x[0].size for x in leaves])[:-1].tolist())
+    parts = _one_buffer([x.astype(jnp.float32) for x in leaves], 1, lambda y: y.sum(0))
     return out, tree.unflatten([p.reshape(x.shape[1:]).astype(x.dtype) for p, x in zip(parts, leaves)])
+
+
+def _one_buffer(arrays, lead: int, fn):
+    """`fn` applied once to `arrays` (one dtype) flattened past their `lead` leading axes and
+    concatenated on the last axis; returns the result split back into per-array [..., n] parts."""
+    flat = [x.reshape(*x.shape[:lead], -1) for x in arrays]
+    return jnp.split(fn(jnp.concatenate(flat, axis=-1)), np.cumsum([f.shape[-1] for f in flat])[:-1].tolist(),
+                     axis=-1)
 
 
 def replicate_rows(tree, rows: int, sharding):
     """`tree` on every device (`sharding`: replicated) in one gather per dtype: its leaves,
-    [M, b, ...] with `rows` = 1 the row axis, are flattened to [M, b, n], concatenated
-    along the last axis, constrained to `sharding` (replicated) and split back. Over gloo a
-    collective costs a call per buffer and a rendezvous; this is one of each per dtype."""
+    [M, b, ...] with `rows` = 1 the row axis, go through `_one_buffer` under a `sharding`
+    constraint. Over gloo a collective costs a call per buffer and a rendezvous; this is one
+    of each per dtype."""
     leaves, tree_def = jax.tree_util.tree_flatten(tree)
     out = list(leaves)
     for dtype in sorted({x.dtype for x in leaves}, key=str):
         idx = [i for i, x in enumerate(leaves) if x.dtype == dtype]
-        flat = [leaves[i].reshape(*leaves[i].shape[:rows + 1], -1) for i in idx]
-        joined = jax.lax.with_sharding_constraint(jnp.concatenate(flat, axis=-1), sharding)
-        for i, part in zip(idx, jnp.split(joined, np.cumsum([f.shape[-1] for f in flat])[:-1].tolist(), axis=-1)):
+        parts = _one_buffer([leaves[i] for i in idx], rows + 1,
+                            lambda y: jax.lax.with_sharding_constraint(y, sharding))
+        for i, part in zip(idx, parts):
             out[i] = part.reshape(leaves[i].shape)
     return tree_def.unflatten(out)
