@@ -38,11 +38,13 @@ def default_config() -> ml_collections.ConfigDict:
         local_device_ids="",  # comma-separated, e.g. "0,1"; empty: all of this host's
         heartbeat_timeout_s=60,  # a process silent this long is declared dead; the others exit
         initialization_timeout_s=300,
+        cpu_batch_scheduling=True,  # on CPU (gloo): run under SCHED_BATCH, see `batch_scheduling`
     ))
 
 
 RULES = {"coordinator_address": V.text(), "num_processes": V.integer(0), "process_id": V.integer(0, extra=(-1,)),
-         "local_device_ids": V.text(), "heartbeat_timeout_s": V.positive(), "initialization_timeout_s": V.positive()}
+         "local_device_ids": V.text(), "heartbeat_timeout_s": V.positive(), "initialization_timeout_s": V.positive(),
+         "cpu_batch_scheduling": V.boolean()}
 
 
 def wanted(cfg) -> bool:
@@ -58,6 +60,8 @@ def initialize(cfg) -> None:
         return
     if "cpu" in os.environ.get("JAX_PLATFORMS", "cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if cfg.cpu_batch_scheduling:
+            batch_scheduling()
     kw = dict(initialization_timeout=int(cfg.initialization_timeout_s),
               heartbeat_timeout_seconds=int(cfg.heartbeat_timeout_s))
     if cfg.coordinator_address:
@@ -69,6 +73,26 @@ def initialize(cfg) -> None:
     if cfg.local_device_ids:
         kw["local_device_ids"] = [int(i) for i in str(cfg.local_device_ids).split(",")]
     jax.distributed.initialize(**kw)
+
+
+def batch_scheduling() -> bool:
+    """Put this thread, and so every thread JAX starts after it, under Linux's SCHED_BATCH
+    (unprivileged; same share of the CPU, but a woken thread does not preempt a running one).
+
+    Why: gloo's TCP I/O thread, woken by a peer's bytes, preempts the thread that is sending
+    while that thread holds the connection's lock; the I/O thread then retries the lock from a
+    level-triggered epoll loop, spinning until the scheduler tick (4 ms at HZ=250) hands the CPU
+    back. Where no idle core is left for the I/O thread (a process on a core of its own, or
+    busy cores), about every collective paid that tick: with two processes on a 2-core VM, each
+    on its own core, a 305 KB all-reduce took a median 4.0 ms, 0.16 ms under SCHED_BATCH
+    (experiments/README.md "Many hosts"). Returns whether the policy was set."""
+    if not hasattr(os, "sched_setscheduler"):
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except OSError:
+        return False
+    return True
 
 
 def index() -> int:

@@ -11,6 +11,7 @@ rows come in the order that gives it the two-process minibatches (`jaxrl_llm.min
 minibatch m holds every process's m-th chunk of its rows).
 """
 
+import os
 import sys
 
 import jax
@@ -23,6 +24,7 @@ def main(pid, n, port, devices, out, objective="decoupled_ppo"):
     cfg = distributed.default_config()
     if int(n) > 1:
         cfg.update(dict(coordinator_address=f"127.0.0.1:{port}", num_processes=int(n), process_id=int(pid)))
+    before = set(os.listdir("/proc/self/task"))
     distributed.initialize(cfg)
     import numpy as np
 
@@ -51,6 +53,10 @@ def main(pid, n, port, devices, out, objective="decoupled_ppo"):
         for k, v in m.items():
             if not k.endswith(("time_s", "tokens_per_s")):
                 metrics.setdefault(f"metric/{k}", []).append(v)
+    if int(n) > 1:  # every thread started from initialize on (XLA's, gloo's I/O thread) runs under SCHED_BATCH
+        started = set(os.listdir("/proc/self/task")) - before
+        policies = {t: os.sched_getscheduler(int(t)) for t in started}
+        assert len(started) > 5 and set(policies.values()) == {os.SCHED_BATCH}, policies
     params = distributed.to_local(state.params)
     if distributed.is_main():
         flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)}

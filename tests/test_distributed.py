@@ -49,6 +49,28 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(objective, tmp
         np.testing.assert_allclose(two[k], one[k], atol=1e-5, rtol=0, err_msg=k)
 
 
+def test_batch_scheduling_reaches_the_threads_started_after_it():
+    import threading
+
+    from jaxrl_llm import distributed
+    seen = {}
+
+    def child():
+        seen["child"] = os.sched_getscheduler(0)
+
+    def caller():
+        seen["set"] = distributed.batch_scheduling()
+        seen["caller"] = os.sched_getscheduler(0)
+        t = threading.Thread(target=child)
+        t.start(), t.join()
+
+    main_policy = os.sched_getscheduler(0)
+    t = threading.Thread(target=caller)
+    t.start(), t.join()
+    assert seen == {"set": True, "caller": os.SCHED_BATCH, "child": os.SCHED_BATCH}
+    assert os.sched_getscheduler(0) == main_policy  # a thread's own policy: the test process is untouched
+
+
 @pytest.mark.parametrize("mode,extra", [  # sync: the resume and kill tests; offpolicy takes iterative's path here
     ("iterative", ["--config.runtime.reuse=2"]), ("simulated", []), ("async", []),
     ("async", ["--config.sampler.batching=continuous", "--config.sampler.slots=3"]),
@@ -179,3 +201,26 @@ def test_launcher_forwards_sigterm_and_lets_every_process_save():
     out, _ = p.communicate(timeout=30)
     assert p.returncode == 143, out
     assert out.count("saved") == 2 and "stopped by SIGTERM" in out, out
+
+
+def test_core_sets_split_the_cores_into_equal_disjoint_blocks():
+    assert launch.core_sets(2, {0, 1, 2, 3}) == [{0, 1}, {2, 3}]
+    assert launch.core_sets(3, range(7)) == [{0, 1}, {2, 3}, {4, 5}]  # equal shares; core 6 unused
+    assert launch.core_sets(1, [5, 3]) == [{3, 5}]
+    assert launch.core_sets(3, {0, 1}) is None  # fewer cores than processes: leave them shared
+
+
+def test_launcher_binds_each_process_to_its_own_cores():
+    lines = []
+
+    class Out:
+        def write(self, s):
+            lines.append(s)
+
+        def flush(self):
+            pass
+
+    cores = [{c} for c in sorted(os.sched_getaffinity(0))][:2] * 2
+    code = "import os; print(sorted(os.sched_getaffinity(0)))"
+    assert launch.run([[sys.executable, "-c", code]] * len(cores), out=Out(), cores=cores) == 0
+    assert sorted(lines) == sorted(f"[{i}] {sorted(c)}\n" for i, c in enumerate(cores))
