@@ -55,13 +55,14 @@ def wanted(cfg) -> bool:
 
 def initialize(cfg) -> None:
     """Start the multi-controller runtime when asked (see `wanted`); a no-op otherwise. Must run
-    before the first JAX computation. On CPU the collectives go through gloo."""
+    before the first JAX computation. On CPU the collectives go through gloo, and the process
+    runs under SCHED_BATCH (`batch_scheduling`) when the CPU is JAX's backend (`on_cpu`)."""
     if not wanted(cfg) or jax.distributed.is_initialized():
         return
-    if "cpu" in os.environ.get("JAX_PLATFORMS", "cpu"):
+    if "cpu" in _platforms() or not _platforms():  # CPU collectives, when any, go through gloo
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        if cfg.cpu_batch_scheduling:
-            batch_scheduling()
+    if cfg.cpu_batch_scheduling and on_cpu():
+        batch_scheduling()
     kw = dict(initialization_timeout=int(cfg.initialization_timeout_s),
               heartbeat_timeout_seconds=int(cfg.heartbeat_timeout_s))
     if cfg.coordinator_address:
@@ -73,6 +74,30 @@ def initialize(cfg) -> None:
     if cfg.local_device_ids:
         kw["local_device_ids"] = [int(i) for i in str(cfg.local_device_ids).split(",")]
     jax.distributed.initialize(**kw)
+
+
+def _platforms() -> list:
+    names = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
+    return [p.strip() for p in names.split(",") if p.strip()]
+
+
+def on_cpu() -> bool:
+    """Whether JAX's default backend will be the CPU, decided without starting a backend (which
+    must wait for `jax.distributed.initialize`): the first platform named by JAX_PLATFORMS, or,
+    when none is named, no accelerator plugin installed (JAX picks a GPU/TPU plugin when one is)."""
+    if _platforms():
+        return _platforms()[0] == "cpu"
+    import importlib.metadata
+    import importlib.util
+    import pkgutil
+
+    try:
+        import jax_plugins
+        plugins = [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
+    except ImportError:
+        plugins = []
+    plugins += [e.value for e in importlib.metadata.entry_points(group="jax_plugins")]
+    return not plugins and importlib.util.find_spec("libtpu") is None
 
 
 def batch_scheduling() -> bool:

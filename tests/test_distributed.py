@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -69,6 +70,26 @@ def test_batch_scheduling_reaches_the_threads_started_after_it():
     t.start(), t.join()
     assert seen == {"set": True, "caller": os.SCHED_BATCH, "child": os.SCHED_BATCH}
     assert os.sched_getscheduler(0) == main_policy  # a thread's own policy: the test process is untouched
+
+
+def test_batch_scheduling_is_for_cpu_runs_only(monkeypatch, tmp_path):
+    """SCHED_BATCH follows the backend JAX will pick: the first platform named, else CPU unless an
+    accelerator plugin is installed (found as JAX finds it, under the jax_plugins namespace)."""
+    from jaxrl_llm import distributed
+    before = jax.config.jax_platforms  # read from JAX_PLATFORMS at import: "cpu" in the tests
+    jax.config.update("jax_platforms", None)
+    try:
+        for names, cpu in (("cpu", True), ("cuda,cpu", False), ("tpu", False), (" cpu , cuda", True)):
+            monkeypatch.setenv("JAX_PLATFORMS", names)
+            assert distributed.on_cpu() is cpu, names
+        monkeypatch.delenv("JAX_PLATFORMS")
+        assert distributed.on_cpu()  # this machine: jax without an accelerator plugin
+        (tmp_path / "jax_plugins" / "fake_cuda_plugin").mkdir(parents=True)
+        (tmp_path / "jax_plugins" / "fake_cuda_plugin" / "__init__.py").write_text("")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        assert not distributed.on_cpu()
+    finally:
+        jax.config.update("jax_platforms", before)
 
 
 @pytest.mark.parametrize("mode,extra", [  # sync: the resume and kill tests; offpolicy takes iterative's path here
