@@ -190,20 +190,22 @@ def test_a_killed_process_ends_the_others_naming_it(tmp_path):
     assert ("stopped sending heartbeats):\n1\n" in out) or ("Gloo" in out and "onnection" in out), out[-2000:]
 
 
+class _Lines(list):
+    """The launcher's output stream, kept as the lines it writes."""
+
+    def write(self, s):
+        self.append(s)
+
+    def flush(self):
+        pass
+
+
 def test_launcher_names_the_process_that_died_first():
     code = "import os, sys, time; i = int(sys.argv[-1].split('=')[-1]); time.sleep(0.5 if i else 60); sys.exit(3)"
     cmds = [[sys.executable, "-c", code, f"--config.distributed.process_id={i}"] for i in range(2)]
-    lines = []
-
-    class Out:
-        def write(self, s):
-            lines.append(s)
-
-        def flush(self):
-            pass
-
+    lines = _Lines()
     t = time.monotonic()
-    assert launch.run(cmds, out=Out()) == 3 and time.monotonic() - t < 30  # the sleeper was ended
+    assert launch.run(cmds, out=lines) == 3 and time.monotonic() - t < 30  # the sleeper was ended
     assert any("process 1 died first (exit code 3)" in line for line in lines)
 
 
@@ -232,16 +234,8 @@ def test_core_sets_split_the_cores_into_equal_disjoint_blocks():
 
 
 def test_launcher_binds_each_process_to_its_own_cores():
-    lines = []
-
-    class Out:
-        def write(self, s):
-            lines.append(s)
-
-        def flush(self):
-            pass
-
+    lines = _Lines()
     cores = [{c} for c in sorted(os.sched_getaffinity(0))][:2] * 2
     code = "import os; print(sorted(os.sched_getaffinity(0)))"
-    assert launch.run([[sys.executable, "-c", code]] * len(cores), out=Out(), cores=cores) == 0
+    assert launch.run([[sys.executable, "-c", code]] * len(cores), out=lines, cores=cores) == 0
     assert sorted(lines) == sorted(f"[{i}] {sorted(c)}\n" for i, c in enumerate(cores))
