@@ -59,7 +59,8 @@ def initialize(cfg) -> None:
     runs under SCHED_BATCH (`batch_scheduling`) when the CPU is JAX's backend (`on_cpu`)."""
     if not wanted(cfg) or jax.distributed.is_initialized():
         return
-    if "cpu" in _platforms() or not _platforms():  # CPU collectives, when any, go through gloo
+    platforms = _platforms()
+    if not platforms or "cpu" in platforms:  # CPU collectives, when any, go through gloo
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if cfg.cpu_batch_scheduling and on_cpu():
         batch_scheduling()
@@ -85,8 +86,9 @@ def on_cpu() -> bool:
     """Whether JAX's default backend will be the CPU, decided without starting a backend (which
     must wait for `jax.distributed.initialize`): the first platform named by JAX_PLATFORMS, or,
     when none is named, no accelerator plugin installed (JAX picks a GPU/TPU plugin when one is)."""
-    if _platforms():
-        return _platforms()[0] == "cpu"
+    platforms = _platforms()
+    if platforms:
+        return platforms[0] == "cpu"
     import importlib.metadata
     import importlib.util
     import pkgutil
