@@ -18,7 +18,7 @@ Sampler (one call over `rows` rows): its weight copy in its compute dtype, the f
   (2 x layers x rows x kv heads x head_dim x positions) twice (a segment's window grows by
   copying), per-step logits, and the prefill's attention over the prompt; on CPU a float32
   copy of one layer's bfloat16 weights (XLA:CPU's bf16 matmuls run in float32; the decode
-  step converts layer by layer, `sampler._upcast_in_loop`).
+  step converts layer by layer, `rollout.decode._upcast_in_loop`).
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ def test_programs_are_bounded_whatever_the_mix_of_lengths(params):
     for i in range(6):
         sampler.generate(params[0], PROMPTS[:3 + i % 3], jax.random.key(i),
                          limits=rng.integers(1, 13, 2 * (3 + i % 3)))
-    traces = sampler.slots(0).traces
+    engine = sampler.slots(0)
+    traces = {k: getattr(engine, "_" + k)._cache_size() for k in ("empty", "prefill", "insert", "segment")}
     assert traces["empty"] == 1 and traces["prefill"] <= 2  # pools of 8 and 16 rows (6, 8 and 10 rows waiting)
     assert traces["insert"] <= 3 * traces["prefill"]  # 1, 2 or 4 rows from each pool
     assert traces["segment"] <= 12 // 4  # one per attention width

@@ -31,14 +31,14 @@ def test_bench_scale_runs_and_its_plan_matches_the_compiled_programs():
 
 def test_kv_cache_term_is_the_sampler_cache():
     """The plan's cache term is twice (a window grows by copying) the cache the sampler allocates."""
-    from jaxrl_llm.rollout import sampler as S
-    from jaxrl_llm.rollout import SamplerConfig
+    from jaxrl_llm.models import decoder
+    from jaxrl_llm.rollout import SamplerConfig, decode
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
                       head_dim=8)
     scfg = SamplerConfig(max_new_tokens=24, decode_segment=0, cache_dtype="bfloat16", prompt_buckets=(8,))
-    params = jax.eval_shape(lambda: S.decoder.init_params(cfg, jax.random.key(0)))
-    st = jax.eval_shape(lambda p: S._prefill(p, np.zeros((5, 8), np.int32), np.ones((5, 8), np.int32),
+    params = jax.eval_shape(lambda: decoder.init_params(cfg, jax.random.key(0)))
+    st = jax.eval_shape(lambda p: decode.prefill(p, np.zeros((5, 8), np.int32), np.ones((5, 8), np.int32),
                                               np.full(5, 24, np.int32), jax.random.key(0), 0, cfg, scfg), params)
     cache = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st.cache))
     assert memory.sampler(cfg, 5, 8, 24, "bfloat16")["kv_cache"] == 2 * cache
@@ -65,10 +65,9 @@ def test_bench_scale_end_to_end_runs_the_cli_on_a_written_checkpoint():
 def test_a_bfloat16_sampler_holds_no_float32_copy_of_its_weights(monkeypatch):
     """XLA:CPU multiplies bf16 weights in float32; hoisted out of the decode loop, those
     converts were a float32 copy of every weight for the whole call. The decode step keeps them
-    inside (`sampler._upcast_in_loop`): the compiled temp stays under the plan's one layer."""
+    inside (`decode._upcast_in_loop`): the compiled temp stays under the plan's one layer."""
     from jaxrl_llm.models import decoder
-    from jaxrl_llm.rollout import Sampler, SamplerConfig
-    from jaxrl_llm.rollout import sampler as S
+    from jaxrl_llm.rollout import Sampler, SamplerConfig, decode
 
     cfg = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=1024, num_layers=8, num_heads=4,
                       num_kv_heads=2, head_dim=64, dtype="bfloat16")
@@ -83,5 +82,5 @@ def test_a_bfloat16_sampler_holds_no_float32_copy_of_its_weights(monkeypatch):
     plan = memory.sampler(cfg, 2, 8, 8, "bfloat16", "bfloat16", platform="cpu")
     layers_f32 = 4 * cfg.num_layers * cfg.layer_params
     assert temp() < memory.total(plan) - plan["weights"] < layers_f32 / 2  # the weights are arguments
-    monkeypatch.setattr(S, "_upcast_in_loop", lambda params, _: params)  # the hoisted converts again
+    monkeypatch.setattr(decode, "_upcast_in_loop", lambda params, _: params)  # the hoisted converts again
     assert temp() > layers_f32

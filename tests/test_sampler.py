@@ -111,9 +111,9 @@ def test_eos_stops_rows_and_truncation_flags(tmp_path):
 
 
 def test_reproducible_and_no_retrace_within_a_bucket(qwen, monkeypatch):
-    from jaxrl_llm.rollout import sampler as sampler_mod
+    from jaxrl_llm.rollout import decode
 
-    monkeypatch.setattr(sampler_mod, "_generate", chex.assert_max_traces(sampler_mod._generate, n=1))
+    monkeypatch.setattr(decode, "generate", chex.assert_max_traces(decode.generate, n=1))
     _, params, cfg = qwen
     sampler = Sampler(cfg, SamplerConfig(max_new_tokens=6, prompt_buckets=(8, 16), capture_topk=2))
     a = sampler.generate(params, PROMPTS[:3], jax.random.key(4))
@@ -123,7 +123,7 @@ def test_reproducible_and_no_retrace_within_a_bucket(qwen, monkeypatch):
     np.testing.assert_array_equal(a.tokens, b.tokens)
     assert not np.array_equal(np.asarray(a.tokens), np.asarray(sampler.generate(params, PROMPTS[:3], jax.random.key(6)).tokens))
     assert a.tokens.shape == c.tokens.shape == (3, 22)
-    assert sampler.traces == 1  # one compiled program for the bucket
+    assert sampler._generate._cache_size() == 1  # one compiled program for the bucket
 
 
 def test_bucket_selection_and_errors(qwen):

@@ -8,12 +8,12 @@ behind verl, TRL and AReaL do.
 
 Layout: slot s holds one row as [prompt, left-padded to the run's bucket P | N new tokens], its
 t-th new token at cache position P + t. Slots sit at different depths, so the decode step
-(`sampler.decode_step`, shared with static batching) writes per-slot columns. A segment attends
+(`decode.decode_step`, shared with static batching) writes per-slot columns. A segment attends
 over the first w cache positions only, w = P + the deepest slot's reach rounded up to a segment
 (memory-bound decode reads no more cache than it must). Programs: one insert per power-of-two
 count of new rows and one segment per w, whatever the mix of lengths.
 
-A row's draws come from (key, its global row id) alone (`sampler.row_uniforms`), so it yields
+A row's draws come from (key, its global row id) alone (`decode.row_uniforms`), so it yields
 the same tokens, log-probs and top-K in any slot, at any slot count, as in a static batch.
 """
 
@@ -30,18 +30,18 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.rollout import sampler as static
+from jaxrl_llm.rollout import decode
 from jaxrl_llm.rollout.sampling import SamplerConfig
 
 OUTPUTS = ("tokens_BxN", "valid_BxN", "logp_BxN", "kept_BxN", "versions_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK",
            "eos_B")
 
 
-def _empty(slots: int, p: int, mcfg: ModelConfig, scfg: SamplerConfig) -> static.DecodeState:
+def _empty(slots: int, p: int, mcfg: ModelConfig, scfg: SamplerConfig) -> decode.DecodeState:
     """S idle slots (done, budget 0) with a cache of P + N positions."""
     n, k = scfg.max_new_tokens, scfg.capture_topk
     zeros = lambda shape, dtype=jnp.float32: jnp.zeros(shape, dtype)
-    return static.DecodeState(
+    return decode.DecodeState(
         step=zeros((slots,), jnp.int32), uniforms_NxB=zeros((n, slots)),
         cache=[{"k": zeros((slots, mcfg.num_kv_heads, mcfg.head_dim, p + n), scfg.cache_dtype),
                 "v": zeros((slots, mcfg.num_kv_heads, p + n, mcfg.head_dim), scfg.cache_dtype)}
@@ -82,7 +82,7 @@ def _segment(params, st, version, p: int, width: int, steps: int, mcfg, scfg):
     if width < st.key_valid_BxW.shape[1]:  # one copy in and out per segment, not per step
         st = st.replace(cache=[{"k": c["k"][..., :width], "v": c["v"][:, :, :width]} for c in st.cache],
                         key_valid_BxW=st.key_valid_BxW[:, :width])
-    body = functools.partial(static.decode_step, params, static.unembed_matrix(params, mcfg), version=version, p=p,
+    body = functools.partial(decode.decode_step, params, decode.unembed_matrix(params, mcfg), version=version, p=p,
                              mcfg=mcfg, scfg=scfg)
     _, st = jax.lax.while_loop(lambda c: (c[0] < steps) & ~jnp.all(c[1].done_B), lambda c: (c[0] + 1, body(c[1])),
                                (jnp.int32(0), st))
@@ -115,44 +115,35 @@ class SlotEngine:
         self.groups = mesh.size if mesh is not None else 1
         self.slots = -(-slots // self.groups) * self.groups
         self.seg = min(scfg.decode_segment or scfg.max_new_tokens, scfg.max_new_tokens)
-        self.traces = collections.Counter()  # programs traced, by kind (tests bound them)
         self.occupancy = []  # per stream: generated tokens / (slots x decode steps run)
         rows = mesh and tuple(mesh.axis_names)
-        specs, pool_specs = (static.DecodeState.specs(rows, per_row=True), static.DecodeState.specs(rows))
+        specs, pool_specs = (decode.DecodeState.specs(rows, per_row=True), decode.DecodeState.specs(rows))
         r, rep = PartitionSpec(rows), PartitionSpec()
-        local = lambda f, in_specs, out_specs: f if mesh is None else jax.shard_map(
-            f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+        local = functools.partial(decode.per_device, mesh)
         self._rows = None if mesh is None else NamedSharding(mesh, r)
         shard = None if mesh is None else jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
-        def empty(p):
-            self.traces["empty"] += 1
-            return _empty(self.slots, p, mcfg, scfg)
-
         def prefill(params, prompt, mask, limit, keys, version):
-            self.traces["prefill"] += 1
-            f = lambda params, prompt, mask, limit, keys, version: static._prefill(
+            f = lambda params, prompt, mask, limit, keys, version: decode.prefill(
                 params, prompt, mask, limit, None, version, mcfg, scfg, width=prompt.shape[1],
                 keys_B=jax.random.wrap_key_data(keys))
             return local(f, (rep, r, r, r, r, rep), pool_specs)(params, prompt, mask, limit, keys, version)
 
         def insert(st, pool, pool_i, slot_i):
-            self.traces["insert"] += 1
             return local(_insert, (specs, pool_specs, r, r), specs)(st, pool, pool_i, slot_i)
 
         def segment(params, st, version, p, width):
-            self.traces["segment"] += 1
             f = functools.partial(_segment, p=p, width=width, steps=self.seg, mcfg=mcfg, scfg=scfg)
             return local(f, (rep, specs, rep), specs)(params, st, version)
 
-        self._empty = jax.jit(empty, static_argnums=0, out_shardings=shard)
+        self._empty = jax.jit(lambda p: _empty(self.slots, p, mcfg, scfg), static_argnums=0, out_shardings=shard)
         self._prefill = jax.jit(prefill)
         self._insert = jax.jit(insert, donate_argnums=0, out_shardings=shard)
         self._segment = jax.jit(segment, static_argnames=("p", "width"), donate_argnums=1, out_shardings=shard)
-        self._keys = jax.jit(lambda key, ids: jax.random.key_data(static.row_keys(key, ids)))
+        self._keys = jax.jit(lambda key, ids: jax.random.key_data(decode.row_keys(key, ids)))
 
     def row_keys(self, key, ids) -> np.ndarray:
-        """u32 key data of each row's own key (`sampler.row_keys`), for `stream` feeds."""
+        """u32 key data of each row's own key (`decode.row_keys`), for `stream` feeds."""
         return np.asarray(self._keys(key, np.asarray(ids, np.int32)))
 
     def generate(self, params, prompt_RxP, mask_RxP, limit_R, key, version: int, refresh=None) -> dict:
@@ -169,7 +160,7 @@ class SlotEngine:
 
     def outputs(self, got: dict) -> dict:
         """`stream` outputs (DecodeState fields) -> the static sampler's output dict."""
-        return static._outputs(types.SimpleNamespace(**got), self.sampler.cfg)
+        return decode.outputs(types.SimpleNamespace(**got), self.sampler.cfg)
 
     def stream(self, params, p: int, version: int, feed, refresh=None, stop=None):
         """Decode rows through the slots, yielding `(ids, outputs)` for the rows that finished at
