@@ -38,4 +38,4 @@ def test_a3po_on_stale_samples_raises_reward():
         staleness.append(metrics["staleness/mean"])
     assert staleness[0] == 0.0 and all(s == 1.0 for s in staleness[1:])
     assert np.mean(rewards_seen[-3:]) > np.mean(rewards_seen[:3]) + 0.1, rewards_seen  # seeded: 0.06 -> 0.28
-    assert lrn.step_traces == 1 and sampler.traces == 1
+    assert lrn._step._cache_size() == 1 and sampler._generate._cache_size() == 1

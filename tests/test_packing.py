@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import learner as L
-from jaxrl_llm import objectives, packing, sharding, testing
+from jaxrl_llm import forward, objectives, packing, sharding, testing
 from jaxrl_llm.batch import PolicyOutput
 from jaxrl_llm.models import decoder
 from jaxrl_llm.models.config import ModelConfig
@@ -83,7 +83,7 @@ def _stats_fn(lrn, batch, plan):
     pl = None if plan is None else jax.tree_util.tree_map(lambda x: x[0], plan)
 
     def f(params):
-        s = lrn._stats(params, mb, topk=4, plan=pl)
+        s = forward.stats(lrn.plan.fwd, params, mb, topk=4, packed=pl)
         return {k: s[k] for k in ("logp", "entropy", "logp_at_ids", "topk_logp")}
     return mb, jax.jit(lambda p: jax.vjp(f, p)), f
 
@@ -185,4 +185,4 @@ def test_packed_steps_compile_once_per_row_bucket():
         plan = packing.plan(batch.input_mask, 2)
         seen.add(None if plan is None else plan.rows)
         state, _ = lrn.train_step(state, batch)
-    assert len(seen) >= 2 and lrn.step_traces == len(seen) <= len(packing.row_buckets(4))
+    assert len(seen) >= 2 and lrn._step._cache_size() == len(seen) <= len(packing.row_buckets(4))

@@ -1,0 +1,70 @@
+"""The learner's policy forward in its three layouts, as pure functions of a static `Forward`.
+
+  padded  -> the batch's own [B, L] rows (`heads.sequence_logprobs`);
+  packed  -> several rows per packed row (`packing.PackPlan`, one minibatch's), results
+             scattered back to [B, L] so objectives always see the padded layout;
+  replica -> `params` holds one copy per batch shard ([S, ...], `minibatches.replica_value_and_grad`);
+             shard s's rows use copy s, so each gradient stays on its shard until one all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_llm import minibatches, packing, sharding
+from jaxrl_llm.batch import TrajectoryBatch
+from jaxrl_llm.models import heads
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.policy_dist import PolicyDist
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """What a forward needs besides params and batch: the model, the distribution the
+    sampler drew from, the log-prob chunk and the learner's mesh."""
+
+    model_cfg: ModelConfig
+    dist: PolicyDist
+    chunk: int
+    mesh: Mesh
+
+
+def stats(fwd: Forward, params, batch: TrajectoryBatch, topk: int = 0, gather: bool = True,
+          return_hidden: bool = False, packed: Optional[packing.PackPlan] = None, replicas: int = 0) -> dict:
+    """Per-token stats (`heads.sequence_logprobs`) in the padded [B, L] layout. `gather`: also
+    the policy's log-probs at the behaviour top-K ids; `topk`: the policy's own top-K."""
+    gather_ids = batch.topk_ids if gather and batch.topk > 0 else None
+    kw = dict(dist=fwd.dist, topk=topk, chunk=fwd.chunk, return_hidden=return_hidden)
+    if replicas:
+        on_shards = NamedSharding(fwd.mesh, P(sharding.BATCH_AXES))
+        split = lambda x: minibatches.by_shard(x, replicas, on_shards)  # noqa: E731
+        one = lambda p, t, m, k, g: heads.sequence_logprobs(  # noqa: E731
+            p, fwd.model_cfg, t, m, kept_BxL=k, gather_ids_BxLxK=g, **kw)
+        out = jax.vmap(one)(params, split(batch.tokens), split(batch.input_mask), split(batch.behav_kept),
+                            split(gather_ids))
+        return {k: v.reshape(-1, *v.shape[2:]) for k, v in out.items()}
+    if packed is None:
+        return heads.sequence_logprobs(params, fwd.model_cfg, batch.tokens, batch.input_mask,
+                                       kept_BxL=batch.behav_kept, gather_ids_BxLxK=gather_ids, **kw)
+    rows = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(fwd.mesh, P(sharding.BATCH_AXES)))
+    pack = lambda x: None if x is None else rows(packing.pack(x, packed.src))
+    s = heads.sequence_logprobs(params, fwd.model_cfg, pack(batch.tokens), kept_BxL=pack(batch.behav_kept),
+                                gather_ids_BxLxK=pack(gather_ids),
+                                segments=(rows(packed.segment), rows(packed.position)), **kw)
+    return {k: packing.unpack(v, packed.dst) for k, v in s.items()}
+
+
+def batch_stats(fwd: Forward, params, batch: TrajectoryBatch, packed: Optional[packing.PackPlan], **kw) -> dict:
+    """`stats` over a whole batch: packed, minibatch by minibatch (pack plans are per
+    minibatch), the results concatenated back to [B, ...]."""
+    if packed is None:
+        return stats(fwd, params, batch, **kw)
+    m, shards = packed.src.shape[0], sharding.batch_size(fwd.mesh)
+    mbs = jax.tree_util.tree_map(lambda x: minibatches.split(x, m, shards), batch)
+    out = jax.lax.map(lambda a: stats(fwd, params, a[0], packed=a[1], **kw), (mbs, packed))
+    return jax.tree_util.tree_map(lambda y: minibatches.join(y, shards), out)
