@@ -19,7 +19,7 @@ setup(
         "safetensors>=0.4",
         "math-verify>=0.7",  # math-dataset rewards
         "tensorboardX>=2.6",  # TensorBoard event files
-        "matplotlib>=3.7",  # jaxrl_llm.report
+        "matplotlib>=3.7",  # jaxrl_llm.research.report
         "tqdm>=4.60",  # progress bar
     ],
     extras_require={

@@ -2,8 +2,8 @@
 cell is deterministic and each batch is exactly k steps stale (`:fixed`, the default) or has a
 random delay in [1, k] steps (`:lognormal`, `:weibull`, `:exponential`, as in GEPO, arXiv:2508.17850).
 
-    python -m jaxrl_llm.sweep --config=configs/staleness_sweep.py --workdir=runs/sweep
-    python -m jaxrl_llm.sweep --config=configs/staleness_sweep.py:lognormal \
+    python -m jaxrl_llm.research.sweep --config=configs/staleness_sweep.py --workdir=runs/sweep
+    python -m jaxrl_llm.research.sweep --config=configs/staleness_sweep.py:lognormal \
         --config.sweep.objectives=ppo,a3po,gepo,jackpot --config.sweep.max_staleness=0,4,8,16 ...
 """
 

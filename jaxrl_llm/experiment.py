@@ -73,11 +73,10 @@ def config_rules() -> dict:
     """Every declared constraint of the experiment config, by full dotted key."""
     from jaxrl_llm.objectives.registry import RULES as OBJECTIVE_RULES
     from jaxrl_llm.rollout import sampling
-    from jaxrl_llm.sweep import RULES as SWEEP_RULES
     sections = {"task": tasks.RULES, "model": MODEL_RULES, "aux_model": AUX_MODEL_RULES,
                 "warm_start": warmstart.RULES, "sampler": sampling.RULES, "objective": OBJECTIVE_RULES,
                 "learner": learner_lib.RULES, "runtime": orchestrator.RULES, "mesh": sharding.RULES,
-                "distributed": distributed.RULES, "train": TRAIN_RULES, "sweep": SWEEP_RULES}
+                "distributed": distributed.RULES, "train": TRAIN_RULES}
     out = dict(TOP_RULES)
     for name, rules in sections.items():
         out.update(V.flatten(rules, name + "."))

@@ -1,5 +1,5 @@
 """Where a run's numbers go: WORKDIR/metrics.jsonl (one JSON object per record, the source of
-truth that `jaxrl_llm.report` reads), TensorBoard event files under WORKDIR/tb, and a
+truth that `jaxrl_llm.research.report` reads), TensorBoard event files under WORKDIR/tb, and a
 progress bar on the terminal."""
 
 from __future__ import annotations

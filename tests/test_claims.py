@@ -1,4 +1,4 @@
-"""The claims' verdict rules (`jaxrl_llm.claims`) and the reproduce entry point on a tiny model."""
+"""The claims' verdict rules (`jaxrl_llm.research.claims`) and the reproduce entry point on a tiny model."""
 
 import json
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from jaxrl_llm import claims as C
-from jaxrl_llm import reproduce
+from jaxrl_llm.research import claims as C
+from jaxrl_llm.research import reproduce
 
 
 def _interval(x):

@@ -8,7 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from jaxrl_llm import experiment, sweep
+from jaxrl_llm import experiment
+from jaxrl_llm.research import sweep
 from tests.test_experiment import shrink
 
 CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob("configs/*.py") if not p.endswith("__init__.py"))

@@ -7,7 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from jaxrl_llm import experiment, report
+from jaxrl_llm import experiment
+from jaxrl_llm.research import report
 from tests.test_experiment import _tiny
 
 

@@ -1,4 +1,4 @@
-"""Seeds and confidence intervals (`jaxrl_llm.stats`), through `report` and `sweep`."""
+"""Seeds and confidence intervals (`jaxrl_llm.research.stats`), through `report` and `sweep`."""
 
 import importlib
 import json
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from jaxrl_llm import report, stats, sweep
+from jaxrl_llm.research import report, stats, sweep
 
 
 def test_t_quantiles_and_intervals_match_scipy():

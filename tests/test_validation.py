@@ -12,6 +12,7 @@ import pytest
 from configs.default import get_config
 from configs.staleness_sweep import get_config as sweep_config
 from jaxrl_llm import experiment, validation
+from jaxrl_llm.research import sweep
 from jaxrl_llm.validation import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +29,7 @@ def _shipped_configs():
 
 
 def test_every_field_of_every_shipped_config_has_a_declared_constraint():
-    rules = experiment.config_rules()
+    rules = sweep.config_rules()  # the experiment's, and a sweep config's own section
     seen = 0
     for name, config in _shipped_configs():
         if "learner" in config:  # an experiment config
@@ -55,7 +56,7 @@ def _set(config, key, value):
 
 def test_one_generated_invalid_value_per_constraint_is_rejected_with_its_key():
     checked, by_type = 0, 0
-    for key, rule in experiment.config_rules().items():
+    for key, rule in sweep.config_rules().items():
         if rule.allowed == "anything":
             continue  # paths: tests/test_paths.py
         assert rule.invalid_values, f"{key}: its rule has no invalid example"
@@ -68,7 +69,7 @@ def test_one_generated_invalid_value_per_constraint_is_rejected_with_its_key():
                 by_type += 1
                 continue
             with pytest.raises(ConfigError) as e:
-                experiment.validate(c)
+                (sweep.validate if key.startswith("sweep.") else experiment.validate)(c)
             assert f"{key}={bad!r}" in str(e.value) or (isinstance(bad, float) and f"{key}=" in str(e.value)), (key, bad)
             exercised = checked = checked + 1
         if not exercised:  # every example was a wrong type: then the type check is the constraint

@@ -101,7 +101,7 @@ def a3po_prox_logp(policy: PolicyOutput, batch: TrajectoryBatch):
 def time_a3po_prox(policy: PolicyOutput, batch: TrajectoryBatch, repeats: int = 50) -> list[float]:
     """Seconds of each of `repeats` calls of `a3po_prox_logp` jitted alone (dispatch included;
     the compiling call is not counted): what A-3PO pays for pi_prox, to set against the
-    recompute pass of decoupled PPO (experiments/bench_learner.py, `jaxrl_llm.reproduce`)."""
+    recompute pass of decoupled PPO (experiments/bench_learner.py, `jaxrl_llm.research.reproduce`)."""
     import time
 
     import jax

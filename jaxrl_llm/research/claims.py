@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxrl_llm import stats
+from jaxrl_llm.research import stats
 
 MARGIN = 0.05  # held-out reward: "comparable" = no worse than this, absolute
 RETAIN = 0.95  # GEPO: share of its fresh-data reward kept under high staleness

@@ -1,10 +1,10 @@
 """Run the papers' headline claims in miniature on the embedded task and judge them.
 
-    python -m jaxrl_llm.reproduce --workdir=runs/claims             # 3 seeds, 1,000 steps per run
-    python -m jaxrl_llm.reproduce --workdir=runs/claims_quick --quick   # 300 steps per run
-    python -m jaxrl_llm.reproduce --workdir=W --seeds=5 --claims=gepo_high_staleness,staleness_sweep
+    python -m jaxrl_llm.research.reproduce --workdir=runs/claims             # 3 seeds, 1,000 steps per run
+    python -m jaxrl_llm.research.reproduce --workdir=runs/claims_quick --quick   # 300 steps per run
+    python -m jaxrl_llm.research.reproduce --workdir=W --seeds=5 --claims=gepo_high_staleness,staleness_sweep
 
-Every arm of every claim (`jaxrl_llm.claims`) runs for every seed as an ordinary run in
+Every arm of every claim (`jaxrl_llm.research.claims`) runs for every seed as an ordinary run in
 W/runs/<arm>_seed<n> (arms with equal configs run once; a finished run is skipped, an
 interrupted one resumes). Runs of one seed share their warm start (W/warm_start) and compiled
 programs (W/jax_cache). Writes W/claims.json, W/claims.md and W/figures/<claim>/reward_bands.png.
@@ -22,8 +22,9 @@ import time
 
 import numpy as np
 
-from jaxrl_llm import claims as C
-from jaxrl_llm import experiment, report, stats, sweep
+from jaxrl_llm import experiment
+from jaxrl_llm.research import claims as C
+from jaxrl_llm.research import report, stats, sweep
 
 QUICK_STEPS, FULL_STEPS = 300, 1000
 

@@ -1,6 +1,6 @@
 """Plots and a comparison table from one or more run directories.
 
-    python -m jaxrl_llm.report runs/a3po runs/gepo [--out report/] [--threshold 0.8]
+    python -m jaxrl_llm.research.report runs/a3po runs/gepo [--out report/] [--threshold 0.8]
 
 Reads each WORKDIR/metrics.jsonl (and config.json for the run's objective, mode and
 max_staleness) and writes PNGs (reward vs step and vs wall-clock, is_weight max/min, clipped
@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxrl_llm import stats
+from jaxrl_llm.research import stats
 
 PLOTS = ("reward_vs_step", "reward_vs_time", "is_weight", "mismatch", "clipped_tokens", "entropy", "staleness_hist")
 
@@ -236,7 +236,7 @@ def plot_bands(runs: Sequence[dict], out: str) -> str:
 
 def write_report(workdirs: Sequence[str], out: str, threshold: float | None = None) -> str:
     """Plots + report.md for `workdirs` into `out`; returns the markdown path. Runs that differ
-    only in their seed are also summarised per arm (mean ± 95% CI, `jaxrl_llm.stats`)."""
+    only in their seed are also summarised per arm (mean ± 95% CI, `jaxrl_llm.research.stats`)."""
     runs = [load_run(w) for w in workdirs]
     os.makedirs(out, exist_ok=True)
     paths = plot(runs, out)

@@ -1,7 +1,7 @@
 """A grid of objectives x max_staleness (x seeds): one run per cell, then one results table.
 
-    python -m jaxrl_llm.sweep --config=configs/staleness_sweep.py --workdir=runs/sweep --seeds=3
-    python -m jaxrl_llm.sweep --config=configs/staleness_sweep.py:lognormal \
+    python -m jaxrl_llm.research.sweep --config=configs/staleness_sweep.py --workdir=runs/sweep --seeds=3
+    python -m jaxrl_llm.research.sweep --config=configs/staleness_sweep.py:lognormal \
         --config.sweep.objectives=ppo,gepo --config.sweep.max_staleness=0,8,32 --workdir=runs/sweep_ln
 
 Each cell is an ordinary run in WORKDIR/<objective>_s<k> (with several seeds
@@ -9,7 +9,7 @@ WORKDIR/<objective>_s<k>_seed<n>; so it resumes, and a finished cell is skipped)
 Cells of one seed warm-start once (WORKDIR/warm_start) and all share compiled programs
 (WORKDIR/jax_cache). `--seeds=N` (or `--config.sweep.seeds`) runs every arm for N seeds from `config.seed`, or for
 the listed ones (`--seeds=0,7,9`). WORKDIR/results.md holds the objective x staleness table
-of final held-out reward (mean ± 95% CI over seeds), the per-arm table (`jaxrl_llm.stats`), the
+of final held-out reward (mean ± 95% CI over seeds), the per-arm table (`jaxrl_llm.research.stats`), the
 per-run table, and the report's plots over all cells (reward_bands.png: mean and 95% band).
 """
 
@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import os
 
-from jaxrl_llm import experiment, objectives, report, stats
+from jaxrl_llm import experiment, objectives
 from jaxrl_llm import validation as V
+from jaxrl_llm.research import report, stats
 from jaxrl_llm.runtime import delay as delay_lib
 
 
@@ -28,6 +29,17 @@ RULES = {  # the `sweep` section of a sweep config (configs/staleness_sweep.py)
     "delay": V.one_of(*delay_lib.KINDS),
     "seeds": V.text(),  # N (seeds config.seed .. config.seed + N - 1) or a comma-separated list
 }
+
+
+def config_rules() -> dict:
+    """The experiment's declared constraints plus this section's (`sweep.*`)."""
+    return {**experiment.config_rules(), **V.flatten(RULES, "sweep.")}
+
+
+def validate(config) -> None:
+    """This section's constraints, then the experiment's (every cell is validated again)."""
+    V.raise_all(V.check(config, V.flatten(RULES, "sweep.")))
+    experiment.validate(config)
 
 
 def _ints(text: str) -> list[int]:
@@ -60,6 +72,7 @@ def seeds(config) -> list[int]:
 
 def cells(config) -> list[tuple[str, object]]:
     """(cell name, full run config) for every objective x max_staleness x seed."""
+    V.raise_all(V.check(config, V.flatten(RULES, "sweep.")))
     runs_seeds = seeds(config)
     names = [n.strip() for n in str(config.sweep.objectives).split(",") if n.strip()]
     for n in names:
@@ -130,32 +143,25 @@ def run(config, workdir: str, log=print) -> list[dict]:
     return rows
 
 
-def _seeds_flag():
-    from absl import flags
-
-    return flags.DEFINE_string("seeds", None, "seeds per arm: a count N or a comma-separated list "
-                                              "(overrides --config.sweep.seeds)")
-
-
 def main(argv):
-    from absl import flags, logging
-
-    from jaxrl_llm.main import CONFIG, WORKDIR  # the same --config / --workdir flags
+    from absl import logging
 
     del argv
     logging.set_verbosity(logging.WARNING)
-    config = CONFIG.value
-    if "seeds" in flags.FLAGS and flags.FLAGS["seeds"].value:  # --seeds (defined when run as a module)
-        config.sweep.seeds = flags.FLAGS["seeds"].value
+    config = _CONFIG.value
+    if _SEEDS.value:
+        config.sweep.seeds = _SEEDS.value
     experiment.set_cpu_devices(config.cpu_devices)
-    run(config, WORKDIR.value)
-    print(open(os.path.join(WORKDIR.value, "results.md")).read())
+    run(config, _WORKDIR.value)
+    print(open(os.path.join(_WORKDIR.value, "results.md")).read())
 
 
 if __name__ == "__main__":
-    from absl import app
+    from absl import app, flags
+    from ml_collections import config_flags
 
-    import jaxrl_llm.main  # noqa: F401  (defines the flags before parsing)
-
-    _seeds_flag()
+    _CONFIG = config_flags.DEFINE_config_file("config", "configs/staleness_sweep.py", "sweep config file")
+    _WORKDIR = flags.DEFINE_string("workdir", "runs/sweep", "one run directory per cell, results.md")
+    _SEEDS = flags.DEFINE_string("seeds", None, "seeds per arm: a count N or a comma-separated list "
+                                                "(overrides --config.sweep.seeds)")
     app.run(main)

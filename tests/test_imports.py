@@ -1,0 +1,28 @@
+"""The house's walls: the import-linter contracts in `.importlinter` (layers with the research
+harness on top, no cycles), every package module placed in a layer, and no module too long to
+read in one sitting."""
+
+import configparser
+import pathlib
+
+from importlinter import cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "jaxrl_llm"
+
+
+def test_import_contracts_are_kept():
+    assert cli.lint_imports(config_filename=str(ROOT / ".importlinter")) == cli.EXIT_STATUS_SUCCESS
+
+
+def test_the_research_harness_is_the_top_layer():
+    contract = configparser.ConfigParser()
+    contract.read(ROOT / ".importlinter")
+    layers = contract["importlinter:contract:layers"]["layers"].split()
+    assert layers[0] == "research" and contract["importlinter:contract:layers"]["exhaustive"] == "true"
+
+
+def test_no_module_is_longer_than_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
