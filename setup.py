@@ -24,6 +24,6 @@ setup(
     ],
     extras_require={
         # CPU torch, used only for parity tests against HF transformers.
-        "test": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.10", "torch==2.13.0"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "scipy>=1.10", "import-linter>=2.1", "torch==2.13.0"],
     },
 )
