@@ -57,6 +57,9 @@ def report(results: dict, json_path=None) -> None:
     if json_path:
         with open(json_path, "w") as f:
             json.dump(results, f, indent=2)
+        import pages  # experiments/ is on sys.path when a benchmark runs as a script
+
+        pages.write_page(json_path)
 
 
 def parse_args(description: str, extra=None):
