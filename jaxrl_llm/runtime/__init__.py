@@ -1,6 +1,8 @@
 """The runtime: who samples with which policy version and when the learner sees it.
 
-queue.py (bounded, version-aware), weights.py (published versions), delay.py (network-delay
-models), orchestrator.py (the training modes), async_mode.py (sampler threads and the learner
-loop of the async mode).
+producer.py (draw, generate, score; batches or streamed groups with their origin), weights.py
+(published versions), queue.py (bounded, version-aware), delay.py (network-delay models),
+modes.py (the sequential modes), async_mode.py (sampler threads and the async mode),
+orchestrator.py (trains on what the mode hands over; run-long counters), position.py,
+admission.py, lengths.py (async bookkeeping).
 """

@@ -1,0 +1,157 @@
+"""The producer: draw prompts, generate, score, and hand over batches or whole prompt groups
+with their origin. A sampler thread drives it today (`async_mode.SamplerWorker`, and the
+sequential modes in the learner's thread); anything that can call `produce` or iterate `stream`
+can drive it (e.g. a sampler on another machine).
+
+Draw `d` of worker `w` is seeded by both (`draw`), so it is the same prompts and sampling keys
+whenever it is drawn again: what was lost at a stop is regenerated exactly from its origin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm import advantages, distributed, tasks
+from jaxrl_llm.batch import TrajectoryBatch
+from jaxrl_llm.rollout.sampler import to_batch
+
+
+class Origin(NamedTuple):
+    """Where a queue item came from: sampler `worker`'s draw `draw`, prompt groups `groups`
+    of it (None: all of them). Delivered to the data position once trained or dropped."""
+
+    worker: int
+    draw: int
+    groups: Optional[tuple] = None
+
+
+class Rollout(NamedTuple):
+    """A queue item: scored rows (a whole draw, or one prompt group) and their origin."""
+
+    origin: Origin
+    batch: TrajectoryBatch
+
+
+@dataclasses.dataclass
+class _Draw:
+    """A streamed draw in flight: its prompts, padded rows, groups not yet handed over, and the
+    params version it was admitted under."""
+
+    prompts: list
+    tokens: np.ndarray
+    mask: np.ndarray
+    pending: int
+    version: int
+
+
+class Producer:
+    def __init__(self, sampler, task, cfg):
+        """`cfg`: the runtime section (prompts_per_batch, seed, advantage, mask_zero_variance)."""
+        self.sampler, self.task = sampler, task
+        self.prompts_per_batch, self.group_size = cfg.prompts_per_batch, sampler.cfg.num_samples
+        self.advantage, self.mask_zero_variance, self.seed = cfg.advantage, cfg.mask_zero_variance, cfg.seed
+        self._key = jax.random.key(cfg.seed)
+
+    @property
+    def streams(self) -> bool:
+        """Whether groups are streamed as they finish (continuous batching) rather than batched."""
+        return self.sampler.cfg.batching == "continuous"
+
+    def draw(self, worker: int, counter: int):
+        """Draw `counter` of sampler `worker`: (prompts, sampling key). With many processes each
+        draws prompts and samples of its own (`distributed.seed_ids`)."""
+        rng = np.random.default_rng(distributed.seed_ids(self.seed, worker, counter))
+        prompts = self.task.prompts(rng, self.prompts_per_batch)
+        key = self._key
+        for i in distributed.seed_ids(worker, counter):
+            key = jax.random.fold_in(key, i)
+        return prompts, key
+
+    def score(self, batch: TrajectoryBatch, prompts):
+        """Rewards and advantages of sampled rows (row i answers prompts[i // G]; advantages
+        within each group) -> (batch, failed rewards); a failing reward scores 0."""
+        rewards, failures = tasks.score(self.task, prompts, np.asarray(batch.tokens),
+                                        np.asarray(batch.loss_mask) > 0, self.group_size)
+        adv = advantages.compute(self.advantage, rewards, batch.group_ids, batch.loss_mask,
+                                 mask_zero_variance=self.mask_zero_variance)
+        return batch.replace(rewards=jnp.asarray(rewards), advantages=adv), failures
+
+    def produce(self, params, version: int, worker: int, counter: int, refresh=None):
+        """Prompts -> completions (policy `version`; `refresh` may swap weights mid-generation,
+        see `Sampler.generate`) -> rewards -> advantages. Returns (batch, failed rewards)."""
+        prompts, key = self.draw(worker, counter)
+        return self.score(self.sampler.generate(params, prompts, key, version, refresh=refresh), prompts)
+
+    def stream(self, worker: int, params, version: int, todo: Iterable, refresh: Callable, stop: Callable,
+               admit: Optional[Callable] = None) -> Iterator[tuple[Rollout, int, int]]:
+        """Continuous batching for async sampler `worker` (its draws are `draw(worker + 1, d)`;
+        0 is the sequential modes'): the draws of `todo` ((draw, groups not yet delivered) pairs) feed
+        the decode slots; each prompt group is scored and yielded once its G rows have finished,
+        as (Rollout, the params version its draw was admitted under, failed rewards).
+        `refresh()` as in `Sampler.generate` (it also gives the version `admit` is asked with:
+        `admit(worker version, groups)` may hold a draw back); `stop()` ends the stream."""
+        sampler, g = self.sampler, self.group_size
+        per_draw = self.prompts_per_batch * g
+        engine = sampler.slots(per_draw)
+        p = sampler.bucket(getattr(self.task, "max_prompt_len", sampler.cfg.prompt_buckets[-1]))
+        todo = iter(todo)
+        upcoming = [next(todo)]  # the next draw, taken from `todo` once admitted
+        drawn: dict[int, _Draw] = {}
+        parts: dict[int, dict] = {}  # group -> {row id: outputs}
+        at = [version]  # the params version the slots decode with now
+
+        def feed():
+            draw, groups = upcoming[0]
+            if admit is not None and not admit(at[0], len(groups)):
+                return ()  # held back: the learner could not train these tokens within the bound
+            upcoming[0] = next(todo)
+            prompts, key = self.draw(worker + 1, draw)
+            toks, mask, _ = sampler.pad_prompts(prompts, width=p)
+            if toks.shape[1] != p:
+                raise ValueError(f"a prompt is longer than the task's max_prompt_len bucket {p}")
+            drawn[draw] = _Draw(prompts, toks, mask, len(groups), at[0])
+            rows = np.concatenate([k * g + np.arange(g) for k in groups])  # only groups not yet delivered
+            return (draw * per_draw + rows, toks[rows], mask[rows], np.full(len(rows), sampler.cfg.max_new_tokens),
+                    engine.row_keys(key, rows))
+
+        def swap():
+            newer = refresh()
+            if newer is not None:
+                at[0] = newer[0]
+            return newer
+
+        for ids, got in engine.stream(params, p, version, feed, refresh=swap, stop=stop):
+            for i, row in enumerate(ids.tolist()):
+                parts.setdefault(row // g, {})[row] = {f: x[i] for f, x in got.items()}
+            complete = [k for k, v in parts.items() if len(v) == g]
+            if complete:
+                yield from self._hand_over(worker, complete, drawn, parts, engine)
+
+    def _hand_over(self, worker, complete, drawn, parts, engine):
+        """Score the groups that completed together in one batch (advantages stay within each
+        group), then yield them one by one."""
+        g = self.group_size
+        prompts, sel = [], []
+        for group in complete:
+            draw, prompt = divmod(group, self.prompts_per_batch)
+            prompts.append(drawn[draw].prompts[prompt])
+            sel.append((draw, prompt, prompt * g + np.arange(g)))
+            drawn[draw].pending -= 1
+        rows = [r for group in complete for _, r in sorted(parts.pop(group).items())]
+        out = {f: np.stack([r[f] for r in rows]) for f in rows[0]}
+        toks = np.concatenate([drawn[d].tokens[r] for d, _, r in sel])
+        mask = np.concatenate([drawn[d].mask[r] for d, _, r in sel])
+        batch, failures = self.score(to_batch(toks, mask, np.repeat(np.arange(len(complete)), g),
+                                              engine.outputs(out)), prompts)
+        batch = jax.tree.map(np.asarray, batch)
+        admitted = [drawn[d].version for d, _, _ in sel]
+        for draw in {d for d, _, _ in sel if drawn[d].pending == 0}:
+            del drawn[draw]
+        for i, (draw, prompt, _) in enumerate(sel):
+            group = jax.tree.map(lambda x: x[i * g:(i + 1) * g], batch)
+            yield Rollout(Origin(worker, draw, (prompt,)), group), admitted[i], failures if i == 0 else 0
