@@ -10,7 +10,8 @@ steps with a cosine learning rate. Runs on a 2-core CPU in about 2.5 minutes wit
 
 import ml_collections
 
-from jaxrl_llm import distributed, experiment, learner, objectives, sharding, tasks
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import distributed, learner, objectives, sharding, tasks
 from jaxrl_llm.rollout import sampling
 from jaxrl_llm.runtime import orchestrator
 from jaxrl_llm.tasks import warmstart
@@ -21,8 +22,8 @@ def get_config(arg: str = "a3po"):
     c.seed = 0
     c.cpu_devices = 0  # CPU only: JAX devices to expose (-1: one per core; 0: JAX's default, one)
     c.task = tasks.default_config()  # arithmetic, 2-digit addition, 128 held-out problems
-    c.model = experiment.model_config()  # hf_path: a local HF directory; empty: this tiny random model
-    c.aux_model = experiment.aux_model_config()  # a second model (configs/jackpot_small_actor.py); off
+    c.model = config_lib.model_config()  # hf_path: a local HF directory; empty: this tiny random model
+    c.aux_model = config_lib.aux_model_config()  # a second model (configs/jackpot_small_actor.py); off
     c.warm_start = warmstart.default_config()  # until 20% validation accuracy: RL has room and signal
     c.sampler = sampling.default_config()
     # 16 per prompt (DAPO's group size): with 8, a seed whose policy is wrong on every sample of a
@@ -39,7 +40,7 @@ def get_config(arg: str = "a3po"):
     c.runtime.max_staleness = 4
     c.mesh = sharding.default_config()
     c.distributed = distributed.default_config()  # many hosts: see README "Many hosts"
-    c.train = experiment.train_config()  # steps, eval/save cadence, resume, preemption grace
+    c.train = config_lib.train_config()  # steps, eval/save cadence, resume, preemption grace
     c.train.update(dict(steps=3000, eval_every=100, save_every=500))
     # The schedule spans the run however --config.train.steps or num_minibatches are overridden.
     c.learner.total_steps = c.train.get_ref("steps") * c.learner.get_ref("num_minibatches")

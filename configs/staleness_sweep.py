@@ -7,9 +7,8 @@ random delay in [1, k] steps (`:lognormal`, `:weibull`, `:exponential`, as in GE
         --config.sweep.objectives=ppo,a3po,gepo,jackpot --config.sweep.max_staleness=0,4,8,16 ...
 """
 
-import ml_collections
-
 from configs import default
+from jaxrl_llm.research import sweep
 
 
 def get_config(arg: str = "fixed"):
@@ -17,7 +16,5 @@ def get_config(arg: str = "fixed"):
     c.runtime.mode = "simulated"
     c.runtime.delay.update(dict(kind="fixed", value=1e9))  # fixed: always the cap, k
     c.train.update(dict(steps=200, eval_every=50, save_every=100, progress=False))
-    c.sweep = ml_collections.ConfigDict(dict(
-        objectives="ppo,decoupled_ppo,a3po,gepo", max_staleness="0,4,16", delay=arg or "fixed",
-        seeds="1"))  # N seeds per arm from c.seed, or a list "0,7,9" (--seeds=N on the sweep's command line)
+    c.sweep = sweep.SECTION.config(delay=arg or "fixed")  # seeds: N per arm from c.seed, or a list "0,7,9"
     return c

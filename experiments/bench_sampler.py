@@ -50,7 +50,7 @@ def ours(params, cfg, topk: int, devices=None):
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, PROMPT)).tolist()
     mesh = Mesh(np.asarray(devices or jax.devices()), ("data",))
     s = Sampler(cfg, SamplerConfig(max_new_tokens=NEW, temperature=1.0, capture_topk=topk,
-                                   prompt_buckets=(PROMPT,), eos_token_id=None), mesh=mesh)
+                                   prompt_buckets=(PROMPT,), eos_token_id=None, num_samples=1), mesh=mesh)
     keys = iter(range(1 << 30))
     run = lambda: jax.block_until_ready(s.generate(params, prompts, jax.random.key(next(keys))).tokens)
     run()  # compile
@@ -94,7 +94,7 @@ def heavy_tail(params, cfg, repeats: int, rows: int) -> dict:
     mesh = Mesh(np.asarray(jax.devices()), ("data",))
     make = lambda batching: Sampler(cfg, SamplerConfig(
         max_new_tokens=HEAVY_MAX, temperature=1.0, capture_topk=K, prompt_buckets=(PROMPT,), decode_segment=SEG,
-        batching=batching, slots=SLOTS), mesh=mesh)
+        batching=batching, slots=SLOTS, num_samples=1), mesh=mesh)
     static, continuous = make("static"), make("continuous")
 
     def run_static():

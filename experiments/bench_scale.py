@@ -116,7 +116,7 @@ def run_sampler(a) -> dict:
     # Initialised in the weights' dtype: nothing float32 to cast.
     params = jax.jit(lambda k: decoder.init_params(cfg.replace(param_dtype=weights), k))(jax.random.key(0))
     scfg = SamplerConfig(max_new_tokens=a.new_tokens, num_samples=1, prompt_buckets=(a.prompt_len,),
-                         cache_dtype=a.cache_dtype, top_k=20, eos_token_id=None)
+                         cache_dtype=a.cache_dtype, top_k=20, eos_token_id=None, capture_topk=0)
     sampler = Sampler(cfg, scfg)
     prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (a.sample_rows, a.prompt_len)).tolist()
     t = time.perf_counter()

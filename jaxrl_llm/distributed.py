@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import jax
-import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
@@ -29,22 +28,17 @@ _LAUNCH_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"
                "MEGASCALE_COORDINATOR_ADDRESS")
 
 
-def default_config() -> ml_collections.ConfigDict:
-    """All optional: nothing set and no launcher environment -> one process, as before."""
-    return ml_collections.ConfigDict(dict(
-        coordinator_address="",  # host:port of process 0 (e.g. 10.0.0.1:1234)
-        num_processes=0,  # 0: auto-detect (TPU pod, SLURM) or the environment
-        process_id=-1,  # -1: auto-detect
-        local_device_ids="",  # comma-separated, e.g. "0,1"; empty: all of this host's
-        heartbeat_timeout_s=60,  # a process silent this long is declared dead; the others exit
-        initialization_timeout_s=300,
-        cpu_batch_scheduling=True,  # on CPU (gloo): run under SCHED_BATCH, see `batch_scheduling`
-    ))
-
-
-RULES = {"coordinator_address": V.text(), "num_processes": V.integer(0), "process_id": V.integer(0, extra=(-1,)),
-         "local_device_ids": V.text(), "heartbeat_timeout_s": V.positive(), "initialization_timeout_s": V.positive(),
-         "cpu_batch_scheduling": V.boolean()}
+SECTION = V.Section(  # all optional: nothing set and no launcher environment -> one process
+    coordinator_address=("", V.text()),  # host:port of process 0 (e.g. 10.0.0.1:1234)
+    num_processes=(0, V.integer(0)),  # 0: auto-detect (TPU pod, SLURM) or the environment
+    process_id=(-1, V.integer(0, extra=(-1,))),  # -1: auto-detect
+    local_device_ids=("", V.text()),  # comma-separated, e.g. "0,1"; empty: all of this host's
+    heartbeat_timeout_s=(60, V.positive()),  # a process silent this long is declared dead; the others exit
+    initialization_timeout_s=(300, V.positive()),
+    cpu_batch_scheduling=(True, V.boolean()),  # on CPU (gloo): run under SCHED_BATCH, see `batch_scheduling`
+)
+default_config = SECTION.config
+RULES = SECTION.rules
 
 
 def wanted(cfg) -> bool:

@@ -40,10 +40,9 @@ def commands(processes: int, devices: int, main_args: list, port: int, module: s
 def core_sets(processes: int, cores=None):
     """Disjoint, equal, contiguous blocks of `cores` (default: this process's affinity), one per
     process; None when there are fewer cores than processes. Processes sharing cores run their
-    compute threads against each other's and every collective waits for the slower one; bound,
-    2 processes x 1 core trained 1.10x the tokens/s of 1 process x 2 devices, 0.90x unbound
-    (both under SCHED_BATCH; experiments/README.md "Many hosts"). Open MPI's mpirun binds its
-    processes to cores by default too."""
+    compute threads against each other's and every collective waits for the slower one
+    (`experiments/bench_multihost.py` measures both). Open MPI's mpirun binds its processes to
+    cores by default too."""
     cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
     if processes > len(cores):
         return None

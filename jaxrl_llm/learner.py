@@ -14,7 +14,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -30,39 +29,28 @@ from jaxrl_llm.objectives.common import check_choice
 from jaxrl_llm.train_state import AuxState, TrainState  # noqa: F401  (the learner's state types)
 
 
-def default_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.lr = 1e-5
-    c.b1, c.b2, c.eps, c.weight_decay = 0.9, 0.999, 1e-8, 0.0
-    c.max_grad_norm = 1.0
-    c.max_bad_steps = 10  # the run stops after this many steps in a row skipped a non-finite update (0: never)
-    c.schedule = "constant"  # constant | cosine (with warmup_steps, total_steps updates)
-    c.warmup_steps = 0
-    c.total_steps = 1000
-    c.num_minibatches = 4  # the A-3PO paper uses 4
-    c.logprob_chunk = 128
+SECTION = V.Section(
+    lr=(1e-5, V.positive()), b1=(0.9, V.below_one()), b2=(0.999, V.below_one()), eps=(1e-8, V.positive()),
+    weight_decay=(0.0, V.non_negative()), max_grad_norm=(1.0, V.positive()),
+    max_bad_steps=(10, V.integer(0)),  # the run stops after this many steps in a row skipped a non-finite update (0: never)
+    schedule=("constant", V.one_of("constant", "cosine")),  # cosine: with warmup_steps, over total_steps updates
+    warmup_steps=(0, V.integer(0)), total_steps=(1000, V.integer(1)),
+    num_minibatches=(4, V.integer(1)),  # the A-3PO paper uses 4
+    logprob_chunk=(128, V.integer(1)),
     # sampled: pi_theta is the distribution the sampler draws from (temperature, top-k, top-p;
     #   models/policy_dist.py), so fresh tokens have ratio 1. full: the full temperature softmax
     #   (under top-k / top-p every fresh ratio is then the kept mass, < 1).
-    c.policy_dist = "sampled"
+    policy_dist=("sampled", V.one_of("sampled", "full")),
     # auto: the decoder runs on packed rows (packing.py) when that removes rows and the rows are
     #   at least packing_min_len tokens long (one process; objectives still see the padded
     #   layout). Each new packed-row count compiles the step once: for short rows (the embedded
     #   task's 13 tokens) that costs more than packing saves. off: always the padded layout.
-    c.packing = "auto"
-    c.packing_min_len = 128
-    c.ref_swap_every = 0  # S: copy params into the reference every S steps (0: never)
-    c.seed = 0
-    return c
-
-
-RULES = {  # validation.py: checked at start-up, with every other section
-    "lr": V.positive(), "b1": V.below_one(), "b2": V.below_one(), "eps": V.positive(),
-    "weight_decay": V.non_negative(), "max_grad_norm": V.positive(), "max_bad_steps": V.integer(0),
-    "schedule": V.one_of("constant", "cosine"), "warmup_steps": V.integer(0), "total_steps": V.integer(1),
-    "num_minibatches": V.integer(1), "logprob_chunk": V.integer(1), "policy_dist": V.one_of("sampled", "full"),
-    "packing": V.one_of("auto", "off"), "packing_min_len": V.integer(0), "ref_swap_every": V.integer(0), "seed": V.integer(0),
-}
+    packing=("auto", V.one_of("auto", "off")), packing_min_len=(128, V.integer(0)),
+    ref_swap_every=(0, V.integer(0)),  # S: copy params into the reference every S steps (0: never)
+    seed=(0, V.integer(0)),
+)
+default_config = SECTION.config  # the `learner` section
+RULES = SECTION.rules
 
 
 class Learner:

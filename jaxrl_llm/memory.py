@@ -118,11 +118,12 @@ def describe(parts: dict) -> str:
 
 
 # ------------------------------------------------------------------ a run's plan
-def run_plan(config, task, mcfg, acfg=None) -> dict:
+def run_plan(config, task, mcfg, acfg=None, obj=None) -> dict:
     """An experiment config's plan (`experiment.build` logs it and checks it with `check_run`).
     Bytes this process will hold, by part: the learner's step (and the
     auxiliary model's, and a reference copy for a KL penalty), the weight store's sampler
-    copies in the sampler's dtype, and each sampler's KV cache and decode buffers."""
+    copies in the sampler's dtype, and each sampler's KV cache and decode buffers. `obj`: the
+    resolved objective config (resolved here from `config.objective` when not given)."""
     from jaxrl_llm import objectives
 
     r, s = config.runtime, config.sampler
@@ -133,7 +134,7 @@ def run_plan(config, task, mcfg, acfg=None) -> dict:
     plan = {f"learner_{k}": v for k, v in learner(mcfg, rows, prompt + new, mb, chunk).items()}
     if acfg is not None:
         plan.update({f"aux_{k}": v for k, v in learner(acfg, rows, prompt + new, mb, chunk).items()})
-    obj = objectives.make_config(config.objective)
+    obj = obj if obj is not None else objectives.make_config(config.objective)
     if "ref_logp" in objectives.required_passes(obj):
         plan["reference"] = 4 * mcfg.num_params
     aux = objectives.get(obj.name).aux
@@ -155,6 +156,8 @@ def check_run(config, task, mcfg, acfg, plan) -> None:
     settings that would make it fit (each tried alone)."""
     import ml_collections
 
+    from jaxrl_llm import objectives
+
     need, (have, what) = total(plan), available()
     if need <= have or not config.train.check_memory:
         return
@@ -170,7 +173,7 @@ def check_run(config, task, mcfg, acfg, plan) -> None:
         c[section][field] = value
         m = mcfg.replace(remat=c.model.remat, dtype=c.model.dtype)
         a = acfg and acfg.replace(dtype=c.model.dtype)
-        other = total(run_plan(c, task, m, a))
+        other = total(run_plan(c, task, m, a, objectives.make_config(c.objective)))
         fits.append(f"--config.{key}={value} ({other / GB:.1f} GiB{'' if other <= have else ', still too much'})")
     raise MemoryError(f"the memory plan needs {need / GB:.1f} GiB but {what} offers {have / GB:.1f} GiB: "
                       f"{describe(plan)}. Try: {'; '.join(fits) or 'a smaller model or batch'} "

@@ -12,7 +12,6 @@ from typing import Optional, Sequence
 
 import flax.linen as nn
 import jax
-import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -32,13 +31,12 @@ DEFAULT_RULES = (
 )
 
 
-def default_config() -> ml_collections.ConfigDict:
-    """mesh sizes (-1: take the remaining devices) and the logical rules."""
-    return ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, rules=DEFAULT_RULES))
-
-
-RULES = {"data": V.integer(1, extra=(-1,)), "fsdp": V.integer(1, extra=(-1,)), "tensor": V.integer(1, extra=(-1,)),
-         "rules": V.anything()}  # rules: logical axis -> mesh axes, checked when params are sharded
+SECTION = V.Section(  # mesh sizes (-1: take the remaining devices) and the logical rules
+    data=(-1, V.integer(1, extra=(-1,))), fsdp=(1, V.integer(1, extra=(-1,))), tensor=(1, V.integer(1, extra=(-1,))),
+    rules=(DEFAULT_RULES, V.anything()),  # logical axis -> mesh axes, checked when params are sharded
+)
+default_config = SECTION.config
+RULES = SECTION.rules
 
 
 def make_mesh(cfg=None, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:

@@ -1,7 +1,8 @@
 """Config constraints, declared beside each default and checked once at start-up.
 
-Each module that owns a config section declares `RULES = {field: rule}` next to its
-`default_config()`; `check` walks a config against those declarations and returns every
+Each module that owns a config section declares it once, as a `Section`: every field's
+default beside its rule. Its `config()` is the module's `default_config()` and its `rules` the
+module's `RULES`; `check` walks a config against those declarations and returns every
 violation with its full key, the value given and what is allowed, so a run with several
 mistakes reports them all at once, before any model is built. `Rule.invalid_values` gives
 values each rule must reject: the test suite generates one bad config per declared
@@ -92,6 +93,31 @@ def text() -> Rule:
 def anything() -> Rule:
     """A field whose every value is checked elsewhere (e.g. a path, checked by `paths`)."""
     return Rule("anything", lambda x: True)
+
+
+class Section:
+    """A config section declared in one table: `Section(lr=(1e-5, positive()), delay=Section(...))`,
+    each field's default beside its rule (a nested `Section` for a group of fields)."""
+
+    def __init__(self, **fields):
+        for name, f in fields.items():
+            if not isinstance(f, Section) and not (isinstance(f, tuple) and len(f) == 2 and isinstance(f[1], Rule)):
+                raise TypeError(f"field {name!r}: expected (default, Rule) or a Section; got {f!r}")
+        self.fields = fields
+
+    def config(self, **over):
+        """The defaults as a fresh ConfigDict (`over` replaces some of them)."""
+        import ml_collections
+
+        c = ml_collections.ConfigDict({k: f.config() if isinstance(f, Section) else f[0]
+                                       for k, f in self.fields.items()})
+        c.update(over)
+        return c
+
+    @property
+    def rules(self) -> dict:
+        """{field: Rule}, nested like the section."""
+        return {k: f.rules if isinstance(f, Section) else f[1] for k, f in self.fields.items()}
 
 
 def flatten(rules: dict, prefix: str = "") -> dict:

@@ -6,6 +6,7 @@ import os
 import pytest
 
 from configs.default import get_config
+from jaxrl_llm import config as config_lib
 from jaxrl_llm import experiment
 from jaxrl_llm import objectives
 
@@ -95,7 +96,7 @@ def test_jackpot_without_topk_capture_is_rejected():
     c = _tiny("jackpot")
     c.sampler.capture_topk = 0
     with pytest.raises(ValueError, match="set --config.sampler.capture_topk"):
-        experiment.validate(c)
+        config_lib.validate(c)
 
 
 def test_ctrl_c_saves_the_live_state(tmp_path, monkeypatch):
@@ -134,7 +135,7 @@ def test_build_reads_the_config_and_writes_nothing_back():
     c.objective.name = "ppo"
     with pytest.raises(ValueError, match="config.aux_model sets a second model, but objective 'ppo' trains none; "
                                          "objectives that do: jackpot"):
-        experiment.validate(c)
+        config_lib.validate(c)
 
 
 def test_kill_9_and_resume_logs_every_step_once(tmp_path):
@@ -160,3 +161,23 @@ def test_kill_9_and_resume_logs_every_step_once(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     steps = [json.loads(line)["step"] for line in open(path) if '"loss"' in line]
     assert steps == list(range(1, logged + 4))
+
+
+def test_start_up_resolves_the_objective_once_and_hands_out_frozen_sections(monkeypatch):
+    """`plan.resolve` validates the objective section once; the learner, the memory plan and
+    the orchestrator take the resolved, immutable parts instead of reading the config again."""
+    import importlib
+
+    registry = importlib.import_module("jaxrl_llm.objectives.registry")  # the module, not objectives.registry()
+    calls = []
+    real = registry._validate
+    monkeypatch.setattr(registry, "_validate", lambda c: (calls.append(c.name), real(c))[1])
+    c = _tiny("decoupled_ppo")
+    b = experiment.build(c)
+    assert calls == ["decoupled_ppo"]
+    plan, lrn, orch = b["plan"], b["learner"], b["orchestrator"]
+    assert lrn.plan.obj_cfg is plan.objective and plan.passes == {"prox_logp"}
+    with pytest.raises(AttributeError):  # immutable, unlike the user's config
+        plan.config.learner.lr = 1.0
+    assert orch.cfg is plan.config.runtime and lrn.cfg is plan.config.learner
+    assert plan.sampler.num_samples == c.sampler.num_samples and plan.greedy.temperature == 0.0

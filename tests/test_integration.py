@@ -16,7 +16,7 @@ def test_a3po_on_stale_samples_raises_reward():
     cfg = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
     target = 5
-    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=6, num_samples=8, prompt_buckets=(4,)))
+    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=6, num_samples=8, prompt_buckets=(4,), capture_topk=0))
     c = L.default_config()
     c.lr, c.num_minibatches = 3e-3, 2
     lrn = L.Learner(cfg, {"name": "a3po"}, c)

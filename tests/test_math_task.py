@@ -183,10 +183,11 @@ def test_hf_checkpoint_in_bfloat16_samples_with_bf16_weights(tokenizer_dir, tmp_
 
 def test_a_plan_beyond_the_memory_available_fails_at_start_up(tokenizer_dir, tmp_path, monkeypatch):
     from jaxrl_llm import experiment, memory
+    from jaxrl_llm import plan as plan_lib
 
     c = _hf_config(tokenizer_dir, tmp_path)
     plan = memory.total(memory.run_plan(c, tasks.make(c.task, c.model.hf_path),
-                                               experiment._model_cfg(c.model, tasks.make(c.task, c.model.hf_path))))
+                                        plan_lib.model_cfg(c.model, tasks.make(c.task, c.model.hf_path))))
     monkeypatch.setattr(memory, "available", lambda: (plan // 2, "host RAM"))
     loaded = []
     monkeypatch.setattr(experiment.models, "load_params", lambda *a, **k: loaded.append(a))

@@ -36,7 +36,7 @@ def test_kv_cache_term_is_the_sampler_cache():
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
                       head_dim=8)
-    scfg = SamplerConfig(max_new_tokens=24, decode_segment=0, cache_dtype="bfloat16", prompt_buckets=(8,))
+    scfg = SamplerConfig(max_new_tokens=24, decode_segment=0, cache_dtype="bfloat16", prompt_buckets=(8,), num_samples=1, capture_topk=0)
     params = jax.eval_shape(lambda: decoder.init_params(cfg, jax.random.key(0)))
     st = jax.eval_shape(lambda p: decode.prefill(p, np.zeros((5, 8), np.int32), np.ones((5, 8), np.int32),
                                               np.full(5, 24, np.int32), jax.random.key(0), 0, cfg, scfg), params)
@@ -72,7 +72,7 @@ def test_a_bfloat16_sampler_holds_no_float32_copy_of_its_weights(monkeypatch):
     cfg = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=1024, num_layers=8, num_heads=4,
                       num_kv_heads=2, head_dim=64, dtype="bfloat16")
     params = jax.tree.map(lambda x: x.astype("bfloat16"), decoder.init_params(cfg, jax.random.key(0)))
-    scfg = SamplerConfig(max_new_tokens=8, num_samples=1, prompt_buckets=(8,), cache_dtype="bfloat16")
+    scfg = SamplerConfig(max_new_tokens=8, num_samples=1, prompt_buckets=(8,), cache_dtype="bfloat16", capture_topk=0)
     prompts = [[1, 2, 3]] * 2
 
     def temp():

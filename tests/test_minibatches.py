@@ -82,7 +82,7 @@ def test_a_pure_data_mesh_trains_like_one_device(objective, aux, data):
     mesh4 = sharding.make_mesh(dict(data=data, fsdp=1, tensor=1, rules=sharding.DEFAULT_RULES), jax.devices()[:data])
     one = L.Learner(CFG, objective, c, mesh=sharding.make_mesh(None, jax.devices()[:1]), **kw)
     four = L.Learner(CFG, objective, c, mesh=mesh4, **kw)
-    assert four._replicas == data and not one._replicas
+    assert four.plan.replicas == data and not one.plan.replicas
     s1, s4 = one.init(jax.random.key(0)), four.init(jax.random.key(0))
     for i in range(2):
         batch = testing.model_batch(s1.params, CFG, seed=i, version=i)

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from configs.default import get_config
+from jaxrl_llm import config as config_lib
 from jaxrl_llm import experiment, paths
 
 
@@ -53,7 +54,7 @@ def test_model_directory_mistakes(tmp_path, monkeypatch):
     paths.check(c)  # a valid layout passes
     with pytest.raises(ValueError, match="has no config.json"):  # the experiment checks before building
         c.model.hf_path = _model(tmp_path / "m2", config=None)
-        experiment.validate(c)
+        config_lib.validate(c)
 
 
 def test_tokenizer_and_dataset_mistakes_are_reported_together(tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ PROMPTS = [[5, 9, 2, 33, 4], [7] * 9, [1, 2, 3], [60, 0, 11, 12, 13, 14, 15, 16,
 
 def test_greedy_matches_transformers_generate(qwen):
     model, params, cfg = qwen
-    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=14, temperature=0.0, prompt_buckets=(16,), decode_segment=5))
+    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=14, temperature=0.0, prompt_buckets=(16,), decode_segment=5, num_samples=1, capture_topk=0))
     batch = sampler.generate(params, PROMPTS, jax.random.key(0)).validate()
     for i, prompt in enumerate(PROMPTS):
         with torch.no_grad():
@@ -59,7 +59,7 @@ def test_empirical_frequencies_match_sampling_distribution(qwen, temperature, to
     _, params, cfg = qwen
     prompt, n = [3, 14, 15, 9, 26], 4000
     scfg = SamplerConfig(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, num_samples=n,
-                         prompt_buckets=(8,))
+                         prompt_buckets=(8,), capture_topk=0)
     batch = Sampler(cfg, scfg).generate(params, [prompt], jax.random.key(2))
     first = np.asarray(batch.tokens[:, 8])
     logits = models.full_logits(params, cfg, jnp.asarray([prompt]))[:, -1]
@@ -90,7 +90,7 @@ def test_eos_stops_rows_and_truncation_flags(tmp_path):
     params, cfg = models.load_params(F.save(model, str(tmp_path)))
     eos = 3
     scfg = SamplerConfig(max_new_tokens=12, temperature=1.5, eos_token_id=eos, pad_token_id=0, num_samples=32,
-                         prompt_buckets=(4,), decode_segment=4)
+                         prompt_buckets=(4,), decode_segment=4, capture_topk=0)
     batch = Sampler(cfg, scfg).generate(params, [[1, 2]], jax.random.key(3))
     tokens, mask = np.asarray(batch.tokens[:, 4:]), np.asarray(batch.loss_mask[:, 4:])
     ended = 0
@@ -115,7 +115,7 @@ def test_reproducible_and_no_retrace_within_a_bucket(qwen, monkeypatch):
 
     monkeypatch.setattr(decode, "generate", chex.assert_max_traces(decode.generate, n=1))
     _, params, cfg = qwen
-    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=6, prompt_buckets=(8, 16), capture_topk=2))
+    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=6, prompt_buckets=(8, 16), capture_topk=2, num_samples=1))
     a = sampler.generate(params, PROMPTS[:3], jax.random.key(4))
     b = sampler.generate(params, PROMPTS[:3], jax.random.key(4))
     # other prompts, lengths and version, same bucket (longest prompt in (8, 16]) and batch size
@@ -128,7 +128,7 @@ def test_reproducible_and_no_retrace_within_a_bucket(qwen, monkeypatch):
 
 def test_bucket_selection_and_errors(qwen):
     _, params, cfg = qwen
-    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=2, prompt_buckets=(4, 8)))
+    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=2, prompt_buckets=(4, 8), num_samples=1, capture_topk=0))
     assert sampler.generate(params, [[1, 2, 3]], jax.random.key(0)).tokens.shape == (1, 6)
     assert sampler.generate(params, [[1, 2, 3, 4, 5]], jax.random.key(0)).tokens.shape == (1, 10)
     with pytest.raises(ValueError, match="exceeds the largest bucket 8"):
@@ -141,7 +141,7 @@ def test_bucket_selection_and_errors(qwen):
 
 def test_mid_generation_refresh_tags_each_token_with_its_params_version(qwen):
     _, params, cfg = qwen
-    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=14, temperature=1.0, prompt_buckets=(16,), decode_segment=5))
+    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=14, temperature=1.0, prompt_buckets=(16,), decode_segment=5, num_samples=1, capture_topk=0))
     key = jax.random.key(3)
     plain = sampler.generate(params, PROMPTS, key, version=4)
     # Same weights under new version numbers: identical tokens; segments end at 5, 10, 14 and

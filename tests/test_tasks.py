@@ -75,7 +75,7 @@ def test_warm_start_learns_and_accuracy_is_measured():
                       num_kv_heads=2, head_dim=16)
     params = models.init_params(cfg, jax.random.key(0))
     greedy = Sampler(cfg, SamplerConfig(max_new_tokens=task.max_answer_len, temperature=0.0, eos_token_id=A.EOS,
-                                        pad_token_id=A.PAD, prompt_buckets=(task.max_prompt_len,)))
+                                        pad_token_id=A.PAD, prompt_buckets=(task.max_prompt_len,), num_samples=1, capture_topk=0))
     before = warmstart.accuracy(params, greedy, task, task.eval_prompts())
     params, losses = warmstart.warm_start(params, cfg, task, steps=300, batch_size=64, lr=3e-3)
     after = warmstart.accuracy(params, greedy, task, task.eval_prompts())
@@ -104,7 +104,7 @@ def test_warm_start_stops_at_its_target_accuracy():
     cfg = ModelConfig(vocab_size=A.VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16)
     greedy = Sampler(cfg, SamplerConfig(max_new_tokens=task.max_answer_len, temperature=0.0, eos_token_id=A.EOS,
-                                        pad_token_id=A.PAD, prompt_buckets=(task.max_prompt_len,)))
+                                        pad_token_id=A.PAD, prompt_buckets=(task.max_prompt_len,), num_samples=1, capture_topk=0))
     w = ml_collections.ConfigDict(dict(steps=300, batch_size=64, lr=3e-3, target=0.3, check_every=20, check_size=64))
     params, note = warmstart.to_target(models.init_params(cfg, jax.random.key(0)), cfg, task, greedy, w)
     steps = int(note.split(" steps")[0].split()[-1])

@@ -11,7 +11,8 @@ import pytest
 
 from configs.default import get_config
 from configs.staleness_sweep import get_config as sweep_config
-from jaxrl_llm import experiment, validation
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import validation
 from jaxrl_llm.research import sweep
 from jaxrl_llm.validation import ConfigError
 
@@ -34,7 +35,7 @@ def test_every_field_of_every_shipped_config_has_a_declared_constraint():
     for name, config in _shipped_configs():
         if "learner" in config:  # an experiment config
             keys = set(validation.leaves(config))
-            experiment.validate(config)  # and each shipped config is valid
+            config_lib.validate(config)  # and each shipped config is valid
         else:  # configs/objectives.py: the objective section alone
             keys = {f"objective.{k}" for k in validation.leaves(config)}
         missing = sorted(keys - set(rules))
@@ -69,7 +70,7 @@ def test_one_generated_invalid_value_per_constraint_is_rejected_with_its_key():
                 by_type += 1
                 continue
             with pytest.raises(ConfigError) as e:
-                (sweep.validate if key.startswith("sweep.") else experiment.validate)(c)
+                (sweep.validate if key.startswith("sweep.") else config_lib.validate)(c)
             assert f"{key}={bad!r}" in str(e.value) or (isinstance(bad, float) and f"{key}=" in str(e.value)), (key, bad)
             exercised = checked = checked + 1
         if not exercised:  # every example was a wrong type: then the type check is the constraint
@@ -84,7 +85,7 @@ def test_several_mistakes_are_reported_together():
     c.runtime.max_staleness = -3
     c.objective.clip.eps_low = 1.5
     with pytest.raises(ConfigError) as e:
-        experiment.validate(c)
+        config_lib.validate(c)
     msg = str(e.value)
     assert msg.startswith("invalid config values:")
     for part in ("learner.lr=-1.0: expected a finite number > 0", "sampler.top_p=0.0: expected a number in (0, 1]",
@@ -94,7 +95,7 @@ def test_several_mistakes_are_reported_together():
     c = get_config()
     c.learner.lr = math.nan
     with pytest.raises(ConfigError, match="learner.lr=nan"):
-        experiment.validate(c)
+        config_lib.validate(c)
 
 
 def test_cross_field_rules():
@@ -103,7 +104,7 @@ def test_cross_field_rules():
     c.model.num_kv_heads = 3
     c.mesh.fsdp = 3
     with pytest.raises(ConfigError) as e:
-        experiment.validate(c)
+        config_lib.validate(c)
     msg = str(e.value)
     assert "learner.num_minibatches=3 does not divide the batch's 512 rows" in msg
     assert "model.num_heads=4 is not a multiple of model.num_kv_heads=3" in msg

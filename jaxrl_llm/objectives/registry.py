@@ -80,72 +80,56 @@ def get(name: str) -> Callable:
     return _REGISTRY[name]
 
 
-def default_config(name: str = "ppo") -> ml_collections.ConfigDict:
-    """All objective options with their defaults. Override fields, then `make_config`."""
-    c = ml_collections.ConfigDict()
-    c.name = name
-    # Trust region: clip(r, 1 - eps_low, 1 + eps_high); dual_clip c > 1 caps -A*r for A < 0.
-    c.clip = ml_collections.ConfigDict(dict(eps_low=0.2, eps_high=0.2, dual_clip=0.0))
-    c.loss_agg = "token_mean"
-    c.loss_agg_norm_len = 0  # seq_mean_token_sum_norm divisor; 0 -> padded length L
-    c.log_ratio_clamp = 20.0  # applied to every log-ratio before exp
-    c.kl = ml_collections.ConfigDict(dict(coef=0.0, estimator="k3"))
-    # Importance-sampling correction F on the behaviour weight (decoupled_ppo, a3po):
-    # none | tis (min(x, cap)) | icepop (x in [low, high] else 0).
-    c.is_correction = ml_collections.ConfigDict(dict(kind="none", cap=2.0, low=0.5, high=2.0))
-    # GSPO: sequence ratio exp(mean_t log(pi/pi_behav)); tiny clip range as in the GSPO paper.
-    c.gspo = ml_collections.ConfigDict(dict(variant="seq", eps_low=3e-4, eps_high=4e-4))
-    # GEPO Eq. 15 defensive denominator eps*sg(p) + (1-eps)*E_q[q]:
-    # eps_mode const -> eps; var -> clip(eps_var_coef * Var_group(q), 0, eps_max).
-    c.gepo = ml_collections.ConfigDict(
-        dict(eps_mode="const", eps=0.0, eps_var_coef=1.0, eps_max=0.99)
-    )
-    # A-3PO: prox_metrics also recomputes the true pi_prox (one extra forward, as decoupled PPO
-    # does) and logs the interpolation's errors per staleness bucket (AReaL's "metrics" mode).
-    c.a3po = ml_collections.ConfigDict(dict(prox_metrics=False))
-    # Off-policy GRPO: r' = pi_k/alpha from prox_logp ("prox") or the r' ~ 1 approximation.
-    c.offpolicy_grpo = ml_collections.ConfigDict(dict(r_prime="one", zero_var_mask=True))
-    # Jackpot (OBRS): lam = lambda, caps c1 (OBRS weight) and c2 (p_ref/p_target);
-    # distill_coef = lambda_distill of the jointly trained rollout actor (Eq. 8), when there is one;
-    # correction: obrs (Jackpot), tis (min(p_ref/p_inf, c1)) or none (the paper's baselines).
-    c.jackpot = ml_collections.ConfigDict(
-        dict(lam=1.0, c1=2.0, c2=2.0, p_target="new", p_ref="prox", distill_coef=1.0, correction="obrs")
-    )
-    return c
-
-
 def _registered_name() -> "V.Rule":
     return V.Rule(lambda: "a registered objective name: " + ", ".join(sorted(_REGISTRY)), lambda x: x in _REGISTRY,
                   ("not-an-objective",))
 
 
-RULES = {
-    "name": _registered_name(),
-    "clip": {"eps_low": V.below_one(), "eps_high": V.non_negative(),
-             "dual_clip": V.Rule("0 (off) or a number > 1", lambda x: x == 0 or (x > 1 and x < float("inf")), (0.5, -1.0))},
-    "loss_agg": V.one_of(*common.AGGREGATIONS), "loss_agg_norm_len": V.integer(0), "log_ratio_clamp": V.positive(),
-    "kl": {"coef": V.non_negative(), "estimator": V.one_of(*common.KL_ESTIMATORS)},
-    "is_correction": {"kind": V.one_of(*common.IS_CORRECTIONS), "cap": V.positive(), "low": V.non_negative(),
-                      "high": V.positive()},
-    "gspo": {"variant": V.one_of("seq", "token"), "eps_low": V.non_negative(), "eps_high": V.non_negative()},
-    "gepo": {"eps_mode": V.one_of("const", "var"), "eps": V.unit(), "eps_var_coef": V.non_negative(),
-             "eps_max": V.unit()},
-    "a3po": {"prox_metrics": V.boolean()},
-    "offpolicy_grpo": {"r_prime": V.one_of("one", "prox"), "zero_var_mask": V.boolean()},
-    "jackpot": {"lam": V.positive(), "c1": V.positive(), "c2": V.positive(), "p_target": V.one_of("new", "ref"),
-                "p_ref": V.one_of("prox", "current"), "distill_coef": V.non_negative(),
-                "correction": V.one_of("obrs", "tis", "none")},
-}
+SECTION = V.Section(
+    name=("ppo", _registered_name()),
+    # Trust region: clip(r, 1 - eps_low, 1 + eps_high); dual_clip c > 1 caps -A*r for A < 0.
+    clip=V.Section(eps_low=(0.2, V.below_one()), eps_high=(0.2, V.non_negative()),
+                   dual_clip=(0.0, V.Rule("0 (off) or a number > 1", lambda x: x == 0 or (x > 1 and x < float("inf")),
+                                          (0.5, -1.0)))),
+    loss_agg=("token_mean", V.one_of(*common.AGGREGATIONS)),
+    loss_agg_norm_len=(0, V.integer(0)),  # seq_mean_token_sum_norm divisor; 0 -> padded length L
+    log_ratio_clamp=(20.0, V.positive()),  # applied to every log-ratio before exp
+    kl=V.Section(coef=(0.0, V.non_negative()), estimator=("k3", V.one_of(*common.KL_ESTIMATORS))),
+    # Importance-sampling correction F on the behaviour weight (decoupled_ppo, a3po):
+    # none | tis (min(x, cap)) | icepop (x in [low, high] else 0).
+    is_correction=V.Section(kind=("none", V.one_of(*common.IS_CORRECTIONS)), cap=(2.0, V.positive()),
+                            low=(0.5, V.non_negative()), high=(2.0, V.positive())),
+    # GSPO: sequence ratio exp(mean_t log(pi/pi_behav)); tiny clip range as in the GSPO paper.
+    gspo=V.Section(variant=("seq", V.one_of("seq", "token")), eps_low=(3e-4, V.non_negative()),
+                   eps_high=(4e-4, V.non_negative())),
+    # GEPO Eq. 15 defensive denominator eps*sg(p) + (1-eps)*E_q[q]:
+    # eps_mode const -> eps; var -> clip(eps_var_coef * Var_group(q), 0, eps_max).
+    gepo=V.Section(eps_mode=("const", V.one_of("const", "var")), eps=(0.0, V.unit()),
+                   eps_var_coef=(1.0, V.non_negative()), eps_max=(0.99, V.unit())),
+    # A-3PO: prox_metrics also recomputes the true pi_prox (one extra forward, as decoupled PPO
+    # does) and logs the interpolation's errors per staleness bucket (AReaL's "metrics" mode).
+    a3po=V.Section(prox_metrics=(False, V.boolean())),
+    # Off-policy GRPO: r' = pi_k/alpha from prox_logp ("prox") or the r' ~ 1 approximation.
+    offpolicy_grpo=V.Section(r_prime=("one", V.one_of("one", "prox")), zero_var_mask=(True, V.boolean())),
+    # Jackpot (OBRS): lam = lambda, caps c1 (OBRS weight) and c2 (p_ref/p_target);
+    # distill_coef = lambda_distill of the jointly trained rollout actor (Eq. 8), when there is one;
+    # correction: obrs (Jackpot), tis (min(p_ref/p_inf, c1)) or none (the paper's baselines).
+    jackpot=V.Section(lam=(1.0, V.positive()), c1=(2.0, V.positive()), c2=(2.0, V.positive()),
+                      p_target=("new", V.one_of("new", "ref")), p_ref=("prox", V.one_of("prox", "current")),
+                      distill_coef=(1.0, V.non_negative()), correction=("obrs", V.one_of("obrs", "tis", "none"))),
+)
+RULES = SECTION.rules
 
-_VALID = {
-    "gspo.variant": ("seq", "token"),
-    "gepo.eps_mode": ("const", "var"),
-    "offpolicy_grpo.r_prime": ("one", "prox"),
-    "jackpot.p_target": ("new", "ref"),
-    "jackpot.p_ref": ("prox", "current"),
-    "jackpot.correction": ("obrs", "tis", "none"),
-}
+
+def default_config(name: str = "ppo") -> ml_collections.ConfigDict:
+    """All objective options with their defaults. Override fields, then `make_config`."""
+    return SECTION.config(name=name)
+
+
 _IS_USERS = ("decoupled_ppo", "a3po")
+
+
+_RESOLVED: set = set()  # configs `make_config` produced (equal configs are equally valid)
 
 
 def make_config(cfg=None, **overrides) -> ml_collections.FrozenConfigDict:
@@ -155,6 +139,8 @@ def make_config(cfg=None, **overrides) -> ml_collections.FrozenConfigDict:
     ``overrides`` use dotted names with ``__``: ``make_config(name="gepo", clip__eps_high=0.28)``.
     Unknown names list the valid ones; incompatible options fail here, not inside jit.
     """
+    if not overrides and isinstance(cfg, ml_collections.FrozenConfigDict) and cfg in _RESOLVED:
+        return cfg  # resolved once at start-up (`plan.resolve`); later users take it as it is
     base = default_config()
     given = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else (cfg or {}))
     for key, value in overrides.items():
@@ -165,7 +151,9 @@ def make_config(cfg=None, **overrides) -> ml_collections.FrozenConfigDict:
         node[leaf] = value
     _merge(base, given, prefix="")
     _validate(base)
-    return ml_collections.FrozenConfigDict(base)
+    out = ml_collections.FrozenConfigDict(base)
+    _RESOLVED.add(out)
+    return out
 
 
 def _merge(base, given: dict, prefix: str) -> None:
@@ -191,21 +179,9 @@ def _merge(base, given: dict, prefix: str) -> None:
 
 
 def _validate(c) -> None:
+    """Each field against its declared rule (`SECTION`), then the cross-field rules."""
     get(c.name)  # unknown objective -> error listing the registered names
-    common.check_choice("loss aggregation (loss_agg)", c.loss_agg, common.AGGREGATIONS)
-    common.check_choice("kl estimator (kl.estimator)", c.kl.estimator, common.KL_ESTIMATORS)
-    common.check_choice("is_correction.kind", c.is_correction.kind, common.IS_CORRECTIONS)
-    for dotted, valid in _VALID.items():
-        group, leaf = dotted.split(".")
-        common.check_choice(dotted, c[group][leaf], valid)
-    if not (0.0 <= c.clip.eps_low < 1.0 and c.clip.eps_high >= 0.0):
-        raise ValueError(f"clip.eps_low must be in [0, 1) and eps_high >= 0; got {c.clip}")
-    if c.clip.dual_clip and c.clip.dual_clip <= 1.0:
-        raise ValueError(f"clip.dual_clip must be 0 (off) or > 1; got {c.clip.dual_clip}")
-    if c.kl.coef < 0:
-        raise ValueError(f"kl.coef must be >= 0; got {c.kl.coef}")
-    if c.log_ratio_clamp <= 0:
-        raise ValueError(f"log_ratio_clamp must be > 0; got {c.log_ratio_clamp}")
+    V.raise_all(V.check(c, V.flatten(SECTION.rules)), what="invalid objective option")
     if c.is_correction.kind != "none" and c.name not in _IS_USERS:
         raise ValueError(
             f"is_correction.kind={c.is_correction.kind!r} applies to objectives with a separate "
@@ -214,9 +190,3 @@ def _validate(c) -> None:
         )
     if c.is_correction.kind == "icepop" and not c.is_correction.low < c.is_correction.high:
         raise ValueError("is_correction.low must be < is_correction.high for icepop")
-    if not 0.0 <= c.gepo.eps <= 1.0 or not 0.0 <= c.gepo.eps_max <= 1.0:
-        raise ValueError("gepo.eps and gepo.eps_max must lie in [0, 1]")
-    if c.jackpot.lam <= 0 or c.jackpot.c1 <= 0 or c.jackpot.c2 <= 0:
-        raise ValueError("jackpot.lam, jackpot.c1 and jackpot.c2 must be > 0")
-    if c.jackpot.distill_coef < 0:
-        raise ValueError(f"jackpot.distill_coef must be >= 0; got {c.jackpot.distill_coef}")

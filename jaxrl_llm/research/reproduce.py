@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from jaxrl_llm import config as config_lib
 from jaxrl_llm import experiment
 from jaxrl_llm.research import claims as C
 from jaxrl_llm.research import report, stats, sweep
@@ -56,7 +57,7 @@ def arm_config(arm: C.Arm, seed: int, common: dict, extra: dict):
         target[leaf] = value  # a FieldReference's users follow (learner.total_steps)
     c.seed = seed
     c = c.copy_and_resolve_references()
-    experiment.validate(c)
+    config_lib.validate(c)
     return c
 
 

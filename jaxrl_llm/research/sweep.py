@@ -18,28 +18,31 @@ from __future__ import annotations
 import json
 import os
 
+from jaxrl_llm import config as config_lib
 from jaxrl_llm import experiment, objectives
 from jaxrl_llm import validation as V
 from jaxrl_llm.research import report, stats
 from jaxrl_llm.runtime import delay as delay_lib
 
 
-RULES = {  # the `sweep` section of a sweep config (configs/staleness_sweep.py)
-    "objectives": V.text(), "max_staleness": V.text(),  # comma-separated; parsed by `cells`
-    "delay": V.one_of(*delay_lib.KINDS),
-    "seeds": V.text(),  # N (seeds config.seed .. config.seed + N - 1) or a comma-separated list
-}
+SECTION = V.Section(  # the `sweep` section of a sweep config (configs/staleness_sweep.py)
+    objectives=("ppo,decoupled_ppo,a3po,gepo", V.text()),  # comma-separated; parsed by `cells`
+    max_staleness=("0,4,16", V.text()),
+    delay=("fixed", V.one_of(*delay_lib.KINDS)),
+    seeds=("1", V.text()),  # N (seeds config.seed .. config.seed + N - 1) or a comma-separated list
+)
+RULES = SECTION.rules
 
 
 def config_rules() -> dict:
     """The experiment's declared constraints plus this section's (`sweep.*`)."""
-    return {**experiment.config_rules(), **V.flatten(RULES, "sweep.")}
+    return {**config_lib.rules(), **V.flatten(RULES, "sweep.")}
 
 
 def validate(config) -> None:
     """This section's constraints, then the experiment's (every cell is validated again)."""
     V.raise_all(V.check(config, V.flatten(RULES, "sweep.")))
-    experiment.validate(config)
+    config_lib.validate(config)
 
 
 def _ints(text: str) -> list[int]:
@@ -93,7 +96,7 @@ def cells(config) -> list[tuple[str, object]]:
             for seed in runs_seeds:
                 one = c.copy_and_resolve_references()
                 one.seed = seed
-                experiment.validate(one)
+                config_lib.validate(one)
                 out.append((f"{name}_s{k}" + (f"_seed{seed}" if len(runs_seeds) > 1 else ""), one))
     return out
 

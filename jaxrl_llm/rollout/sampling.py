@@ -19,21 +19,39 @@ from jaxrl_llm.models.policy_dist import PolicyDist, top_k  # noqa: F401  (top_k
 BATCHING = ("static", "continuous")
 
 
+SECTION = V.Section(  # the experiment's `sampler` section (the plan turns it into a SamplerConfig)
+    temperature=(1.0, V.non_negative()), top_k=(0, V.integer(0)), top_p=(1.0, V.unit(low_open=True)),
+    num_samples=(8, V.integer(1)), capture_topk=(4, V.integer(0)),
+    max_new_tokens=(0, V.integer(0)),  # 0: the task's maximum answer length
+    batching=("static", V.one_of(*BATCHING)),  # continuous: decode slots refilled every decode_segment steps
+    slots=(0, V.integer(0)),  # continuous: decode slots per sampler (0: one per row of a batch)
+    decode_segment=(32, V.integer(0)),  # decode steps between weight refreshes / slot refills
+    cache_dtype=("auto", V.one_of("auto", "float32", "bfloat16")),  # auto: the model's compute dtype
+)
+default_config = SECTION.config
+RULES = SECTION.rules
+_DEFAULT = {k: f[0] for k, f in SECTION.fields.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
+    """The resolved sampler: the `sampler` section's fields with the section's defaults, plus what
+    the task and the model decide (`plan.sampler_cfg` fills them in from the run's config: the
+    section's `max_new_tokens=0` and `cache_dtype="auto"` become the task's and the model's)."""
+
     max_new_tokens: int = 96
-    temperature: float = 1.0  # 0 -> greedy (recorded log-prob 0: a point mass)
-    top_k: int = 0  # 0: no top-k truncation
-    top_p: float = 1.0  # 1: no nucleus truncation
-    capture_topk: int = 0  # K of the recorded behaviour top-K (0 allowed)
-    num_samples: int = 1  # G completions per prompt
+    temperature: float = _DEFAULT["temperature"]  # 0 -> greedy (recorded log-prob 0: a point mass)
+    top_k: int = _DEFAULT["top_k"]  # 0: no top-k truncation
+    top_p: float = _DEFAULT["top_p"]  # 1: no nucleus truncation
+    capture_topk: int = _DEFAULT["capture_topk"]  # K of the recorded behaviour top-K (0 allowed)
+    num_samples: int = _DEFAULT["num_samples"]  # G completions per prompt
     prompt_buckets: tuple = (16, 32, 64, 128, 256, 512, 1024, 2048)
     eos_token_id: Optional[int] = None
     pad_token_id: int = 0
     cache_dtype: str = "float32"
-    decode_segment: int = 32  # decode steps per attention-window growth / slot refill (0: one window)
-    batching: str = "static"  # static: a batch decodes until its longest row ends | continuous: slots
-    slots: int = 0  # continuous: decode slots (0: one per row of the batch)
+    decode_segment: int = _DEFAULT["decode_segment"]  # decode steps per attention-window growth / slot refill
+    batching: str = _DEFAULT["batching"]  # static: a batch decodes until its longest row ends | continuous: slots
+    slots: int = _DEFAULT["slots"]  # continuous: decode slots (0: one per row of the batch)
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.capture_topk < 0:
@@ -49,23 +67,6 @@ class SamplerConfig:
         return PolicyDist(self.temperature, self.top_k, self.top_p)
 
 
-def default_config():
-    """The experiment config's `sampler` section (turned into a SamplerConfig by the experiment)."""
-    import ml_collections
-
-    return ml_collections.ConfigDict(dict(
-        temperature=1.0, top_k=0, top_p=1.0, num_samples=8, capture_topk=4,
-        max_new_tokens=0,  # 0: the task's maximum answer length
-        batching="static",  # continuous: decode slots refilled every decode_segment steps (rollout/continuous.py)
-        slots=0,  # continuous: decode slots per sampler (0: one per row of a batch)
-        decode_segment=32,  # decode steps between weight refreshes / slot refills
-        cache_dtype="auto"))  # KV cache: float32 | bfloat16 | auto (the model's compute dtype)
-
-
-RULES = {"temperature": V.non_negative(), "top_k": V.integer(0), "top_p": V.unit(low_open=True),
-         "num_samples": V.integer(1), "capture_topk": V.integer(0), "max_new_tokens": V.integer(0),
-         "batching": V.one_of(*BATCHING), "slots": V.integer(0), "decode_segment": V.integer(0),
-         "cache_dtype": V.one_of("auto", "float32", "bfloat16")}
 
 
 def sampling_logprobs(logits_BxV, cfg: SamplerConfig):

@@ -9,7 +9,6 @@ math-verify reward).
 
 from __future__ import annotations
 
-import ml_collections
 import numpy as np
 
 from jaxrl_llm import validation as V
@@ -17,29 +16,21 @@ from jaxrl_llm import validation as V
 NAMES = ("arithmetic", "math")
 
 
-def default_config() -> ml_collections.ConfigDict:
-    """Every task's fields, so any of them can be set from the command line."""
-    return ml_collections.ConfigDict(dict(
-        name="arithmetic", eval_size=128,
-        # arithmetic (reward: exact | digits, partial credit per answer position); difficulty:
-        # digits per operand, operators, operands per problem, running results written first
-        digits=2, ops="+", reward="exact", terms=2, scratchpad=False,
-        # math: a local dataset path; the tokenizer comes from model.hf_path unless `tokenizer` is set
-        path="", tokenizer="", split="train", eval_split="test", question_key="", answer_key="",
-        max_prompt_len=512, max_answer_len=512, chat_template=True, system_prompt="",
-        instruction="Please reason step by step, and put your final answer within \\boxed{}.",
-        reward_timeout=5.0,
-    ))
-
-
-RULES = {
-    "name": V.one_of(*NAMES), "eval_size": V.integer(1), "digits": V.integer(1), "ops": V.text(),
-    "terms": V.integer(2), "scratchpad": V.boolean(),
-    "reward": V.one_of("exact", "digits"), "path": V.anything(), "tokenizer": V.anything(),  # paths.py
-    "split": V.text(), "eval_split": V.text(), "question_key": V.text(), "answer_key": V.text(),
-    "max_prompt_len": V.integer(1), "max_answer_len": V.integer(1), "chat_template": V.boolean(),
-    "system_prompt": V.text(), "instruction": V.text(), "reward_timeout": V.positive(),
-}
+SECTION = V.Section(  # every task's fields, so any of them can be set from the command line
+    name=("arithmetic", V.one_of(*NAMES)), eval_size=(128, V.integer(1)),
+    # arithmetic (reward: exact | digits, partial credit per answer position); difficulty:
+    # digits per operand, operators, operands per problem, running results written first
+    digits=(2, V.integer(1)), ops=("+", V.text()), reward=("exact", V.one_of("exact", "digits")),
+    terms=(2, V.integer(2)), scratchpad=(False, V.boolean()),
+    # math: a local dataset path; the tokenizer comes from model.hf_path unless `tokenizer` is set (paths.py)
+    path=("", V.anything()), tokenizer=("", V.anything()), split=("train", V.text()), eval_split=("test", V.text()),
+    question_key=("", V.text()), answer_key=("", V.text()), max_prompt_len=(512, V.integer(1)),
+    max_answer_len=(512, V.integer(1)), chat_template=(True, V.boolean()), system_prompt=("", V.text()),
+    instruction=("Please reason step by step, and put your final answer within \\boxed{}.", V.text()),
+    reward_timeout=(5.0, V.positive()),
+)
+default_config = SECTION.config
+RULES = SECTION.rules
 
 
 def validate(c, hf_path: str = "") -> None:

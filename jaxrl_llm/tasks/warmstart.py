@@ -29,19 +29,15 @@ from jaxrl_llm.tasks import score
 VALIDATION_SEED = 54321  # the warm start's validation draw; the held-out eval set has its own
 
 
-def default_config():
-    """Supervised warm start of a randomly initialised policy (embedded task), up to `steps`
-    steps, ending once greedy validation accuracy reaches `target` (0: run every step)."""
-    import ml_collections
-
-    # cache_dir: warm starts are kept there by everything they depend on, so runs that share a
-    # seed (the arms of a sweep) warm-start once; empty: no cache.
-    return ml_collections.ConfigDict(dict(steps=2000, batch_size=64, lr=1e-3, target=0.2, check_every=5,
-                                          check_size=256, cache_dir=""))
-
-
-RULES = {"steps": V.integer(0), "batch_size": V.integer(1), "lr": V.positive(), "target": V.unit(),
-         "check_every": V.integer(1), "check_size": V.integer(1), "cache_dir": V.text()}
+# Supervised warm start of a randomly initialised policy (embedded task), up to `steps` steps,
+# ending once greedy validation accuracy reaches `target` (0: run every step). cache_dir: warm
+# starts are kept there by everything they depend on, so runs that share a seed (the arms of a
+# sweep) warm-start once; empty: no cache.
+SECTION = V.Section(steps=(2000, V.integer(0)), batch_size=(64, V.integer(1)), lr=(1e-3, V.positive()),
+                    target=(0.2, V.unit()), check_every=(5, V.integer(1)), check_size=(256, V.integer(1)),
+                    cache_dir=("", V.text()))
+default_config = SECTION.config
+RULES = SECTION.rules
 
 
 def pack(pairs, length: int, pad: int = 0):

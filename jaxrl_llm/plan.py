@@ -1,0 +1,85 @@
+"""`RunPlan`: the experiment config resolved once at start-up into typed, immutable parts. The
+learner, the samplers, the orchestrator, the memory plan and evaluation receive these parts;
+none of them reads the raw config again. `resolve` validates first (`config.validate`), so a
+bad config fails before anything is resolved, loaded or compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Mapping, Optional
+
+import ml_collections
+
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import distributed, memory, models, objectives, paths, tasks
+from jaxrl_llm.rollout import SamplerConfig
+
+_MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    config: ml_collections.FrozenConfigDict  # as the user ran it (hub ids resolved to local paths)
+    task: Any
+    model: models.ModelConfig  # the policy's decoder
+    aux_model: Optional[models.ModelConfig]  # the objective's auxiliary decoder, when it has one
+    objective: ml_collections.FrozenConfigDict  # `objectives.make_config`, resolved once
+    passes: frozenset  # `objectives.required_passes`
+    sampler: SamplerConfig  # the training samplers'
+    greedy: SamplerConfig  # evaluation's
+    learner_devices: tuple
+    sampler_devices: tuple
+    memory: Mapping[str, int]  # bytes by part (`memory.run_plan`), checked against what is available
+
+    @property
+    def own_sampler_devices(self) -> bool:
+        """Whether the samplers hold weight copies of their own (devices of their own, or many
+        processes), so the weight store publishes each version onto them."""
+        return bool(self.config.runtime.sampler_devices) or distributed.count() > 1
+
+
+def resolve(config) -> RunPlan:
+    """Validate `config` and resolve it; the memory plan is checked before any weight is loaded
+    or program compiled."""
+    objective = config_lib.validate(config)
+    config = paths.resolved(config)  # hub ids -> local snapshot directories (the caller's config is untouched)
+    task = tasks.make(config.task, config.model.hf_path)
+    mcfg = model_cfg(config.model, task)
+    acfg = model_cfg(config.aux_model, task) if config_lib.has_aux_model(config) else None
+    learner_devices, sampler_devices = config_lib.devices(config)
+    parts = memory.run_plan(config, task, mcfg, acfg, objective)
+    memory.check_run(config, task, mcfg, acfg, parts)
+    return RunPlan(config=ml_collections.FrozenConfigDict(config), task=task, model=mcfg, aux_model=acfg,
+                   objective=objective, passes=frozenset(objectives.required_passes(objective)),
+                   sampler=sampler_cfg(config, task), greedy=sampler_cfg(config, task, greedy=True),
+                   learner_devices=tuple(learner_devices), sampler_devices=tuple(sampler_devices),
+                   memory=types.MappingProxyType(parts))
+
+
+def model_cfg(m, task) -> models.ModelConfig:
+    """The decoder of model section `m`: a local HF checkpoint's config.json (read, nothing
+    loaded) or a random model sized by `m`; compute dtype, attention kernel and remat from `m`."""
+    chosen = dict(dtype=m.dtype, attention=m.attention, remat=m.remat)
+    if m.hf_path:
+        cfg = models.load_config(m.hf_path)
+        if task.vocab_size > cfg.vocab_size:
+            raise ValueError(f"the task's tokenizer has {task.vocab_size} tokens but {m.hf_path!r} embeds only "
+                             f"{cfg.vocab_size}")
+        return cfg.replace(**chosen)
+    return models.ModelConfig(vocab_size=task.vocab_size, eos_token_id=task.eos_id, **chosen,
+                              **{f: m[f] for f in _MODEL_FIELDS})
+
+
+def sampler_cfg(config, task, greedy: bool = False) -> SamplerConfig:
+    """The `sampler` section as the sampler's frozen config (greedy: evaluation's)."""
+    s = config.sampler
+    kw = dict(max_new_tokens=s.max_new_tokens or task.max_answer_len, eos_token_id=task.eos_id,
+              pad_token_id=task.pad_id, prompt_buckets=tuple(task.prompt_buckets),
+              cache_dtype=s.cache_dtype if s.cache_dtype != "auto" else config.model.dtype)
+    if greedy:
+        return SamplerConfig(temperature=0.0, num_samples=1, capture_topk=0, **kw)
+    return SamplerConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, capture_topk=s.capture_topk,
+                         num_samples=s.num_samples, batching=s.batching, slots=s.slots,
+                         decode_segment=s.decode_segment, **kw)
