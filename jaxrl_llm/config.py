@@ -1,6 +1,6 @@
 """The experiment config: the sections this module owns (`model`, `aux_model`, `train`, the top
 level), every section's declared constraints by full key (`rules`; each owning module declares
-its `RULES` beside its `default_config()`), and `validate`, where every cross-field rule is
+its section once, as a `validation.Section`), and `validate`, where every cross-field rule is
 stated once. `plan.resolve` turns a valid config into the immutable `RunPlan` the rest receives.
 """
 
@@ -18,22 +18,20 @@ from jaxrl_llm.tasks import warmstart
 _SIZES = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 
 
-def _model(size_low: int) -> V.Section:
+def _model(size_low: int, sizes: tuple) -> V.Section:
     """A `model` section; sizes below `size_low` are refused (0 allowed for `aux_model`: off)."""
-    size = lambda default: (default, V.integer(size_low))  # noqa: E731
     return V.Section(
         hf_path=("", V.anything()),  # a local Hugging Face directory (paths.py); empty: a random model of these sizes
-        hidden_size=size(64), intermediate_size=size(128), num_layers=size(2), num_heads=size(4),
-        num_kv_heads=size(2), head_dim=size(16),
+        **{f: (n, V.integer(size_low)) for f, n in zip(_SIZES, sizes)},
         dtype=("float32", V.one_of(*models.config.DTYPES)),  # compute (and sampler weights); master weights stay float32
         attention=("auto", V.one_of(*models.config.ATTENTION)),  # models/decoder.py: attention
         remat=("none", V.one_of(*models.config.REMAT)))  # none | full | dots: decoder layers recomputed in backward
 
 
-MODEL = _model(1)
+MODEL = _model(1, (64, 128, 2, 4, 2, 16))
 # A second model for objectives that train one (e.g. Jackpot's rollout actor): hf_path, or a
 # random model of hidden_size > 0; off (all sizes 0) by default.
-AUX_MODEL = _model(0)
+AUX_MODEL = _model(0, (0,) * len(_SIZES))
 # resume: auto continues from the newest readable checkpoint in the workdir (damaged newer ones
 # are reported and moved aside); fresh moves the checkpoints aside and starts over.
 # preempt_grace_s: after SIGTERM / Ctrl-C, the seconds the final save may take.
@@ -42,14 +40,7 @@ TRAIN = V.Section(
     tensorboard=(True, V.boolean()), progress=(True, V.boolean()), resume=("auto", V.one_of("auto", "fresh")),
     preempt_grace_s=(30.0, V.positive()),
     check_memory=(True, V.boolean()))  # refuse a memory plan beyond what is available
-model_config = MODEL.config
-
-
-def aux_model_config():
-    return AUX_MODEL.config(**{f: 0 for f in _SIZES})
-
-
-train_config = TRAIN.config
+model_config, aux_model_config, train_config = MODEL.config, AUX_MODEL.config, TRAIN.config
 TOP_RULES = {"seed": V.integer(0), "cpu_devices": V.integer(0, extra=(-1,))}
 
 

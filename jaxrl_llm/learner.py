@@ -25,7 +25,6 @@ from jaxrl_llm.models import decoder
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.policy_dist import PolicyDist
 from jaxrl_llm.objectives.auxiliary import AuxContext
-from jaxrl_llm.objectives.common import check_choice
 from jaxrl_llm.train_state import AuxState, TrainState  # noqa: F401  (the learner's state types)
 
 
@@ -63,8 +62,7 @@ class Learner:
         the temperature). `aux_model_cfg`: the decoder of the objective's auxiliary model, for
         objectives whose auxiliary needs one (e.g. a separate rollout model)."""
         self.model_cfg, self.cfg = model_cfg, learner_cfg or default_config()
-        check_choice("learner.policy_dist", self.cfg.policy_dist, ("sampled", "full"))
-        check_choice("learner.packing", self.cfg.packing, ("auto", "off"))
+        V.raise_all(V.check(self.cfg, RULES), what="invalid learner option")  # also when built without a config file
         self.plan, self.layout = _resolve(model_cfg, self.cfg, objective_cfg, mesh or sharding.make_mesh(mesh_cfg),
                                           mesh_cfg, aux_model_cfg, dist)
         self.mesh, self.aux = self.plan.fwd.mesh, self.plan.aux

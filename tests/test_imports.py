@@ -26,3 +26,14 @@ def test_no_module_is_longer_than_400_lines():
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
+
+
+def test_the_main_classes_stay_small():
+    """Learner, Orchestrator and Sampler own one job each; their parts live in modules of their own."""
+    import ast
+
+    wanted = {"learner.py": "Learner", "runtime/orchestrator.py": "Orchestrator", "rollout/sampler.py": "Sampler"}
+    for path, name in wanted.items():
+        tree = ast.parse((PACKAGE / path).read_text())
+        (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+        assert cls.end_lineno - cls.lineno + 1 <= 150, (name, cls.end_lineno - cls.lineno + 1)

@@ -30,7 +30,7 @@ class Sequential:
         self.reward_failures = 0
 
     def start(self) -> None:
-        self._start, self._sampling, self._rows, self._steps = time.perf_counter(), 0.0, 0, 0
+        self._start, self._sampling, self._steps = time.perf_counter(), 0.0, 0
 
     def stop(self) -> None:
         pass

@@ -67,39 +67,23 @@ RULES = SECTION.rules
 
 
 def validate(c, batching: str = "static") -> None:
-    """The runtime section's cross-field rules (`batching`: the sampler's, which admission needs)."""
-    if c.mode not in MODES:
-        raise ValueError(f"unknown runtime mode {c.mode!r}; valid: {', '.join(MODES)}")
+    """Each field against its declared rule, then the runtime's cross-field rules (`batching`:
+    the sampler's, which admission needs)."""
+    V.raise_all(V.check(c, V.flatten(RULES)), what="invalid runtime option")
     if c.reuse != 1 and c.mode != "iterative":
         raise ValueError(f"runtime.reuse={c.reuse} needs mode='iterative' (mode is {c.mode!r})")
     if c.refresh_every != 1 and c.mode != "offpolicy":
         raise ValueError(f"runtime.refresh_every={c.refresh_every} needs mode='offpolicy' (mode is {c.mode!r})")
-    if c.reuse < 1 or c.refresh_every < 1 or c.queue_size < 1 or c.num_samplers < 1:
-        raise ValueError("runtime.reuse, refresh_every, queue_size and num_samplers must be >= 1")
-    if c.sampler_devices < 0:
-        raise ValueError(f"runtime.sampler_devices must be >= 0; got {c.sampler_devices}")
     if c.refresh_mid_generation and c.mode != "async":
         raise ValueError(f"runtime.refresh_mid_generation needs mode='async' (mode is {c.mode!r})")
     if c.mode == "simulated" and c.max_staleness < 0:
         raise ValueError("mode='simulated' needs a finite runtime.max_staleness (past params are retained)")
-    _validate_staleness(c)
-    if c.staleness_policy == "admit" and batching != "continuous":
-        raise ValueError("runtime.staleness_policy='admit' holds prompts back from decode slots: it needs "
-                         "--config.sampler.batching=continuous")
-    if c.advantage not in advantages.names():
-        raise ValueError(f"unknown advantage {c.advantage!r}; valid: {', '.join(advantages.names())}")
-    _delay(c)  # unknown delay kinds / bad bounds fail here
-
-
-def _validate_staleness(c) -> None:
-    if c.staleness_policy not in staleness.POLICIES:
-        raise ValueError(f"unknown runtime.staleness_policy {c.staleness_policy!r}; "
-                         f"valid: {', '.join(staleness.POLICIES)}")
-    if c.max_staleness < -1:
-        raise ValueError(f"runtime.max_staleness must be >= 0, or -1 for unbounded; got {c.max_staleness}")
     if c.staleness_policy == "admit" and (c.mode != "async" or c.max_staleness < 0):
         raise ValueError("runtime.staleness_policy='admit' needs mode='async' (with sampler.batching='continuous') "
                          f"and a finite runtime.max_staleness (mode is {c.mode!r}, max_staleness {c.max_staleness})")
+    if c.staleness_policy == "admit" and batching != "continuous":
+        raise ValueError("runtime.staleness_policy='admit' holds prompts back from decode slots: it needs "
+                         "--config.sampler.batching=continuous")
     fixed = {"iterative": ("reuse", c.reuse), "offpolicy": ("refresh_every", c.refresh_every)}.get(c.mode)
     if fixed and c.staleness_policy == "drop" and staleness.exceeds(fixed[1] - 1, c.max_staleness):
         name, value = fixed
@@ -107,6 +91,7 @@ def _validate_staleness(c) -> None:
             f"mode {c.mode!r} with runtime.{name}={value} trains on batches up to {value - 1} steps stale, beyond "
             f"runtime.max_staleness={c.max_staleness}; dropping them cannot yield fresher ones in this mode. Set "
             f"max_staleness >= {value - 1} (or -1), or staleness_policy='keep' to train on them (runtime/over_stale)")
+    _delay(c)  # bad delay bounds fail here
 
 
 def _delay(c) -> delay_lib.DelayModel:
