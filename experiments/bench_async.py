@@ -10,7 +10,7 @@ excluded (a warm-up run precedes the timed one). Trained tokens are loss-mask to
 
 On a 2-core CPU the tiny model's ops gain nothing from XLA's intra-op threads, and with them
 off (XLA_FLAGS=--xla_cpu_multi_thread_eigen=false) the sampler and learner programs each keep
-one core busy instead of contending for both; the README reports both settings.
+one core busy instead of contending for both; docs/speed.md says how to run both settings.
 `--cpu-devices 2 --sampler-devices 1` gives each program a device (core) of its own in both
 modes (runtime.sampler_devices: disjoint learner / sampler devices).
 """

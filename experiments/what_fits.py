@@ -1,4 +1,4 @@
-"""The README's "What fits" table, from the memory plan (`jaxrl_llm/memory.py`; no model is
+"""The "What fits" table of docs/memory.md, from the memory plan (`jaxrl_llm/memory.py`; no model is
 built). Learner and one sampler on the same memory, as on a CPU host or one accelerator:
 float32 master weights, AdamW, `remat=full`, bfloat16 compute, sampler weights and KV cache.
 

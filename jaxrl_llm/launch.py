@@ -7,7 +7,7 @@ Each process gets `--config.distributed.*` (coordinator on a free local port, it
 to every process; when one exits non-zero (or is killed) the others are ended and the launcher
 exits non-zero, naming the process that died first. Each process is bound to its own equal
 share of the launcher's cores (`core_sets`; `--cpu_bind=False` leaves them shared), as a host
-has its own. On a cluster, start the main command once per host instead (README "Many hosts").
+has its own. On a cluster, start the main command once per host instead (docs/many_hosts.md).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class Learner:
         the temperature). `aux_model_cfg`: the decoder of the objective's auxiliary model, for
         objectives whose auxiliary needs one (e.g. a separate rollout model)."""
         self.model_cfg, self.cfg = model_cfg, learner_cfg or default_config()
-        V.raise_all(V.check(self.cfg, RULES), what="invalid learner option")  # also when built without a config file
+        V.raise_all(V.check(self.cfg, RULES, "learner."), what="invalid learner option")  # also when built without a config file
         self.plan, self.layout = _resolve(model_cfg, self.cfg, objective_cfg, mesh or sharding.make_mesh(mesh_cfg),
                                           mesh_cfg, aux_model_cfg, dist)
         self.mesh, self.aux = self.plan.fwd.mesh, self.plan.aux

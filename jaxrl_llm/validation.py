@@ -144,9 +144,10 @@ def leaves(config, prefix: str = "") -> dict:
     return out
 
 
-def check(config, rules: dict) -> list:
-    """Violations of `rules` ({dotted key: Rule}) in `config`, each as one message line."""
-    values = leaves(config)
+def check(config, rules: dict, prefix: str = "") -> list:
+    """Violations of `rules` ({dotted key: Rule}) in `config`, each as one message line (keys
+    named `prefix` + key: a section checked alone still names its full key)."""
+    values = leaves(config, prefix)
     return [msg for key, rule in rules.items() if key in values
             for msg in [rule.problem(key, values[key])] if msg]
 

@@ -180,12 +180,12 @@ def test_sampler_and_learner_on_disjoint_devices():
 
 
 @pytest.mark.parametrize("over,match", [
-    (dict(mode="hogwild"), "valid: sync, iterative, offpolicy, simulated, async"),
+    (dict(mode="hogwild"), "runtime.mode='hogwild': expected one of 'sync', 'iterative', 'offpolicy', 'simulated', 'async'"),
     (dict(mode="sync", reuse=2), "reuse=2 needs mode='iterative'"),
     (dict(mode="sync", refresh_every=3), "refresh_every=3 needs mode='offpolicy'"),
     (dict(mode="simulated", max_staleness=-1), "finite runtime.max_staleness"),
-    (dict(delay=dict(kind="gamma")), "valid: none, fixed, lognormal"),
-    (dict(advantage="gae"), "valid: grpo, dr_grpo, rloo"),
+    (dict(delay=dict(kind="gamma")), "runtime.delay.kind='gamma': expected one of 'none', 'fixed', 'lognormal'"),
+    (dict(advantage="gae"), "runtime.advantage='gae': expected one of 'grpo', 'dr_grpo', 'rloo'"),
 ])
 def test_incompatible_runtime_options_fail_at_startup(over, match):
     cfg = O.default_config()

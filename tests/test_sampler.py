@@ -1,6 +1,5 @@
 """The jitted sampler against transformers, the learner-side head, and the softmax it claims."""
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,7 +112,8 @@ def test_eos_stops_rows_and_truncation_flags(tmp_path):
 def test_reproducible_and_no_retrace_within_a_bucket(qwen, monkeypatch):
     from jaxrl_llm.rollout import decode
 
-    monkeypatch.setattr(decode, "generate", chex.assert_max_traces(decode.generate, n=1))
+    traced, real = [], decode.generate
+    monkeypatch.setattr(decode, "generate", lambda *a, **kw: (traced.append(1), real(*a, **kw))[1])
     _, params, cfg = qwen
     sampler = Sampler(cfg, SamplerConfig(max_new_tokens=6, prompt_buckets=(8, 16), capture_topk=2, num_samples=1))
     a = sampler.generate(params, PROMPTS[:3], jax.random.key(4))
@@ -123,7 +123,7 @@ def test_reproducible_and_no_retrace_within_a_bucket(qwen, monkeypatch):
     np.testing.assert_array_equal(a.tokens, b.tokens)
     assert not np.array_equal(np.asarray(a.tokens), np.asarray(sampler.generate(params, PROMPTS[:3], jax.random.key(6)).tokens))
     assert a.tokens.shape == c.tokens.shape == (3, 22)
-    assert sampler._generate._cache_size() == 1  # one compiled program for the bucket
+    assert len(traced) == 1  # one compiled program for the bucket
 
 
 def test_bucket_selection_and_errors(qwen):

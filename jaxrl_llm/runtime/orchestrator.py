@@ -69,7 +69,7 @@ RULES = SECTION.rules
 def validate(c, batching: str = "static") -> None:
     """Each field against its declared rule, then the runtime's cross-field rules (`batching`:
     the sampler's, which admission needs)."""
-    V.raise_all(V.check(c, V.flatten(RULES)), what="invalid runtime option")
+    V.raise_all(V.check(c, V.flatten(RULES, "runtime."), "runtime."), what="invalid runtime option")
     if c.reuse != 1 and c.mode != "iterative":
         raise ValueError(f"runtime.reuse={c.reuse} needs mode='iterative' (mode is {c.mode!r})")
     if c.refresh_every != 1 and c.mode != "offpolicy":
