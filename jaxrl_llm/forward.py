@@ -33,6 +33,11 @@ class Forward:
     chunk: int
     mesh: Mesh
 
+    @property
+    def on_shards(self) -> NamedSharding:
+        """Rows split over the mesh's batch axes."""
+        return NamedSharding(self.mesh, P(sharding.BATCH_AXES))
+
 
 def stats(fwd: Forward, params, batch: TrajectoryBatch, topk: int = 0, gather: bool = True,
           return_hidden: bool = False, packed: Optional[packing.PackPlan] = None, replicas: int = 0) -> dict:
@@ -41,8 +46,7 @@ def stats(fwd: Forward, params, batch: TrajectoryBatch, topk: int = 0, gather: b
     gather_ids = batch.topk_ids if gather and batch.topk > 0 else None
     kw = dict(dist=fwd.dist, topk=topk, chunk=fwd.chunk, return_hidden=return_hidden)
     if replicas:
-        on_shards = NamedSharding(fwd.mesh, P(sharding.BATCH_AXES))
-        split = lambda x: minibatches.by_shard(x, replicas, on_shards)  # noqa: E731
+        split = lambda x: minibatches.by_shard(x, replicas, fwd.on_shards)  # noqa: E731
         one = lambda p, t, m, k, g: heads.sequence_logprobs(  # noqa: E731
             p, fwd.model_cfg, t, m, kept_BxL=k, gather_ids_BxLxK=g, **kw)
         out = jax.vmap(one)(params, split(batch.tokens), split(batch.input_mask), split(batch.behav_kept),
@@ -51,7 +55,7 @@ def stats(fwd: Forward, params, batch: TrajectoryBatch, topk: int = 0, gather: b
     if packed is None:
         return heads.sequence_logprobs(params, fwd.model_cfg, batch.tokens, batch.input_mask,
                                        kept_BxL=batch.behav_kept, gather_ids_BxLxK=gather_ids, **kw)
-    rows = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(fwd.mesh, P(sharding.BATCH_AXES)))
+    rows = lambda x: jax.lax.with_sharding_constraint(x, fwd.on_shards)  # noqa: E731
     pack = lambda x: None if x is None else rows(packing.pack(x, packed.src))
     s = heads.sequence_logprobs(params, fwd.model_cfg, pack(batch.tokens), kept_BxL=pack(batch.behav_kept),
                                 gather_ids_BxLxK=pack(gather_ids),

@@ -18,6 +18,7 @@ same update, after the policy, from the policy forward's hidden states.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import jax
@@ -101,15 +102,14 @@ def train_step(state: TrainState, batch: TrajectoryBatch, packed: Optional[packi
     with version + 1, metrics)."""
     shards = sharding.batch_size(plan.fwd.mesh)
     mbs = jax.tree_util.tree_map(lambda x: minibatches.split(x, plan.num_minibatches, shards), batch)
-    loss_fn = lambda *a, **kw: loss(*a, **kw, plan=plan)  # noqa: E731
+    loss_fn = functools.partial(loss, plan=plan)
 
     def one(st, xs):
         mb, pl = xs
         rng = jax.random.fold_in(st.rng, st.step)
         if plan.replicas and pl is None and mb.shape[0] % plan.replicas == 0:
-            on_shards = jax.sharding.NamedSharding(plan.fwd.mesh, jax.sharding.PartitionSpec(sharding.BATCH_AXES))
             (value, (stats, hidden)), grads = minibatches.replica_value_and_grad(
-                loss_fn, st.params, plan.replicas, on_shards, mb, st.version, rng, replicas=plan.replicas)
+                loss_fn, st.params, plan.replicas, plan.fwd.on_shards, mb, st.version, rng, replicas=plan.replicas)
         else:
             (value, (stats, hidden)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
                 st.params, mb, st.version, rng, pl)

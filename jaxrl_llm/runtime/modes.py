@@ -13,6 +13,7 @@ Schedules follow the learner version, not the position within one run() call, so
 
 from __future__ import annotations
 
+import abc
 import time
 
 import numpy as np
@@ -22,7 +23,7 @@ from jaxrl_llm.runtime.producer import Producer
 from jaxrl_llm.runtime.weights import WeightStore
 
 
-class Sequential:
+class Sequential(abc.ABC):
     """Sampling in the learner's thread: the learner waits while a batch is produced."""
 
     def __init__(self, producer: Producer, store: WeightStore):
@@ -48,8 +49,9 @@ class Sequential:
         return {"runtime/sampler_busy": self._sampling / elapsed, "runtime/learner_idle": self._sampling / elapsed,
                 "runtime/samples_per_s": self._steps * batch.shape[0] / elapsed}
 
+    @abc.abstractmethod
     def batch(self, version: int):
-        raise NotImplementedError
+        """The batch this mode trains at learner `version`."""
 
     def _produce(self, params, version: int, counter: int):
         batch, failures = self.producer.produce(params, version, 0, counter)
