@@ -10,6 +10,13 @@ _FLAG = "xla_cpu_enable_concurrency_optimized_scheduler"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_FLAG}=false".strip()
 
-from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch  # noqa: E402,F401
-
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy: scoring worker processes import a task module without paying for JAX.
+    if name in ("PolicyOutput", "TrajectoryBatch"):
+        from jaxrl_llm import batch
+
+        return getattr(batch, name)
+    raise AttributeError(f"module 'jaxrl_llm' has no attribute {name!r}")

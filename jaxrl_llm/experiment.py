@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_llm import checkpoint, distributed, learner, memory, models, paths, preemption, sharding
+from jaxrl_llm import checkpoint, distributed, learner, memory, models, paths, preemption, sharding, tasks
 from jaxrl_llm import plan as plan_lib
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.metrics import MetricsWriter, Progress
@@ -70,10 +70,11 @@ def build(config) -> dict:
     # weight store publishes each version onto them.
     mesh = Mesh(np.asarray(p.sampler_devices), ("data",))
     placement = NamedSharding(mesh, PartitionSpec()) if p.own_sampler_devices else None
+    scorer = tasks.scorer(p.task, c.task)
     orch = orchestrator.Orchestrator(lrn, Sampler(lrn.rollout_model_cfg, p.sampler, mesh), p.task, c.runtime,
-                                     placement=placement)
+                                     placement=placement, scorer=scorer)
     # A sampling auxiliary (a rollout model) is evaluated beside the policy; any auxiliary may be warm-started.
-    return dict(plan=p, task=p.task, model_cfg=p.model, params=params, memory_plan=p.memory, aux_cfg=p.aux_model,
+    return dict(plan=p, task=p.task, scorer=scorer, model_cfg=p.model, params=params, memory_plan=p.memory, aux_cfg=p.aux_model,
                 aux_params=aux_params, learner=lrn, orchestrator=orch, greedy=Sampler(p.model, p.greedy, mesh),
                 aux_greedy=p.aux_model and Sampler(p.aux_model, p.greedy, mesh),
                 aux_eval=lrn.aux is not None and lrn.aux.samples)
@@ -151,7 +152,7 @@ def run(config, workdir: str, log=None) -> dict:
     eval_prompts = task.eval_prompts()[distributed.index()::distributed.count()]
 
     def accuracy(params, sampler) -> float:
-        local = warmstart.accuracy(distributed.to_local(params), sampler, task, eval_prompts)
+        local = warmstart.accuracy(distributed.to_local(params), sampler, task, eval_prompts, scorer=b["scorer"])
         total, n = distributed.host_sum(np.array([local * len(eval_prompts), len(eval_prompts)]))
         return float(total / n)
 
@@ -224,7 +225,8 @@ def run(config, workdir: str, log=None) -> dict:
                 raise
         finally:
             writer.close()
-            if hasattr(task, "close"):  # e.g. the math task's scoring process
+            b["scorer"].close()  # e.g. the math task's checker processes
+            if hasattr(task, "close"):
                 task.close()
             grace.cancel()
     summary.update(version=int(state.version), time_s=time.time() - t_start,

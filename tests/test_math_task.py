@@ -1,7 +1,9 @@
 """Math-dataset task: local loading in every supported layout, chat-template prompts,
-math-verify rewards with a hard per-sample timeout, and an end-to-end run on a tiny HF model."""
+math-verify rewards (a fast path held to math-verify's verdict, worker processes with a hard
+per-sample timeout), and an end-to-end run on a tiny HF model."""
 
 import json
+import random
 import time
 
 import numpy as np
@@ -9,8 +11,9 @@ import pytest
 
 from jaxrl_llm import tasks
 from jaxrl_llm.tasks import math_dataset
-from jaxrl_llm.tasks.scoring import TimeoutPool
-from tests import hf_fixtures
+from jaxrl_llm.tasks.pool import WorkerPool
+from jaxrl_llm.tasks.scoring import Scorer
+from tests import checkers, hf_fixtures
 
 TRAIN = [("What is 12 + 60?", "12 + 60 = 72\n#### 72"),
          ("Half of 1?", "It is $\\frac{1}{2}$, so the answer is \\boxed{\\frac{1}{2}}."),
@@ -38,17 +41,61 @@ def test_gold_answer_extraction():
     assert math_dataset.gold_answer(" \\boxed{3} ") == "\\boxed{3}"
 
 
-def test_timeout_pool_kills_a_stuck_call_and_keeps_working():
-    pool = TimeoutPool(timeout=0.5)
+def _random_completion(rng: random.Random, gold: str) -> str:
+    """Text shaped like model output: numbers, boxed answers, LaTeX and words, in any order."""
+    def num():
+        return str(rng.choice([rng.randint(0, 120), -rng.randint(1, 50), rng.randint(0, 99999)]))
+    pieces = ["so", "the answer is", "=", "+", "apples", "$", ".", ",", "%", "x", "-", "\\frac{1}{2}", "\n", ":",
+              "1,000", "3.5", gold, f"\\boxed{{{gold}}}"]
+    parts = []
+    for _ in range(rng.randint(0, 6)):
+        r = rng.random()
+        if r < 0.35:
+            parts.append(num())
+        elif r < 0.55:
+            parts.append(f"\\boxed{{{rng.choice([num(), ' ' + num() + ' ', num() + '.5', 'x', gold])}}}")
+        else:
+            parts.append(rng.choice(pieces))
+    if rng.random() < 0.3:
+        parts = [rng.choice([num(), gold])]
+    return rng.choice([" ", "", "\n"]).join(parts) + rng.choice(["", ".", " "])
+
+
+def test_fast_path_agrees_with_math_verify():
+    """Wherever the fast path decides, its reward is math-verify's; it decides the plain cases."""
+    rng = random.Random(0)
+    decided = 0
+    for _ in range(1500):
+        gold = rng.choice(["72", "-5", "0", "1234", "7", "3.5", "\\frac{1}{2}"])
+        completion = _random_completion(rng, gold)
+        fast = math_dataset.fast_score(completion, math_dataset.gold_int(gold))
+        if fast is not None:
+            decided += 1
+            assert fast == math_dataset.score(completion, gold), (completion, gold)
+    assert decided > 300
+    assert math_dataset.fast_score("72.", 72) == 1.0 and math_dataset.fast_score("so \\boxed{ -5 }", -5) == 1.0
+    assert math_dataset.fast_score("\\boxed{72}%", 72) is None  # math-verify reads a percentage
+    assert math_dataset.fast_score("\\boxed{7} or \\boxed{72}", 72) is None
+    assert math_dataset.fast_score("72", None) is None  # a non-integer gold answer: math-verify decides
+
+
+def test_worker_pool_times_out_one_item_and_finishes_the_group():
+    pool = WorkerPool(workers=2, timeout=1.0)
     t = time.monotonic()
-    assert pool.call(time.sleep, 30) == (0.0, "timeout")
-    assert time.monotonic() - t < 10 and pool.timeouts == 1
-    assert pool.call(abs, -3) == (3, None)  # a fresh worker took over
+    group = [(0.0, 1.0), (30.0, 2.0), (0.0, 3.0)]  # the middle check hangs
+    other = pool.submit(checkers.sleep_then, [(0.0, 4.0)])
+    assert pool.map(checkers.sleep_then, group) == [(1.0, None), (0.0, "timeout"), (3.0, None)]
+    assert other.result() == [(4.0, None)]
+    assert time.monotonic() - t < 25 and pool.timeouts == 1
     value, error = pool.call(int, "x")
     assert value == 0.0 and error.startswith("ValueError") and pool.errors == 1
     pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(abs, [(-1,)])
     with pytest.raises(ValueError, match="timeout must be > 0"):
-        TimeoutPool(timeout=0)
+        WorkerPool(1, timeout=0)
+    with pytest.raises(ValueError, match="at least 1 worker"):
+        WorkerPool(0)
 
 
 def _write_jsonl(path, rows):
@@ -122,17 +169,32 @@ def _cfg(**kw):
     return c
 
 
-def test_reward_through_the_pool_and_failures_counted(tokenizer_dir, tmp_path):
+def test_rewards_through_the_scorer_and_failures_counted(tokenizer_dir, tmp_path):
+    """Groups go to the worker processes unless the fast path decides; rewards equal the
+    in-thread ones; a check that overruns scores 0 and is counted, never raised."""
     task = _task(_write_jsonl(tmp_path / "train.jsonl", TRAIN), tokenizer_dir, eval_size=1)
-    prompt = list(task.train[0][0])  # gold 72
+    half, seventy_two = list(task.train[1][0]), list(task.train[0][0])  # golds \\frac{1}{2} and 72
     enc = lambda s: task.tokenizer(s, add_special_tokens=False)["input_ids"] + [task.eos_id]
-    assert task.reward(prompt, enc("so \\boxed{72}")) == 1.0
-    assert task.reward(prompt, enc("so \\boxed{73}")) == 0.0
-    task.pool.timeout = 1e-4  # every call now overruns: scored 0 and counted, never raised
-    tokens = np.array([enc("\\boxed{72}")])
-    rewards, failures = tasks.score(task, [prompt], tokens, np.ones_like(tokens, bool), 1)
-    assert rewards.tolist() == [0.0] and failures == 1
-    task.pool.close()
+    texts = ["so \\boxed{72}", "so \\boxed{73}", "it is 72 or \\boxed{72} and \\boxed{72}", "nothing",
+             "\\boxed{\\frac{2}{4}}", "\\boxed{0.5}", "\\boxed{1/3}", "1/2"]
+    rows = [enc(t) for t in texts]
+    width = max(map(len, rows))
+    tokens = np.array([r + [task.pad_id] * (width - len(r)) for r in rows])
+    mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows], bool)
+    prompts = [seventy_two, half]
+    assert isinstance(task.check_args(seventy_two, rows[0]), float)  # the fast path
+    assert task.check_args(half, rows[4]) == ("\\boxed{\\frac{2}{4}}", TRAIN[1][1])  # the whole MATH solution
+    want = [1, 0, float(math_dataset.score(texts[2], "72")), 0, 1, 1, 0, 1]
+    assert tasks.score(task, prompts, tokens, mask, 4) == (pytest.approx(want), 0)
+    scorer = tasks.scorer(task, _cfg(reward_workers=2, reward_timeout=20.0))
+    scored = scorer.submit(prompts, tokens, mask, 4)
+    assert scored.result()[0].tolist() == want and scored.result()[1] == 0
+    scorer.pool.timeout, task.checker = 0.5, checkers.hang  # every check now overruns: scored 0 and counted
+    rewards, failures = scorer.score(prompts, tokens, mask, 4)
+    assert rewards.tolist() == [1, 0, 0, 0, 0, 0, 0, 0] and failures == 6  # the fast-path rows still score
+    scorer.close()
+    with pytest.raises(ValueError, match="reward_workers >= 1"):
+        tasks.validate(_cfg(name="math", path="p", reward_workers=0), "tok")
 
 
 def test_end_to_end_on_a_local_hf_model_and_dataset(tokenizer_dir, tmp_path):

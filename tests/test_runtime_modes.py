@@ -16,6 +16,8 @@ from jaxrl_llm import sharding
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 from jaxrl_llm.runtime import orchestrator as O
+from jaxrl_llm.tasks.scoring import Scorer
+from tests import checkers
 
 CFG = ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                   head_dim=8)
@@ -40,7 +42,7 @@ class TargetTask:
         return float(np.mean(np.asarray(completion) == self.target)) if completion else 0.0
 
 
-def _orch(mode, task=None, mesh=None, placement=None, sampler_kw=None, **rc):
+def _orch(mode, task=None, mesh=None, placement=None, sampler_kw=None, reward_workers=0, **rc):
     c = L.default_config()
     c.lr, c.num_minibatches = 1e-3, 2
     lrn = L.Learner(CFG, {"name": "a3po"}, c, mesh=mesh)
@@ -49,7 +51,8 @@ def _orch(mode, task=None, mesh=None, placement=None, sampler_kw=None, **rc):
     cfg = O.default_config()
     cfg.mode, cfg.prompts_per_batch = mode, 2
     cfg.update(rc)
-    orch = O.Orchestrator(lrn, sampler, task or TargetTask(), cfg, placement=placement)
+    task = task or TargetTask()
+    orch = O.Orchestrator(lrn, sampler, task, cfg, placement=placement, scorer=Scorer(task, reward_workers, 30.0))
     return orch, lrn.init(jax.random.key(0))
 
 
@@ -345,15 +348,27 @@ class UniqueTask(TargetTask):
         return [rng.integers(1, 16, 4).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("batching,max_staleness,samplers", [("static", -1, 1), ("static", 0, 2),
-                                                             ("continuous", 1, 1)])
-def test_async_trains_every_prompt_once_across_chunks_and_a_resume(batching, max_staleness, samplers):
-    """Groups queued or decoding when an async run() call ends (an eval / checkpoint boundary)
-    are generated again in the next call, never skipped or trained twice; a new orchestrator
-    (a resumed process) given the first one's runtime state continues each worker's stream.
-    Told apart by the prompt tokens of what the learner trained or the queue dropped."""
+class CheckedTask(UniqueTask):
+    """UniqueTask's reward, checked slowly in worker processes (the math task's path)."""
+
+    checker = staticmethod(checkers.fraction_equal)
+
+    def check_args(self, prompt, completion):
+        return (tuple(completion), self.target, 0.02)
+
+
+@pytest.mark.parametrize("batching,max_staleness,samplers,workers", [
+    ("static", -1, 1, 0), ("static", 0, 2, 2), ("continuous", 1, 1, 0), ("continuous", 1, 1, 2)])
+def test_async_trains_every_prompt_once_across_chunks_and_a_resume(batching, max_staleness, samplers, workers):
+    """Groups queued, decoding or being scored when an async run() call ends (an eval /
+    checkpoint boundary) are generated again in the next call, never skipped or trained twice;
+    a new orchestrator (a resumed process) given the first one's runtime state continues each
+    worker's stream. Told apart by the prompt tokens of what the learner trained or the queue
+    dropped. With `workers`, rewards are checked in worker processes beside decoding and every
+    trained row still carries its own reward."""
     kw = dict(sampler_kw=dict(batching=batching, slots=4, max_new_tokens=6, decode_segment=2, eos_token_id=5),
-              num_samplers=samplers, queue_size=2, max_staleness=max_staleness)
+              num_samplers=samplers, queue_size=2, max_staleness=max_staleness, reward_workers=workers)
+    make_task = CheckedTask if workers else UniqueTask
     units, seen = {}, []  # prompt -> (worker, draw, group); every trained or dropped group's prompt
 
     def spy(orch):
@@ -372,6 +387,8 @@ def test_async_trains_every_prompt_once_across_chunks_and_a_resume(batching, max
 
         def train(state, batch):
             seen.extend(prompts_of(batch))
+            toks, done = np.asarray(batch.tokens), np.asarray(batch.loss_mask) > 0
+            np.testing.assert_allclose(batch.rewards, [np.mean(t[m] == 5) for t, m in zip(toks, done)], rtol=1e-6)
             return real_train(state, batch)
 
         def dropped(item):
@@ -380,11 +397,11 @@ def test_async_trains_every_prompt_once_across_chunks_and_a_resume(batching, max
 
         orch.producer.draw, orch.train, orch.dropped_item = draw, train, dropped
 
-    orch, st = _orch("async", task=UniqueTask(), **kw)
+    orch, st = _orch("async", task=make_task(), **kw)
     spy(orch)
     for _ in range(3):
         st, _ = orch.run(st, 2)
-    resumed, _ = _orch("async", task=UniqueTask(), **kw)
+    resumed, _ = _orch("async", task=make_task(), **kw)
     assert resumed.load_runtime_state(orch.runtime_state()) is None
     spy(resumed)
     st, hist = resumed.run(st, 3)
@@ -399,6 +416,9 @@ def test_async_trains_every_prompt_once_across_chunks_and_a_resume(batching, max
             assert not partial
     if max_staleness == 0:
         assert hist[-1]["runtime/dropped"] == resumed.dropped > 0
+    assert 0.0 <= hist[-1]["runtime/score_wait"] < 1.0
+    for o in (orch, resumed):
+        o.producer.scorer.close()
 
 
 def test_simulated_delays_continue_across_a_resume():

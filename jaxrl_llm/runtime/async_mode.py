@@ -19,6 +19,7 @@ params that produced it, and staleness is judged per group.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import Callable, Optional
@@ -37,10 +38,12 @@ from jaxrl_llm.runtime.queue import QueueClosed, QueueTimeout, VersionedQueue
 from jaxrl_llm.runtime.weights import WeightStore
 
 POLL_S = 0.1  # how often blocked calls re-check for a stop or a failed worker
+SCORING_AHEAD = 1  # static batching: draws being scored while the next one decodes
 
 
 class SamplerWorker(threading.Thread):
-    """One sampler thread. Only this thread writes its counters (`busy_s`, `reward_failures`)."""
+    """One sampler thread. Only this thread writes its counters: `busy_s` (working, i.e. not
+    waiting on a full queue), `score_wait_s` (waiting on rewards), `reward_failures`."""
 
     def __init__(self, index: int, producer: Producer, store: WeightStore, delay: DelayModel, todo,
                  queue: VersionedQueue, stop: threading.Event, lengths: LengthCounts,
@@ -52,7 +55,8 @@ class SamplerWorker(threading.Thread):
         self.rng = np.random.default_rng([producer.seed, index, 99])
         self.version, self.params, _ = store.latest_timed()
         self.delay = delay.sample(self.rng)
-        self.busy_s, self.reward_failures, self.error = 0.0, 0, None
+        self.busy_s = self.score_wait_s = self.put_wait_s = 0.0
+        self.reward_failures, self.error = 0, None
 
     def refresh(self):
         """Switch to the newest weights once their delay has passed; returns (version, params)
@@ -67,27 +71,40 @@ class SamplerWorker(threading.Thread):
         try:
             if self.producer.streams:
                 return self._stream()
-            g = self.producer.group_size
-            for draw, groups in self.todo:
-                if self.stop.is_set():
-                    break
-                self.refresh()
-                t = time.perf_counter()
-                batch, failures = self.producer.produce(self.params, self.version, self.index + 1, draw,
-                                                        refresh=self.refresh if self.mid else None)
-                self.busy_s += time.perf_counter() - t
-                self.reward_failures += failures
-                if len(groups) < self.producer.prompts_per_batch:  # partly delivered (e.g. before a batching change)
-                    rows = np.concatenate([k * g + np.arange(g) for k in groups])
-                    batch = jax.tree.map(lambda x: x[rows], batch)
-                self.lengths.add("generated", batch)
-                self._put(Rollout(Origin(self.index, draw, groups), batch))
+            self._batches()
         except QueueClosed:
             pass
         except BaseException as e:  # surfaced by the learner loop
             self.error = e
             self.stop.set()
             self.queue.close()
+
+    def _batches(self):
+        """Static batching: decode draw d + 1 while draw d is scored; enqueue in draw order."""
+        g, scoring = self.producer.group_size, collections.deque()
+        start = time.perf_counter()
+        for draw, groups in self.todo:
+            if self.stop.is_set():
+                break
+            self.refresh()
+            scoring.append((draw, groups, self.producer.generate(self.params, self.version, self.index + 1, draw,
+                                                                 refresh=self.refresh if self.mid else None)))
+            while scoring and (scoring[0][2].done() or len(scoring) > SCORING_AHEAD):
+                self._deliver(g, *scoring.popleft())
+            self.busy_s = time.perf_counter() - start - self.put_wait_s
+        while scoring and not self.stop.is_set():
+            self._deliver(g, *scoring.popleft())
+
+    def _deliver(self, g, draw, groups, pending):
+        t = time.perf_counter()
+        batch, failures = pending.result()
+        self.score_wait_s += time.perf_counter() - t
+        self.reward_failures += failures
+        if len(groups) < self.producer.prompts_per_batch:  # partly delivered (e.g. before a batching change)
+            rows = np.concatenate([k * g + np.arange(g) for k in groups])
+            batch = jax.tree.map(lambda x: x[rows], batch)
+        self.lengths.add("generated", batch)
+        self.put_wait_s += self._put(Rollout(Origin(self.index, draw, groups), batch))
 
     def _put(self, item: Rollout) -> float:
         """Enqueue `item` under its batch's oldest token version; waits while the queue is full.
@@ -108,15 +125,16 @@ class SamplerWorker(threading.Thread):
         if self.admission is not None:
             admit = lambda v, groups: self.admission.try_admit(v, self.store.latest_timed()[0], groups)  # noqa: E731
         self.refresh()
-        start, waited = time.perf_counter(), 0.0
-        for item, admitted, failures in self.producer.stream(self.index, self.params, self.version, self.todo,
-                                                             self.refresh, self.stop.is_set, admit):
+        start = time.perf_counter()
+        for item, admitted, failures, score_wait in self.producer.stream(self.index, self.params, self.version,
+                                                                         self.todo, self.refresh, self.stop.is_set, admit):
             self.reward_failures += failures
+            self.score_wait_s += score_wait
             self.lengths.add("generated", item.batch)
-            waited += self._put(item)
+            self.put_wait_s += self._put(item)
             if self.admission is not None:
                 self.admission.enqueued(admitted)
-            self.busy_s = time.perf_counter() - start - waited
+            self.busy_s = time.perf_counter() - start - self.put_wait_s
 
 
 class AsyncMode:
@@ -169,7 +187,8 @@ class AsyncMode:
         m = self.lengths.metrics()
         m.update({"runtime/queue_depth": float(len(self.queue)), "runtime/samples_per_s": self._trained / elapsed,
                   "runtime/learner_idle": self._idle / elapsed,
-                  "runtime/sampler_busy": sum(w.busy_s for w in self.workers) / (elapsed * self.cfg.num_samplers)})
+                  "runtime/sampler_busy": sum(w.busy_s for w in self.workers) / (elapsed * self.cfg.num_samplers),
+                  "runtime/score_wait": sum(w.score_wait_s for w in self.workers) / (elapsed * self.cfg.num_samplers)})
         return m
 
     def stop(self) -> None:

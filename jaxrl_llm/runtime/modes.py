@@ -31,7 +31,7 @@ class Sequential(abc.ABC):
         self.reward_failures = 0
 
     def start(self) -> None:
-        self._start, self._sampling, self._steps = time.perf_counter(), 0.0, 0
+        self._start, self._sampling, self._scoring, self._steps = time.perf_counter(), 0.0, 0.0, 0
 
     def stop(self) -> None:
         pass
@@ -47,6 +47,7 @@ class Sequential(abc.ABC):
         self._steps += 1
         elapsed = time.perf_counter() - self._start
         return {"runtime/sampler_busy": self._sampling / elapsed, "runtime/learner_idle": self._sampling / elapsed,
+                "runtime/score_wait": self._scoring / elapsed,
                 "runtime/samples_per_s": self._steps * batch.shape[0] / elapsed}
 
     @abc.abstractmethod
@@ -54,7 +55,10 @@ class Sequential(abc.ABC):
         """The batch this mode trains at learner `version`."""
 
     def _produce(self, params, version: int, counter: int):
-        batch, failures = self.producer.produce(params, version, 0, counter)
+        pending = self.producer.generate(params, version, 0, counter)
+        t = time.perf_counter()
+        batch, failures = pending.result()
+        self._scoring += time.perf_counter() - t
         self.reward_failures += failures
         return batch
 

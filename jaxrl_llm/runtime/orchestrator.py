@@ -16,7 +16,8 @@ the staleness (iterative: up to reuse - 1, offpolicy: up to refresh_every - 1) a
 it cannot be met by dropping, so that combination fails at start-up.
 
 A task supplies prompts and rewards: `task.prompts(rng, n) -> list[list[int]]` and
-`task.reward(prompt, completion) -> float`. A reward that raises scores 0 and is counted.
+`task.reward(prompt, completion) -> float`, or a checker run in worker processes beside decoding
+(`tasks/scoring.py`). A reward that raises scores 0 and is counted.
 
 The parts: a `Producer` (producer.py: draw, generate, score), the `WeightStore` (weights.py),
 one object per mode (modes.py, async_mode.py) giving the learner its next batch, and here the
@@ -102,11 +103,12 @@ def _delay(c) -> delay_lib.DelayModel:
 class Orchestrator:
     """Runs the learner on batches that the configured mode takes from the producer."""
 
-    def __init__(self, learner, sampler, task, cfg=None, placement=None):
+    def __init__(self, learner, sampler, task, cfg=None, placement=None, scorer=None):
+        """`scorer`: the task's scoring stage (`tasks.scorer`; default: in the sampler's thread)."""
         self.cfg = c = cfg or default_config()
         validate(c, sampler.cfg.batching)
         self.learner, self.sampler, self.task = learner, sampler, task
-        self.producer = Producer(sampler, task, c)
+        self.producer = Producer(sampler, task, c, scorer)
         keep = c.max_staleness + 1 if c.mode == "simulated" else 1
         self.store = WeightStore(keep=keep, placement=placement, dtype=learner.rollout_model_cfg.dtype)
         self.state = None  # the newest live state (the previous one was donated), e.g. for Ctrl-C saves

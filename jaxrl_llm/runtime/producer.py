@@ -3,22 +3,31 @@ with their origin. A sampler thread drives it today (`async_mode.SamplerWorker`,
 sequential modes in the learner's thread); anything that can call `produce` or iterate `stream`
 can drive it (e.g. a sampler on another machine).
 
+Scoring is a stage of its own (`tasks.scoring.Scorer`): `generate` hands the sampled rows to the
+scorer and returns a `Pending` at once, so a sampler decodes its next draw while the last one is
+checked; `stream` hands each finished group over the same way and yields it once scored.
+
 Draw `d` of worker `w` is seeded by both (`draw`), so it is the same prompts and sampling keys
 whenever it is drawn again: what was lost at a stop is regenerated exactly from its origin.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import time
 from typing import Callable, Iterable, Iterator, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import advantages, distributed, tasks
+from jaxrl_llm import advantages, distributed
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.rollout.sampler import to_batch
+from jaxrl_llm.tasks.scoring import Scored, Scorer
+
+INFLIGHT_GROUPS_PER_WORKER = 4  # streamed groups being scored before the sampler waits for the oldest
 
 
 class Origin(NamedTuple):
@@ -37,6 +46,21 @@ class Rollout(NamedTuple):
     batch: TrajectoryBatch
 
 
+class Pending:
+    """Sampled rows whose rewards are being computed: `result()` -> (batch with rewards and
+    advantages, failed rewards)."""
+
+    def __init__(self, producer: "Producer", batch: TrajectoryBatch, scored: Scored):
+        self._producer, self._batch, self._scored = producer, batch, scored
+
+    def done(self) -> bool:
+        return self._scored.done()
+
+    def result(self):
+        rewards, failures = self._scored.result()
+        return self._producer.with_rewards(self._batch, rewards), failures
+
+
 @dataclasses.dataclass
 class _Draw:
     """A streamed draw in flight: its prompts, padded rows, groups not yet handed over, and the
@@ -50,9 +74,10 @@ class _Draw:
 
 
 class Producer:
-    def __init__(self, sampler, task, cfg):
-        """`cfg`: the runtime section (prompts_per_batch, seed, advantage, mask_zero_variance)."""
-        self.sampler, self.task = sampler, task
+    def __init__(self, sampler, task, cfg, scorer: Optional[Scorer] = None):
+        """`cfg`: the runtime section (prompts_per_batch, seed, advantage, mask_zero_variance);
+        `scorer`: the scoring stage (default: `task.reward` in the calling thread)."""
+        self.sampler, self.task, self.scorer = sampler, task, scorer or Scorer(task)
         self.prompts_per_batch, self.group_size = cfg.prompts_per_batch, sampler.cfg.num_samples
         self.advantage, self.mask_zero_variance, self.seed = cfg.advantage, cfg.mask_zero_variance, cfg.seed
         self._key = jax.random.key(cfg.seed)
@@ -72,27 +97,35 @@ class Producer:
             key = jax.random.fold_in(key, i)
         return prompts, key
 
-    def score(self, batch: TrajectoryBatch, prompts):
-        """Rewards and advantages of sampled rows (row i answers prompts[i // G]; advantages
-        within each group) -> (batch, failed rewards); a failing reward scores 0."""
-        rewards, failures = tasks.score(self.task, prompts, np.asarray(batch.tokens),
-                                        np.asarray(batch.loss_mask) > 0, self.group_size)
+    def score(self, batch: TrajectoryBatch, prompts) -> Pending:
+        """Start scoring sampled rows (row i answers prompts[i // G]); a failing reward scores 0."""
+        scored = self.scorer.submit(prompts, np.asarray(batch.tokens), np.asarray(batch.loss_mask) > 0,
+                                    self.group_size)
+        return Pending(self, batch, scored)
+
+    def with_rewards(self, batch: TrajectoryBatch, rewards: np.ndarray) -> TrajectoryBatch:
+        """The batch with its rewards and their advantages (within each group)."""
         adv = advantages.compute(self.advantage, rewards, batch.group_ids, batch.loss_mask,
                                  mask_zero_variance=self.mask_zero_variance)
-        return batch.replace(rewards=jnp.asarray(rewards), advantages=adv), failures
+        return batch.replace(rewards=jnp.asarray(rewards), advantages=adv)
 
-    def produce(self, params, version: int, worker: int, counter: int, refresh=None):
+    def generate(self, params, version: int, worker: int, counter: int, refresh=None) -> Pending:
         """Prompts -> completions (policy `version`; `refresh` may swap weights mid-generation,
-        see `Sampler.generate`) -> rewards -> advantages. Returns (batch, failed rewards)."""
+        see `Sampler.generate`), handed to the scorer: returns while they are scored."""
         prompts, key = self.draw(worker, counter)
         return self.score(self.sampler.generate(params, prompts, key, version, refresh=refresh), prompts)
 
+    def produce(self, params, version: int, worker: int, counter: int, refresh=None):
+        """`generate`, then wait for the rewards. Returns (batch, failed rewards)."""
+        return self.generate(params, version, worker, counter, refresh).result()
+
     def stream(self, worker: int, params, version: int, todo: Iterable, refresh: Callable, stop: Callable,
-               admit: Optional[Callable] = None) -> Iterator[tuple[Rollout, int, int]]:
+               admit: Optional[Callable] = None) -> Iterator[tuple[Rollout, int, int, float]]:
         """Continuous batching for async sampler `worker` (its draws are `draw(worker + 1, d)`;
         0 is the sequential modes'): the draws of `todo` ((draw, groups not yet delivered) pairs) feed
-        the decode slots; each prompt group is scored and yielded once its G rows have finished,
-        as (Rollout, the params version its draw was admitted under, failed rewards).
+        the decode slots; each prompt group is handed to the scorer once its G rows have finished
+        and yielded once scored, as (Rollout, the params version its draw was admitted under,
+        failed rewards, seconds decoding waited for scores since the last yield).
         `refresh()` as in `Sampler.generate` (it also gives the version `admit` is asked with:
         `admit(worker version, groups)` may hold a draw back); `stop()` ends the stream."""
         sampler, g = self.sampler, self.group_size
@@ -125,16 +158,31 @@ class Producer:
                 at[0] = newer[0]
             return newer
 
+        scoring = collections.deque()  # (groups handed over together, Pending), oldest first
+        limit = INFLIGHT_GROUPS_PER_WORKER * max(1, getattr(self.scorer.pool, "workers", 1))
         for ids, got in engine.stream(params, p, version, feed, refresh=swap, stop=stop):
             for i, row in enumerate(ids.tolist()):
                 parts.setdefault(row // g, {})[row] = {f: x[i] for f, x in got.items()}
             complete = [k for k, v in parts.items() if len(v) == g]
             if complete:
-                yield from self._hand_over(worker, complete, drawn, parts, engine)
+                scoring.append(self._hand_over(complete, drawn, parts, engine))
+            waited = 0.0
+            while scoring and (scoring[0][1].done() or sum(len(s[0]) for s in scoring) > limit):
+                t = time.perf_counter()
+                ready = scoring.popleft()
+                batch, failures = ready[1].result()
+                waited += time.perf_counter() - t
+                yield from self._yield_groups(worker, ready[0], batch, failures, waited)
+                waited = 0.0
+        while scoring:  # the stream ended: what was decoded is still delivered
+            t = time.perf_counter()
+            sel, pending = scoring.popleft()
+            batch, failures = pending.result()
+            yield from self._yield_groups(worker, sel, batch, failures, time.perf_counter() - t)
 
-    def _hand_over(self, worker, complete, drawn, parts, engine):
-        """Score the groups that completed together in one batch (advantages stay within each
-        group), then yield them one by one."""
+    def _hand_over(self, complete, drawn, parts, engine):
+        """Hand the groups that completed together to the scorer as one batch (advantages stay
+        within each group): ([(draw, prompt in draw, admitted version)], Pending)."""
         g = self.group_size
         prompts, sel = [], []
         for group in complete:
@@ -146,12 +194,17 @@ class Producer:
         out = {f: np.stack([r[f] for r in rows]) for f in rows[0]}
         toks = np.concatenate([drawn[d].tokens[r] for d, _, r in sel])
         mask = np.concatenate([drawn[d].mask[r] for d, _, r in sel])
-        batch, failures = self.score(to_batch(toks, mask, np.repeat(np.arange(len(complete)), g),
-                                              engine.outputs(out)), prompts)
-        batch = jax.tree.map(np.asarray, batch)
-        admitted = [drawn[d].version for d, _, _ in sel]
+        pending = self.score(to_batch(toks, mask, np.repeat(np.arange(len(complete)), g), engine.outputs(out)),
+                             prompts)
+        sel = [(d, prompt, drawn[d].version) for d, prompt, _ in sel]
         for draw in {d for d, _, _ in sel if drawn[d].pending == 0}:
             del drawn[draw]
-        for i, (draw, prompt, _) in enumerate(sel):
+        return sel, pending
+
+    def _yield_groups(self, worker, sel, batch, failures, waited):
+        g = self.group_size
+        batch = jax.tree.map(np.asarray, batch)
+        for i, (draw, prompt, admitted) in enumerate(sel):
             group = jax.tree.map(lambda x: x[i * g:(i + 1) * g], batch)
-            yield Rollout(Origin(worker, draw, (prompt,)), group), admitted[i], failures if i == 0 else 0
+            first = i == 0
+            yield Rollout(Origin(worker, draw, (prompt,)), group), admitted, failures if first else 0, waited if first else 0.0

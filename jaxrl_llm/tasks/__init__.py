@@ -9,9 +9,8 @@ math-verify reward).
 
 from __future__ import annotations
 
-import numpy as np
-
 from jaxrl_llm import validation as V
+from jaxrl_llm.tasks.scoring import Scorer, default_workers
 
 NAMES = ("arithmetic", "math")
 
@@ -27,7 +26,8 @@ SECTION = V.Section(  # every task's fields, so any of them can be set from the 
     question_key=("", V.text()), answer_key=("", V.text()), max_prompt_len=(512, V.integer(1)),
     max_answer_len=(512, V.integer(1)), chat_template=(True, V.boolean()), system_prompt=("", V.text()),
     instruction=("Please reason step by step, and put your final answer within \\boxed{}.", V.text()),
-    reward_timeout=(5.0, V.positive()),
+    # rewards checked in worker processes (math): how many, and each check's hard time limit
+    reward_workers=(default_workers(), V.integer(0)), reward_timeout=(5.0, V.positive()),
 )
 default_config = SECTION.config
 RULES = SECTION.rules
@@ -43,6 +43,9 @@ def validate(c, hf_path: str = "") -> None:
             raise ValueError("task 'math' needs a tokenizer: set --config.model.hf_path (or --config.task.tokenizer)")
         if c.reward_timeout <= 0:
             raise ValueError("task.reward_timeout must be > 0 seconds")
+        if c.reward_workers < 1:
+            raise ValueError("task 'math' checks rewards in worker processes, whose timeout keeps a hung check "
+                             f"from stopping the run: set --config.task.reward_workers >= 1 (got {c.reward_workers})")
 
 
 def make(c, hf_path: str = ""):
@@ -59,21 +62,16 @@ def make(c, hf_path: str = ""):
                        question_key=c.question_key, answer_key=c.answer_key, eval_size=c.eval_size,
                        max_prompt_len=c.max_prompt_len, max_answer_len=c.max_answer_len,
                        instruction=c.instruction, system_prompt=c.system_prompt,
-                       chat_template=c.chat_template, reward_timeout=c.reward_timeout)
+                       chat_template=c.chat_template)
+
+
+def scorer(task, c) -> Scorer:
+    """The scoring stage of `task` under its config section `c` (reward_workers, reward_timeout)."""
+    return Scorer(task, c.reward_workers, c.reward_timeout)
 
 
 def score(task, prompts, tokens, mask, num_samples: int):
-    """Rewards of a sampled batch (row i answers prompts[i // num_samples]) and how many
-    reward calls failed (raised, or returned a non-finite value); a failure scores 0 and never
-    stops the run."""
-    rewards, failures = np.zeros(len(tokens), np.float32), 0
-    for i in range(len(tokens)):
-        try:
-            r = float(task.reward(prompts[i // num_samples], tokens[i][mask[i]].tolist()))
-        except Exception:
-            r = float("nan")
-        if np.isfinite(r):
-            rewards[i] = r
-        else:
-            failures += 1
-    return rewards, failures
+    """Rewards of a sampled batch scored in this thread (row i answers prompts[i // num_samples])
+    and how many reward calls failed (raised, or returned a non-finite value); a failure scores
+    0 and never stops the run."""
+    return Scorer(task).score(prompts, tokens, mask, num_samples)

@@ -8,19 +8,21 @@ The data is read with `datasets` from a local path, never a hub:
 Questions go through the tokenizer's chat template (or a plain "Question/Answer" layout with
 `chat_template=False`). The gold answer is the text after "####" (GSM8K) or the whole
 solution (MATH; math-verify extracts its \\boxed{}); a completion is parsed the same way
-(\\boxed{} first, then the last number or expression) and compared symbolically, in a separate
-process with a per-sample timeout (`scoring.TimeoutPool`).
+(\\boxed{} first, then the last number or expression) and compared symbolically, in worker
+processes with a per-sample timeout (`scoring.Scorer`). Where both answers are plain integers
+(a bare number, or one \\boxed{} integer) the reward is decided in-process without sympy; a
+test holds this fast path to math-verify's verdict.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
-from typing import Sequence
+import re
+from typing import Optional, Sequence
 
 import numpy as np
-
-from jaxrl_llm.tasks.scoring import TimeoutPool
 
 QUESTION_KEYS = ("question", "problem", "prompt", "query")
 ANSWER_KEYS = ("answer", "solution", "final_answer", "gold")
@@ -38,14 +40,44 @@ def gold_answer(text: str) -> str:
 
 def score(completion: str, gold: str) -> float:
     """1.0 when math-verify finds the completion's final answer equal to the gold answer.
-    Runs inside the scoring process; timeouts are enforced from outside, hence None here."""
+    Runs inside a scoring process; timeouts are enforced from outside, hence None here."""
     from math_verify import parse, verify
 
-    want = parse(gold, parsing_timeout=None)
-    if not want:  # no parseable gold: fall back to an exact string match of the final answer
-        want = [gold]
     got = parse(completion, parsing_timeout=None)
-    return float(bool(got) and verify(want, got, timeout_seconds=None))
+    return float(bool(got) and verify(_parsed_gold(gold), got, timeout_seconds=None))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _parsed_gold(gold: str):
+    """Each problem's gold answer is parsed once per worker, not once per sample."""
+    from math_verify import parse
+
+    return parse(gold, parsing_timeout=None) or [gold]  # unparseable: an exact match of the final answer
+
+
+_INT = re.compile(r"-?\d+")
+_BARE = re.compile(r"\s*(-?\d+)\.?\s*")  # "72", "72." (a sentence's full stop)
+_BOXED = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}")
+
+
+def gold_int(gold: str) -> Optional[int]:
+    return int(gold) if _INT.fullmatch(gold) else None
+
+
+def fast_score(completion: str, gold: Optional[int]) -> Optional[float]:
+    """math-verify's verdict where it is plain: an integer gold answer and a completion that is a
+    bare integer or holds exactly one \\boxed{integer} (math-verify takes a boxed answer over
+    any other number). None where math-verify has to decide."""
+    if gold is None:
+        return None
+    bare = _BARE.fullmatch(completion)
+    if bare:
+        return float(int(bare.group(1)) == gold)
+    if completion.count("\\boxed") == 1 and "%" not in completion:  # math-verify reads "72%" as 0.72 too
+        boxed = _BOXED.search(completion)
+        if boxed:
+            return float(int(boxed.group(1)) == gold)
+    return None
 
 
 def load_split(path: str, split: str):
@@ -90,7 +122,7 @@ class MathDataset:
     def __init__(self, path: str, tokenizer, split: str = "train", eval_split: str = "test",
                  question_key: str = "", answer_key: str = "", eval_size: int = 64,
                  max_prompt_len: int = 512, max_answer_len: int = 512, instruction: str = INSTRUCTION,
-                 system_prompt: str = "", chat_template: bool = True, reward_timeout: float = 5.0):
+                 system_prompt: str = "", chat_template: bool = True):
         self.tokenizer = tokenizer
         self.max_answer_len = max_answer_len
         if chat_template and not getattr(tokenizer, "chat_template", None):
@@ -110,10 +142,9 @@ class MathDataset:
         self.held_out = self._encode(held[q], held[a], max_prompt_len)[:eval_size]
         if not self.train:
             raise ValueError(f"no training problem fits task.max_prompt_len={max_prompt_len} tokens")
-        self._gold = {tuple(ids): g for ids, g in self.train + self.held_out}
+        self._gold = {tuple(ids): (g, gold_int(g)) for ids, g in self.train + self.held_out}
         longest = max(len(ids) for ids, _ in self.train + self.held_out)
         self.prompt_buckets = tuple(b for b in (64, 128, 256, 512, 1024, 2048) if b < longest) + (longest,)
-        self.pool = TimeoutPool(reward_timeout, preload=("math_verify",))
 
     def _format(self, question: str) -> list[int]:
         text = f"{question}\n{self._instruction}".strip()
@@ -159,11 +190,17 @@ class MathDataset:
     def completion_text(self, completion: Sequence[int]) -> str:
         return self.tokenizer.decode(list(completion), skip_special_tokens=True)
 
-    def reward(self, prompt: Sequence[int], completion: Sequence[int]) -> float:
-        value, error = self.pool.call(score, self.completion_text(completion), self._gold[tuple(prompt)])
-        if error is not None:  # the caller scores 0 and counts it
-            raise RuntimeError(f"math-verify reward failed: {error}")
-        return value
+    # -- scoring (scoring.Scorer): the fast path here, math-verify in worker processes
+    checker = staticmethod(score)
+    checker_imports = ("math_verify",)
 
-    def close(self) -> None:
-        self.pool.close()
+    def check_args(self, prompt: Sequence[int], completion: Sequence[int]):
+        """The reward when the fast path decides it, else the args of one `score` call."""
+        text, (gold, as_int) = self.completion_text(completion), self._gold[tuple(prompt)]
+        fast = fast_score(text, as_int)
+        return (text, gold) if fast is None else fast
+
+    def reward(self, prompt: Sequence[int], completion: Sequence[int]) -> float:
+        """In this thread, with no timeout; runs score through `scoring.Scorer`."""
+        args = self.check_args(prompt, completion)
+        return score(*args) if isinstance(args, tuple) else args

@@ -1,72 +1,114 @@
-"""Rewards with a hard per-sample timeout.
+"""The scoring stage: rewards of whole prompt groups, beside decoding.
 
-Symbolic checkers (sympy behind math-verify) can take unbounded time on adversarial output,
-and their own signal-based timeouts only work in the main thread, while async samplers score
-from worker threads. So a reward runs in a separate process: a call that overruns is
-abandoned, its worker killed and replaced, and the sample scores the default (counted).
+A task either scores in-process (`task.reward(prompt, completion)`: cheap rewards such as the
+embedded arithmetic task) or names a checker to run in worker processes with a hard per-sample
+timeout (`pool.WorkerPool`):
+
+    task.checker                  a module-level function: checker(*args) -> float
+    task.checker_imports          modules a worker imports before its first check
+    task.check_args(prompt, completion) -> float | tuple
+                                  a reward decided in-process (a fast path), or the args of
+                                  one checker call
+
+`Scorer.submit` returns at once; the groups are checked in parallel by `task.reward_workers`
+processes while the sampler goes on decoding. A check that raises, returns a non-finite value
+or overruns the timeout scores 0 and is counted; it never stops the run.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import threading
-from typing import Any, Callable
+import os
+from typing import Sequence
+
+import numpy as np
+
+from jaxrl_llm.tasks.pool import WorkerPool
 
 
-class TimeoutPool:
-    """`call(fn, *args)` -> (value, error) with `error` in {None, "timeout", "<ExcType>: msg"}.
+def default_workers() -> int:
+    return min(2, os.cpu_count() or 1)
 
-    `fn` must be picklable (a module-level function). Thread-safe; calls are serialised, which
-    keeps a timed-out worker from taking innocent calls down with it."""
 
-    def __init__(self, timeout: float = 5.0, default: Any = 0.0, preload: tuple = ()):
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds; got {timeout}")
-        self.timeout, self.default, self.preload = timeout, default, tuple(preload)
-        self.timeouts = 0
-        self.errors = 0
-        self._lock = threading.Lock()
-        self._pool = None
+def uses_workers(task) -> bool:
+    return hasattr(task, "checker")
 
-    def _ensure(self):
-        if self._pool is None:
-            # spawn: never fork a process that holds JAX/XLA threads.
-            self._pool = multiprocessing.get_context("spawn").Pool(1)
-            # Import heavy modules (sympy) before the clock starts, not inside the first call.
-            self._pool.apply(_import, (self.preload,))
-        return self._pool
 
-    def call(self, fn: Callable, *args):
-        with self._lock:
-            result = self._ensure().apply_async(fn, args)
-            try:
-                return result.get(self.timeout), None
-            except multiprocessing.TimeoutError:
-                self.timeouts += 1
-                self._pool.terminate()  # the worker may be stuck in C code: kill it
-                self._pool = None
-                return self.default, "timeout"
-            except Exception as e:  # raised inside fn
-                self.errors += 1
-                return self.default, f"{type(e).__name__}: {e}"
+class Scored:
+    """Rewards being computed: `result()` -> (rewards [rows] float32, failures); `done()`."""
+
+    def __init__(self, rewards: np.ndarray, failures: int, parts: Sequence[tuple] = ()):
+        self._rewards, self._failures, self._parts = rewards, failures, list(parts)  # (future, rows)
+
+    def done(self) -> bool:
+        return all(f.done() for f, _ in self._parts)
+
+    def result(self):
+        for future, rows in self._parts:
+            for row, (value, error) in zip(rows, future.result()):
+                self._put(row, value, error)
+        self._parts = []
+        return self._rewards, self._failures
+
+    def _put(self, row: int, value, error) -> None:
+        try:
+            value = float(value) if error is None else float("nan")
+        except (TypeError, ValueError):
+            value = float("nan")
+        if np.isfinite(value):
+            self._rewards[row] = value
+        else:
+            self._failures += 1
+
+
+class Scorer:
+    """Rewards of sampled rows, row i answering prompts[i // group_size]. In this thread for
+    tasks without a checker or with `workers=0` (`task.reward`: no timeout), else in a
+    `WorkerPool` of `workers` processes, one job per prompt group."""
+
+    def __init__(self, task, workers: int = 0, timeout: float = 5.0):
+        self.task = task
+        self.pool = None
+        if uses_workers(task) and workers > 0:
+            self.pool = WorkerPool(workers, timeout, preload=getattr(task, "checker_imports", ()))
+
+    @property
+    def timeouts(self) -> int:
+        return 0 if self.pool is None else self.pool.timeouts
+
+    def submit(self, prompts, tokens, mask, group_size: int) -> Scored:
+        """Start scoring `tokens[i][mask[i]]` (numpy [rows, L]); returns at once when a pool
+        checks them, else after scoring in this thread."""
+        rows = len(tokens)
+        scored = Scored(np.zeros(rows, np.float32), 0)
+        if self.pool is None:
+            for i in range(rows):
+                try:
+                    value, error = self.task.reward(prompts[i // group_size], tokens[i][mask[i]].tolist()), None
+                except Exception as e:
+                    value, error = None, repr(e)
+                scored._put(i, value, error)
+            return scored
+        for start in range(0, rows, group_size):  # one job per group: groups spread over the workers
+            jobs, job_rows = [], []
+            for i in range(start, min(start + group_size, rows)):
+                try:
+                    args = self.task.check_args(prompts[i // group_size], tokens[i][mask[i]].tolist())
+                except Exception as e:
+                    scored._put(i, None, repr(e))
+                    continue
+                if isinstance(args, tuple):
+                    jobs.append(args)
+                    job_rows.append(i)
+                else:  # decided without the checker (the fast path)
+                    scored._put(i, args, None)
+            if jobs:
+                scored._parts.append((self.pool.submit(self.task.checker, jobs), job_rows))
+        return scored
+
+    def score(self, prompts, tokens, mask, group_size: int):
+        """(rewards, failures) of a batch, waiting for them."""
+        return self.submit(prompts, tokens, mask, group_size).result()
 
     def close(self) -> None:
-        with self._lock:
-            if self._pool is not None:
-                self._pool.terminate()
-                self._pool = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-def _import(modules: tuple) -> None:
-    import importlib
-    import logging
-
-    for m in modules:
-        importlib.import_module(m)
-    logging.disable(logging.WARNING)  # math-verify warns on every call that timeouts are ours
+        if self.pool is not None:
+            self.pool.close()

@@ -80,11 +80,12 @@ def warm_start(params, cfg, task, steps: int, batch_size: int = 64, lr: float = 
     return params, losses
 
 
-def accuracy(params, sampler, task, prompts, key=None) -> float:
-    """Mean task reward of the sampler's completions (use a greedy SamplerConfig for eval)."""
+def accuracy(params, sampler, task, prompts, key=None, scorer=None) -> float:
+    """Mean task reward of the sampler's completions (use a greedy SamplerConfig for eval);
+    `scorer`: the task's scoring stage (default: `task.reward` in this thread)."""
     batch = sampler.generate(params, prompts, key if key is not None else jax.random.key(0))
-    rewards, _ = score(task, prompts, np.asarray(batch.tokens), np.asarray(batch.loss_mask) > 0,
-                       sampler.cfg.num_samples)
+    args = (prompts, np.asarray(batch.tokens), np.asarray(batch.loss_mask) > 0, sampler.cfg.num_samples)
+    rewards, _ = scorer.score(*args) if scorer is not None else score(task, *args)
     return float(rewards.mean())
 
 
