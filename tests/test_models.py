@@ -68,6 +68,24 @@ def test_export_round_trip_loads_in_transformers(hf_pair, tmp_path):
     jax.tree_util.tree_map(np.testing.assert_array_equal, params2, params)
 
 
+def test_a_qwen2_model_without_qkv_bias_exports_zero_biases(tmp_path):
+    """The embedded default's model (qwen2, no q/k/v bias) reloads in transformers with every
+    tensor present and in this loader as the same function."""
+    cfg = models.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                             num_kv_heads=1, head_dim=8)
+    params = models.init_params(cfg, jax.random.key(0))
+    models.save_params(str(tmp_path), params, cfg)
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    params2, cfg2 = models.load_params(str(tmp_path))
+    assert cfg2.qkv_bias and not np.any(np.asarray(params2["layers_0"]["attn"]["q"]["bias"]))
+    tokens = np.random.default_rng(0).integers(0, 32, (2, 9))
+    np.testing.assert_allclose(np.asarray(models.full_logits(params2, cfg2, jnp.asarray(tokens))),
+                               F.hf_logits(reloaded.eval(), tokens), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(models.full_logits(params, cfg, jnp.asarray(tokens))),
+                               F.hf_logits(reloaded.eval(), tokens), atol=1e-5, rtol=0)
+
+
 def test_sharded_checkpoint_and_bf16(tmp_path):
     model = F.make_hf_model("qwen3")
     F.save(model, str(tmp_path), max_shard_size="20KB")

@@ -83,6 +83,14 @@ def _hf_names(cfg: ModelConfig):
     return out
 
 
+def _get(tree: dict, path: tuple):
+    for key in path:
+        if key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
 def _set(tree: dict, path: tuple, value) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
@@ -132,10 +140,12 @@ def save_params(path: str, params, cfg: ModelConfig, tokenizer=None) -> None:
     """Write config.json + model.safetensors that `transformers` loads."""
     os.makedirs(path, exist_ok=True)
     tensors = {}
-    for ours, name, _, to_hf in _hf_names(cfg):
-        value = params
-        for key in ours:
-            value = value[key]
+    # Qwen2's q/k/v projections always carry a bias: a model without one is written with zero
+    # biases, the same function, so that transformers and this loader read every tensor.
+    for ours, name, _, to_hf in _hf_names(cfg.replace(qkv_bias=cfg.qkv_bias or cfg.model_type == "qwen2")):
+        value = _get(params, ours)
+        if value is None:
+            value = np.zeros(_get(params, ours[:-1] + ("kernel",)).shape[1:], np.float32)
         tensors[name] = np.ascontiguousarray(to_hf(np.asarray(jax.device_get(value), np.float32)))
     if cfg.param_dtype == "bfloat16":
         import ml_dtypes
