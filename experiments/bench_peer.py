@@ -57,6 +57,7 @@ def write_setup(path: str, problems: int = 2000) -> None:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per character
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<pad>",  # no new token: the vocabulary is the task's
                                    padding_side="left")
     fast.chat_template = "{{ bos_token }}{{ messages[-1]['content'] }}"
     hf.save_params(path, params, b["model_cfg"], fast)
@@ -122,6 +123,8 @@ def ours(path: str, mode: str, reward: str, a) -> dict:
         b["scorer"].close()
         orch.producer.scorer.close()
     tokens = sum(m["tokens_per_s"] * m["step_time_s"] for m in hist)
+    s = orch.producer.scorer
+    print(f"  scored in-process: {s.in_process}, in worker processes: {s.in_workers}", flush=True)
     return {"tokens_per_s": tokens / wall, "reward": float(np.mean([m["reward/mean"] for m in hist[-10:]])),
             "reward_start": float(warm[0]["reward/mean"]), "score_wait": float(hist[-1]["runtime/score_wait"]),
             "learner_idle": float(hist[-1]["runtime/learner_idle"])}

@@ -43,7 +43,7 @@ SCORING_AHEAD = 1  # static batching: draws being scored while the next one deco
 
 class SamplerWorker(threading.Thread):
     """One sampler thread. Only this thread writes its counters: `busy_s` (working, i.e. not
-    waiting on a full queue), `score_wait_s` (waiting on rewards), `reward_failures`."""
+    waiting on a full queue), `score_wait_s` (scoring in this thread or waiting on the scorer), `reward_failures`."""
 
     def __init__(self, index: int, producer: Producer, store: WeightStore, delay: DelayModel, todo,
                  queue: VersionedQueue, stop: threading.Event, lengths: LengthCounts,
@@ -96,9 +96,8 @@ class SamplerWorker(threading.Thread):
             self._deliver(g, *scoring.popleft())
 
     def _deliver(self, g, draw, groups, pending):
-        t = time.perf_counter()
         batch, failures = pending.result()
-        self.score_wait_s += time.perf_counter() - t
+        self.score_wait_s += pending.score_s
         self.reward_failures += failures
         if len(groups) < self.producer.prompts_per_batch:  # partly delivered (e.g. before a batching change)
             rows = np.concatenate([k * g + np.arange(g) for k in groups])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import time
 from typing import Callable, Iterable, Iterator, NamedTuple, Optional
 
 import jax
@@ -48,13 +47,18 @@ class Rollout(NamedTuple):
 
 class Pending:
     """Sampled rows whose rewards are being computed: `result()` -> (batch with rewards and
-    advantages, failed rewards)."""
+    advantages, failed rewards). `score_s`: the seconds scoring took from the sampler's thread
+    (scoring in it, or waiting for the scorer), once `result()` returned."""
 
     def __init__(self, producer: "Producer", batch: TrajectoryBatch, scored: Scored):
         self._producer, self._batch, self._scored = producer, batch, scored
 
     def done(self) -> bool:
         return self._scored.done()
+
+    @property
+    def score_s(self) -> float:
+        return self._scored.seconds
 
     def result(self):
         rewards, failures = self._scored.result()
@@ -125,7 +129,7 @@ class Producer:
         0 is the sequential modes'): the draws of `todo` ((draw, groups not yet delivered) pairs) feed
         the decode slots; each prompt group is handed to the scorer once its G rows have finished
         and yielded once scored, as (Rollout, the params version its draw was admitted under,
-        failed rewards, seconds decoding waited for scores since the last yield).
+        failed rewards, seconds scoring took from this thread: `Pending.score_s`).
         `refresh()` as in `Sampler.generate` (it also gives the version `admit` is asked with:
         `admit(worker version, groups)` may hold a draw back); `stop()` ends the stream."""
         sampler, g = self.sampler, self.group_size
@@ -166,19 +170,12 @@ class Producer:
             complete = [k for k, v in parts.items() if len(v) == g]
             if complete:
                 scoring.append(self._hand_over(complete, drawn, parts, engine))
-            waited = 0.0
             while scoring and (scoring[0][1].done() or sum(len(s[0]) for s in scoring) > limit):
-                t = time.perf_counter()
-                ready = scoring.popleft()
-                batch, failures = ready[1].result()
-                waited += time.perf_counter() - t
-                yield from self._yield_groups(worker, ready[0], batch, failures, waited)
-                waited = 0.0
+                sel, pending = scoring.popleft()
+                yield from self._yield_groups(worker, sel, *pending.result(), pending.score_s)
         while scoring:  # the stream ended: what was decoded is still delivered
-            t = time.perf_counter()
             sel, pending = scoring.popleft()
-            batch, failures = pending.result()
-            yield from self._yield_groups(worker, sel, batch, failures, time.perf_counter() - t)
+            yield from self._yield_groups(worker, sel, *pending.result(), pending.score_s)
 
     def _hand_over(self, complete, drawn, parts, engine):
         """Hand the groups that completed together to the scorer as one batch (advantages stay

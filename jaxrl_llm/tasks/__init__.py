@@ -74,4 +74,4 @@ def score(task, prompts, tokens, mask, num_samples: int):
     """Rewards of a sampled batch scored in this thread (row i answers prompts[i // num_samples])
     and how many reward calls failed (raised, or returned a non-finite value); a failure scores
     0 and never stops the run."""
-    return Scorer(task).score(prompts, tokens, mask, num_samples)
+    return Scorer(task, background=False).score(prompts, tokens, mask, num_samples)

@@ -193,6 +193,7 @@ class MathDataset:
     # -- scoring (scoring.Scorer): the fast path here, math-verify in worker processes
     checker = staticmethod(score)
     checker_imports = ("math_verify",)
+    checker_warmup = ("so \\boxed{\\frac{1}{2}}", "0.5")  # math-verify builds its LaTeX parser on first use
 
     def check_args(self, prompt: Sequence[int], completion: Sequence[int]):
         """The reward when the fast path decides it, else the args of one `score` call."""

@@ -16,7 +16,7 @@ import multiprocessing
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 READY_TIMEOUT_S = 300.0  # importing the checker (sympy) in a fresh worker, on a loaded machine
 
@@ -26,31 +26,33 @@ log = logging.getLogger(__name__)
 class WorkerPool:
     """`submit(fn, items) -> Future[list[(value, error)]]`, `error` in {None, "timeout",
     "<ExcType>: msg"}; a failed item's value is `default`. `fn` must be picklable (a
-    module-level function); `preload` modules are imported in each worker before its clock starts.
-    Thread-safe. Workers start on first use; `close()` stops them."""
+    module-level function); `preload` modules are imported, and `warmup` = (fn, args) called,
+    in each fresh worker before its clock starts (a checker's first call may build parsers).
+    Thread-safe. Workers start at once, in the background (importing a checker such as sympy
+    takes seconds, better spent before the first batch is sampled); `close()` stops them."""
 
-    def __init__(self, workers: int, timeout: float = 5.0, default: Any = 0.0, preload: Sequence[str] = ()):
+    def __init__(self, workers: int, timeout: float = 5.0, default: Any = 0.0, preload: Sequence[str] = (),
+                 warmup: Optional[tuple] = None):
         if workers < 1:
             raise ValueError(f"a worker pool needs at least 1 worker; got {workers}")
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds; got {timeout}")
         self.workers, self.timeout, self.default, self.preload = workers, timeout, default, tuple(preload)
+        self.warmup = warmup  # (fn, args): one call each fresh worker makes before its clock starts
         self.timeouts = self.errors = 0
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
-        self._threads: list[threading.Thread] = []
         self._closed = False
+        self._threads = [threading.Thread(target=self._serve, daemon=True, name=f"reward-worker-{i}")
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
 
     def submit(self, fn: Callable, items: Sequence[tuple]) -> Future:
         future: Future = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError("the worker pool is closed")
-            if not self._threads:
-                self._threads = [threading.Thread(target=self._serve, daemon=True, name=f"reward-worker-{i}")
-                                 for i in range(self.workers)]
-                for t in self._threads:
-                    t.start()
         self._jobs.put((fn, list(items), future))
         return future
 
@@ -73,6 +75,10 @@ class WorkerPool:
         when an item overruns."""
         proc = None
         try:
+            try:
+                proc = _Process(self.preload, self.warmup)
+            except Exception:  # tried again, and reported, with the first job
+                proc = None
             while True:
                 job = self._jobs.get()
                 if job is None:
@@ -93,7 +99,7 @@ class WorkerPool:
         out, i = [], 0
         while i < len(items):
             if proc is None:
-                proc = _Process(self.preload)
+                proc = _Process(self.preload, self.warmup)
             proc.load(fn)
             proc.send(("items", items[i:]))
             while i < len(items):
@@ -130,10 +136,10 @@ class WorkerPool:
 class _Process:
     """One spawned worker and its pipe."""
 
-    def __init__(self, preload: tuple):
+    def __init__(self, preload: tuple, warmup: Optional[tuple] = None):
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds JAX/XLA threads
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, preload), daemon=True)
+        self.proc = ctx.Process(target=_worker, args=(child, preload, warmup), daemon=True)
         self.proc.start()
         child.close()
         self.fn = None
@@ -177,12 +183,17 @@ def _kill(proc):
     return None
 
 
-def _worker(conn, preload: tuple) -> None:
+def _worker(conn, preload: tuple, warmup: Optional[tuple]) -> None:
     import importlib
 
     for m in preload:
         importlib.import_module(m)
     logging.disable(logging.WARNING)  # math-verify warns on every call that timeouts are ours
+    if warmup is not None:
+        try:
+            warmup[0](*warmup[1])
+        except Exception:  # a failing check is reported per item, not here
+            pass
     conn.send(("ready", None))
     fn = None
     while True:

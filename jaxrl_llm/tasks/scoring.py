@@ -6,19 +6,24 @@ timeout (`pool.WorkerPool`):
 
     task.checker                  a module-level function: checker(*args) -> float
     task.checker_imports          modules a worker imports before its first check
+    task.checker_warmup           (optional) args of one call a fresh worker makes first
     task.check_args(prompt, completion) -> float | tuple
                                   a reward decided in-process (a fast path), or the args of
                                   one checker call
 
-`Scorer.submit` returns at once; the groups are checked in parallel by `task.reward_workers`
-processes while the sampler goes on decoding. A check that raises, returns a non-finite value
-or overruns the timeout scores 0 and is counted; it never stops the run.
+`Scorer.submit` returns at once: a scorer thread computes in-process rewards (and fast paths)
+and hands the rest to `task.reward_workers` processes, one job per prompt group, while the
+sampler goes on decoding. A check that raises, returns a non-finite value or overruns the
+timeout scores 0 and is counted; it never stops the run.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Sequence
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
 
 import numpy as np
 
@@ -34,65 +39,91 @@ def uses_workers(task) -> bool:
 
 
 class Scored:
-    """Rewards being computed: `result()` -> (rewards [rows] float32, failures); `done()`."""
+    """Rewards being computed: `result()` -> (rewards [rows] float32, failures); `done()`.
+    `seconds`: what scoring cost the caller's thread (waiting in `result`, or scoring in it)."""
 
-    def __init__(self, rewards: np.ndarray, failures: int, parts: Sequence[tuple] = ()):
-        self._rewards, self._failures, self._parts = rewards, failures, list(parts)  # (future, rows)
+    def __init__(self, rows: int):
+        self._rewards, self._failures = np.zeros(rows, np.float32), 0
+        self._parts: list = []  # (worker-pool future, rows)
+        self._started: Optional[Future] = None  # the scorer thread's pass over the rows
+        self.seconds = 0.0
 
     def done(self) -> bool:
-        return all(f.done() for f, _ in self._parts)
+        return (self._started is None or self._started.done()) and all(f.done() for f, _ in self._parts)
 
     def result(self):
+        t = time.perf_counter()
+        if self._started is not None:
+            self._started.result()  # re-raises what broke the scorer thread
+            self._started = None
         for future, rows in self._parts:
             for row, (value, error) in zip(rows, future.result()):
                 self._put(row, value, error)
         self._parts = []
+        self.seconds += time.perf_counter() - t
         return self._rewards, self._failures
 
     def _put(self, row: int, value, error) -> None:
         try:
-            value = float(value) if error is None else float("nan")
+            value = float(value) if error is None else math.nan
         except (TypeError, ValueError):
-            value = float("nan")
-        if np.isfinite(value):
+            value = math.nan
+        if math.isfinite(value):
             self._rewards[row] = value
         else:
             self._failures += 1
 
 
 class Scorer:
-    """Rewards of sampled rows, row i answering prompts[i // group_size]. In this thread for
-    tasks without a checker or with `workers=0` (`task.reward`: no timeout), else in a
-    `WorkerPool` of `workers` processes, one job per prompt group."""
+    """Rewards of sampled rows, row i answering prompts[i // group_size]: `task.reward` for
+    tasks without a checker or with `workers=0` (no timeout), else the checker in a
+    `WorkerPool` of `workers` processes. With `background` a scorer thread does the in-process
+    part, so `submit` returns at once; else `submit` does it in the caller's thread."""
 
-    def __init__(self, task, workers: int = 0, timeout: float = 5.0):
+    def __init__(self, task, workers: int = 0, timeout: float = 5.0, background: bool = True):
         self.task = task
         self.pool = None
+        self.in_process = self.in_workers = 0  # samples scored in this process / sent to the workers
         if uses_workers(task) and workers > 0:
-            self.pool = WorkerPool(workers, timeout, preload=getattr(task, "checker_imports", ()))
+            warmup = getattr(task, "checker_warmup", None)
+            self.pool = WorkerPool(workers, timeout, preload=getattr(task, "checker_imports", ()),
+                                   warmup=warmup and (task.checker, warmup))
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="scorer") if background else None
 
     @property
     def timeouts(self) -> int:
         return 0 if self.pool is None else self.pool.timeouts
 
     def submit(self, prompts, tokens, mask, group_size: int) -> Scored:
-        """Start scoring `tokens[i][mask[i]]` (numpy [rows, L]); returns at once when a pool
-        checks them, else after scoring in this thread."""
-        rows = len(tokens)
-        scored = Scored(np.zeros(rows, np.float32), 0)
+        """Start scoring `tokens[i][mask[i]]` (numpy [rows, L])."""
+        scored = Scored(len(tokens))
+        if self._thread is None:
+            t = time.perf_counter()
+            self._fill(scored, prompts, tokens, mask, group_size)
+            scored.seconds = time.perf_counter() - t
+        else:
+            scored._started = self._thread.submit(self._fill, scored, prompts, tokens, mask, group_size)
+        return scored
+
+    def _fill(self, scored: Scored, prompts, tokens, mask, group_size: int) -> None:
+        if not len(tokens):
+            return
+        lengths = mask.sum(1)
+        completions = np.split(tokens[mask], np.cumsum(lengths)[:-1])  # row i's completion tokens
         if self.pool is None:
-            for i in range(rows):
+            for i, completion in enumerate(completions):
                 try:
-                    value, error = self.task.reward(prompts[i // group_size], tokens[i][mask[i]].tolist()), None
+                    value, error = self.task.reward(prompts[i // group_size], completion.tolist()), None
                 except Exception as e:
                     value, error = None, repr(e)
                 scored._put(i, value, error)
-            return scored
-        for start in range(0, rows, group_size):  # one job per group: groups spread over the workers
+            self.in_process += len(completions)
+            return
+        for start in range(0, len(completions), group_size):  # one job per group: groups spread over the workers
             jobs, job_rows = [], []
-            for i in range(start, min(start + group_size, rows)):
+            for i in range(start, min(start + group_size, len(completions))):
                 try:
-                    args = self.task.check_args(prompts[i // group_size], tokens[i][mask[i]].tolist())
+                    args = self.task.check_args(prompts[i // group_size], completions[i].tolist())
                 except Exception as e:
                     scored._put(i, None, repr(e))
                     continue
@@ -101,14 +132,17 @@ class Scorer:
                     job_rows.append(i)
                 else:  # decided without the checker (the fast path)
                     scored._put(i, args, None)
+                    self.in_process += 1
+            self.in_workers += len(jobs)
             if jobs:
                 scored._parts.append((self.pool.submit(self.task.checker, jobs), job_rows))
-        return scored
 
     def score(self, prompts, tokens, mask, group_size: int):
         """(rewards, failures) of a batch, waiting for them."""
         return self.submit(prompts, tokens, mask, group_size).result()
 
     def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
         if self.pool is not None:
             self.pool.close()
