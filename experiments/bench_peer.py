@@ -105,6 +105,8 @@ def ours(path: str, mode: str, reward: str, a) -> dict:
     c.runtime.update(mode=mode, prompts_per_batch=a.prompts, num_samplers=1)
     c.sampler.num_samples, c.sampler.max_new_tokens = a.group, 4
     c.learner.num_minibatches = a.updates
+    if a.sampler_devices:  # one CPU device per core; the samplers take the last ones (both modes)
+        c.cpu_devices, c.runtime.sampler_devices = -1, a.sampler_devices
     c.train.steps = a.steps + WARMUP
     if reward != "embedded":
         c.task.update(name="math", path=os.path.join(path, "train.jsonl"), instruction="", eval_size=64,
@@ -201,6 +203,9 @@ def main():
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--updates", type=int, default=2)
     ap.add_argument("--rewards", default=",".join(REWARDS))
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating; medians reported")
+    ap.add_argument("--sampler_devices", type=int, default=0,
+                    help="on CPU: one device per core, this many for the samplers (runtime.sampler_devices)")
     ap.add_argument("--peer_python", default=sys.executable, help="a python with trl installed")
     ap.add_argument("--setup", default="", help="an existing shared-setup directory (default: written here)")
     ap.add_argument("--trl_child", default="", help=argparse.SUPPRESS)
@@ -209,26 +214,35 @@ def main():
     if a.trl_child:
         json.dump(trl_child(a.setup, a.trl_child, a), open(a.out, "w"))
         return
+    import numpy as np
+
     import common
+    from jaxrl_llm import experiment
+
+    if a.sampler_devices:
+        experiment.set_cpu_devices(-1)
 
     path = a.setup or tempfile.mkdtemp(prefix="bench_peer_")
     if not a.setup:
         write_setup(path)
-    res = {**common.cpu_kind(), "cores": os.cpu_count(), "steps": a.steps, "prompts": a.prompts, "group": a.group,
+    res = {**common.cpu_kind(), "cores": os.cpu_count(), "sampler_devices": a.sampler_devices, "steps": a.steps, "prompts": a.prompts, "group": a.group,
            "updates_per_batch": a.updates}
     suffix = {"embedded": "", "math": "_math", "table": "_table"}
-    for reward in a.rewards.split(","):
-        peer = trl(path, reward, a)
-        print(f"trl   {reward:8s} {peer['tokens_per_s']:8.0f} tokens/s reward {peer['reward']:.3f}", flush=True)
-        res[f"trl{suffix[reward]}_tokens_per_s"], res[f"trl{suffix[reward]}_reward"] = peer["tokens_per_s"], peer["reward"]
-        for mode in ("sync", "async"):
-            got = ours(path, mode, reward, a)
-            print(f"{mode:5s} {reward:8s} {got['tokens_per_s']:8.0f} tokens/s reward {got['reward']:.3f} "
-                  f"score_wait {got['score_wait']:.3f}", flush=True)
-            key = f"{mode}{suffix[reward]}"
-            res.update({f"{key}_tokens_per_s": got["tokens_per_s"], f"{key}_reward": got["reward"],
-                        f"{key}_score_wait": got["score_wait"], f"{key}_learner_idle": got["learner_idle"],
-                        f"{mode}_vs_trl{suffix[reward]}": got["tokens_per_s"] / peer["tokens_per_s"]})
+    runs = {}  # (side, reward) -> [results], sides alternating so that drifts in machine load hit all
+    for _ in range(a.repeats):
+        for reward in a.rewards.split(","):
+            for side in ("trl", "sync", "async"):
+                got = trl(path, reward, a) if side == "trl" else ours(path, side, reward, a)
+                runs.setdefault((side, reward), []).append(got)
+                print(f"{side:5s} {reward:8s} {got['tokens_per_s']:8.0f} tokens/s reward {got['reward']:.3f}"
+                      + (f" score_wait {got['score_wait']:.3f}" if side != "trl" else ""), flush=True)
+    for (side, reward), got in runs.items():  # medians over the repeats
+        for k in got[0]:
+            res[f"{side}{suffix[reward]}_{k}"] = float(np.median([g[k] for g in got]))
+        if side != "trl":
+            ratios = [g["tokens_per_s"] / p["tokens_per_s"] for g, p in zip(got, runs[("trl", reward)])]
+            res[f"{side}_vs_trl{suffix[reward]}"] = float(np.median(ratios))
+            res[f"{side}_vs_trl{suffix[reward]}_range"] = [min(ratios), max(ratios)]
     if "math" in a.rewards:
         res["async_vs_sync_math"] = res["async_math_tokens_per_s"] / res["sync_math_tokens_per_s"]
     common.report(res, a.json)
