@@ -195,4 +195,5 @@ class Orchestrator:
                     on_metrics(m)
         finally:
             self.mode.stop()
+            self.producer.scorer.pause()
         return state, history

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
@@ -88,7 +89,7 @@ class Scorer:
             warmup = getattr(task, "checker_warmup", None)
             self.pool = WorkerPool(workers, timeout, preload=getattr(task, "checker_imports", ()),
                                    warmup=warmup and (task.checker, warmup))
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="scorer") if background else None
+        self._background, self._thread, self._lock = background, None, threading.Lock()
 
     @property
     def timeouts(self) -> int:
@@ -97,11 +98,14 @@ class Scorer:
     def submit(self, prompts, tokens, mask, group_size: int) -> Scored:
         """Start scoring `tokens[i][mask[i]]` (numpy [rows, L])."""
         scored = Scored(len(tokens))
-        if self._thread is None:
+        if not self._background:
             t = time.perf_counter()
             self._fill(scored, prompts, tokens, mask, group_size)
             scored.seconds = time.perf_counter() - t
-        else:
+            return scored
+        with self._lock:  # sampler threads share the scorer
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="scorer")
             scored._started = self._thread.submit(self._fill, scored, prompts, tokens, mask, group_size)
         return scored
 
@@ -141,8 +145,15 @@ class Scorer:
         """(rewards, failures) of a batch, waiting for them."""
         return self.submit(prompts, tokens, mask, group_size).result()
 
+    def pause(self) -> None:
+        """Let the scorer thread finish what it has and end (between runs); the next `submit`
+        starts another. The worker processes stay warm."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown(wait=True)
+
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
+        self.pause()
         if self.pool is not None:
             self.pool.close()
