@@ -225,8 +225,8 @@ def main():
     path = a.setup or tempfile.mkdtemp(prefix="bench_peer_")
     if not a.setup:
         write_setup(path)
-    res = {**common.cpu_kind(), "cores": os.cpu_count(), "sampler_devices": a.sampler_devices, "steps": a.steps, "prompts": a.prompts, "group": a.group,
-           "updates_per_batch": a.updates}
+    res = {**common.cpu_kind(), "cores": os.cpu_count(), "sampler_devices": a.sampler_devices, "steps": a.steps,
+           "prompts": a.prompts, "group": a.group, "updates_per_batch": a.updates}
     suffix = {"embedded": "", "math": "_math", "table": "_table"}
     runs = {}  # (side, reward) -> [results], sides alternating so that drifts in machine load hit all
     for _ in range(a.repeats):

@@ -74,8 +74,9 @@ def build(config) -> dict:
     orch = orchestrator.Orchestrator(lrn, Sampler(lrn.rollout_model_cfg, p.sampler, mesh), p.task, c.runtime,
                                      placement=placement, scorer=scorer)
     # A sampling auxiliary (a rollout model) is evaluated beside the policy; any auxiliary may be warm-started.
-    return dict(plan=p, task=p.task, scorer=scorer, model_cfg=p.model, params=params, memory_plan=p.memory, aux_cfg=p.aux_model,
-                aux_params=aux_params, learner=lrn, orchestrator=orch, greedy=Sampler(p.model, p.greedy, mesh),
+    return dict(plan=p, task=p.task, scorer=scorer, model_cfg=p.model, params=params, memory_plan=p.memory,
+                aux_cfg=p.aux_model, aux_params=aux_params, learner=lrn, orchestrator=orch,
+                greedy=Sampler(p.model, p.greedy, mesh),
                 aux_greedy=p.aux_model and Sampler(p.aux_model, p.greedy, mesh),
                 aux_eval=lrn.aux is not None and lrn.aux.samples)
 

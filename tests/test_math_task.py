@@ -46,7 +46,7 @@ def _random_completion(rng: random.Random, gold: str) -> str:
     def num():
         return str(rng.choice([rng.randint(0, 120), -rng.randint(1, 50), rng.randint(0, 99999)]))
     pieces = ["so", "the answer is", "=", "+", "apples", "$", ".", ",", "%", "x", "-", "\\frac{1}{2}", "\n", ":",
-              "1,000", "3.5", gold, f"\\boxed{{{gold}}}"]
+              "1,000", "3.5", "^2", "/2", "\\times", "\\%", "\\text{ apples}", "(", ")", gold, f"\\boxed{{{gold}}}"]
     parts = []
     for _ in range(rng.randint(0, 6)):
         r = rng.random()

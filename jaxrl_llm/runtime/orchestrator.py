@@ -104,7 +104,7 @@ class Orchestrator:
     """Runs the learner on batches that the configured mode takes from the producer."""
 
     def __init__(self, learner, sampler, task, cfg=None, placement=None, scorer=None):
-        """`scorer`: the task's scoring stage (`tasks.scorer`; default: in the sampler's thread)."""
+        """`scorer`: the task's scoring stage (`tasks.scorer`; default: `task.reward` in a scorer thread)."""
         self.cfg = c = cfg or default_config()
         validate(c, sampler.cfg.batching)
         self.learner, self.sampler, self.task = learner, sampler, task

@@ -80,7 +80,7 @@ class _Draw:
 class Producer:
     def __init__(self, sampler, task, cfg, scorer: Optional[Scorer] = None):
         """`cfg`: the runtime section (prompts_per_batch, seed, advantage, mask_zero_variance);
-        `scorer`: the scoring stage (default: `task.reward` in the calling thread)."""
+        `scorer`: the scoring stage (default: `task.reward` in a scorer thread)."""
         self.sampler, self.task, self.scorer = sampler, task, scorer or Scorer(task)
         self.prompts_per_batch, self.group_size = cfg.prompts_per_batch, sampler.cfg.num_samples
         self.advantage, self.mask_zero_variance, self.seed = cfg.advantage, cfg.mask_zero_variance, cfg.seed
