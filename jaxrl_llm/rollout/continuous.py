@@ -169,8 +169,8 @@ class SlotEngine:
         `feed()` -> `(ids, prompt_RxP, mask_RxP, limit_R, keys_Rx2)` of new rows (prompts
         left-padded to `p`, keys from `row_keys`), `()` for none now (asked again later), or
         None for none ever; it is asked at a boundary whenever fewer rows wait than there are
-        slots. `refresh` as in
-        `Sampler.generate`, asked before every segment but the first. `stop()`: end at the
+        slots; while it holds rows back and no slot decodes, `(no ids, {})` is yielded every
+        10 ms. `refresh` as in `Sampler.generate`, asked before every segment but the first. `stop()`: end at the
         next boundary (rows still decoding are dropped). Ends when nothing waits or decodes."""
         n, s, g = self.sampler.cfg.max_new_tokens, self.slots, self.groups
         local = s // g
@@ -210,6 +210,7 @@ class SlotEngine:
                     break
                 time.sleep(0.01)  # the feed holds rows back for now (e.g. staleness at admission)
                 first = False
+                yield np.empty(0, np.int64), {}  # idle: the caller may act meanwhile (hand over scored groups)
                 continue
             first = False
             st = self._fill(st, pools, waiting, row_of, steps, local)
