@@ -34,10 +34,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-                  num_kv_heads=2, head_dim=64, tie_word_embeddings=True, rope_theta=1000000.0)
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-            head_dim=16, tie_word_embeddings=True)
+from bench_scale import QWEN25_05B, TINY, compiled_peak  # noqa: E402  (the shapes bench_scale measures)
+
 # Dense bf16 FLOP/s and HBM bytes/s by device kind (vendor data sheets; SXM parts).
 DEVICES = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.04e12),
            "L4": (121e12, 0.3e12), "TPU v5 lite": (197e12, 0.82e12), "TPU v5p": (459e12, 2.76e12)}
@@ -93,7 +91,8 @@ def parity(cfg, rows: int, length: int, repeats: int, accelerator: bool) -> dict
            "default_kernel_ms": best_time(lambda: dpa(q, k, v, mask), repeats) * 1e3}
     if accelerator:
         kt, vt = k.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3)
-        cudnn = jax.jit(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m[:, None], implementation="cudnn"))
+        cudnn = jax.jit(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m[:, None],
+                                                                        implementation="cudnn"))
         try:
             out["cudnn_max_abs_diff"] = diff(cudnn(q, kt, vt, mask))
             out["cudnn_ms"] = best_time(lambda: cudnn(q, kt, vt, mask), repeats) * 1e3
@@ -136,8 +135,9 @@ def learner_step(cfg, rows: int, seq_len: int, repeats: int) -> tuple:
         return holder[0].params
 
     t = best_time(step, repeats)
-    peak = _peak(lrn.lower_step(holder[0], batch).compile())
-    return {"learner_tokens_per_s": rows * seq_len / t, "learner_step_s": t, "learner_compiled_peak_gb": peak / 2**30}, c
+    peak = compiled_peak(lrn.lower_step(holder[0], batch).compile())
+    return {"learner_tokens_per_s": rows * seq_len / t, "learner_step_s": t,
+            "learner_compiled_peak_gb": peak / 2**30}, c
 
 
 def decode(cfg, rows: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
@@ -155,13 +155,8 @@ def decode(cfg, rows: int, prompt_len: int, new_tokens: int, repeats: int) -> di
     out = {}
     t = best_time(lambda: out.setdefault("b", sampler.generate(params, prompts, jax.random.key(1))).tokens, repeats)
     generated = float(jnp.sum(out["b"].loss_mask))
-    peak = _peak(sampler.lower_generate(params, prompts, jax.random.key(2)).compile())
+    peak = compiled_peak(sampler.lower_generate(params, prompts, jax.random.key(2)).compile())
     return {"decode_tokens_per_s": generated / t, "decode_call_s": t, "sampler_compiled_peak_gb": peak / 2**30}
-
-
-def _peak(compiled) -> int:
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
 
 
 def roofline(cfg, rows: int, prompt_len: int, new_tokens: int, hbm: float) -> float:

@@ -1,6 +1,6 @@
 """The producer: draw prompts, generate, score, and hand over batches or whole prompt groups
 with their origin. A sampler thread drives it today (`async_mode.SamplerWorker`, and the
-sequential modes in the learner's thread); anything that can call `produce` or iterate `stream`
+sequential modes in the learner's thread); anything that can call `generate` or iterate `stream`
 can drive it (e.g. a sampler on another machine).
 
 Scoring is a stage of its own (`tasks.scoring.Scorer`): `generate` hands the sampled rows to the
@@ -119,10 +119,6 @@ class Producer:
         prompts, key = self.draw(worker, counter)
         return self.score(self.sampler.generate(params, prompts, key, version, refresh=refresh), prompts)
 
-    def produce(self, params, version: int, worker: int, counter: int, refresh=None):
-        """`generate`, then wait for the rewards. Returns (batch, failed rewards)."""
-        return self.generate(params, version, worker, counter, refresh).result()
-
     def stream(self, worker: int, params, version: int, todo: Iterable, refresh: Callable, stop: Callable,
                admit: Optional[Callable] = None) -> Iterator[tuple[Rollout, int, int, float]]:
         """Continuous batching for async sampler `worker` (its draws are `draw(worker + 1, d)`;
@@ -203,5 +199,5 @@ class Producer:
         batch = jax.tree.map(np.asarray, batch)
         for i, (draw, prompt, admitted) in enumerate(sel):
             group = jax.tree.map(lambda x: x[i * g:(i + 1) * g], batch)
-            first = i == 0
-            yield Rollout(Origin(worker, draw, (prompt,)), group), admitted, failures if first else 0, waited if first else 0.0
+            yield Rollout(Origin(worker, draw, (prompt,)), group), admitted, failures, waited
+            failures, waited = 0, 0.0  # counted once, with the first group

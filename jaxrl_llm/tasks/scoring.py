@@ -35,10 +35,6 @@ def default_workers() -> int:
     return min(2, os.cpu_count() or 1)
 
 
-def uses_workers(task) -> bool:
-    return hasattr(task, "checker")
-
-
 class Scored:
     """Rewards being computed: `result()` -> (rewards [rows] float32, failures); `done()`.
     `seconds`: what scoring cost the caller's thread (waiting in `result`, or scoring in it)."""
@@ -85,15 +81,11 @@ class Scorer:
         self.task = task
         self.pool = None
         self.in_process = self.in_workers = 0  # samples scored in this process / sent to the workers
-        if uses_workers(task) and workers > 0:
+        if hasattr(task, "checker") and workers > 0:
             warmup = getattr(task, "checker_warmup", None)
             self.pool = WorkerPool(workers, timeout, preload=getattr(task, "checker_imports", ()),
                                    warmup=warmup and (task.checker, warmup))
         self._background, self._thread, self._lock = background, None, threading.Lock()
-
-    @property
-    def timeouts(self) -> int:
-        return 0 if self.pool is None else self.pool.timeouts
 
     def submit(self, prompts, tokens, mask, group_size: int) -> Scored:
         """Start scoring `tokens[i][mask[i]]` (numpy [rows, L])."""
