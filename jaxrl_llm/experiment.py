@@ -72,7 +72,8 @@ def build(config) -> dict:
     placement = NamedSharding(mesh, PartitionSpec()) if p.own_sampler_devices else None
     scorer = tasks.scorer(p.task, c.task)
     orch = orchestrator.Orchestrator(lrn, Sampler(lrn.rollout_model_cfg, p.sampler, mesh), p.task, c.runtime,
-                                     placement=placement, scorer=scorer)
+                                     placement=placement, scorer=scorer,
+                                     node_config={"task": c.task.to_dict(), "hf_path": c.model.hf_path})
     # A sampling auxiliary (a rollout model) is evaluated beside the policy; any auxiliary may be warm-started.
     return dict(plan=p, task=p.task, scorer=scorer, model_cfg=p.model, params=params, memory_plan=p.memory,
                 aux_cfg=p.aux_model, aux_params=aux_params, learner=lrn, orchestrator=orch,
@@ -226,6 +227,7 @@ def run(config, workdir: str, log=None) -> dict:
                 raise
         finally:
             writer.close()
+            orch.close()  # e.g. the remote mode's service
             b["scorer"].close()  # e.g. the math task's checker processes
             if hasattr(task, "close"):
                 task.close()

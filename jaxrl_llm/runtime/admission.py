@@ -44,6 +44,14 @@ class Admission:
             if not self._decoding[admitted_version]:
                 del self._decoding[admitted_version]
 
+    def revoke(self, admitted_version: int, groups: int) -> None:
+        """`groups` admitted under `admitted_version` will not arrive (their lease ended)."""
+        with self._lock:
+            self.untrained -= groups
+            self._decoding[admitted_version] -= groups
+            if self._decoding[admitted_version] <= 0:
+                del self._decoding[admitted_version]
+
     def trained(self, groups: int) -> None:
         with self._lock:
             self.untrained -= groups

@@ -9,6 +9,8 @@
               retained in the weight store: deterministic, bit-reproducible sweeps.
   async       `num_samplers` sampler threads and the learner run concurrently through the
               bounded VersionedQueue (see async_mode.py).
+  remote      sampler nodes on other machines lease prompts, fetch weights and send scored
+              groups over the network into the same queue (remote.py, docs/sampler_nodes.md).
 
 Staleness (`jaxrl_llm.staleness`) means the same in every mode: `max_staleness` bounds it and
 `staleness_policy` drops or keeps (and counts) batches beyond it. Where a mode's schedule fixes
@@ -27,6 +29,7 @@ counters a checkpoint saves.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import numpy as np
@@ -34,14 +37,14 @@ import numpy as np
 from jaxrl_llm import advantages, distributed, staleness
 from jaxrl_llm import validation as V
 from jaxrl_llm.runtime import delay as delay_lib
-from jaxrl_llm.runtime import modes
+from jaxrl_llm.runtime import modes, remote
 from jaxrl_llm.runtime.async_mode import AsyncMode
 from jaxrl_llm.runtime.lengths import LengthCounts
 from jaxrl_llm.runtime.position import DataPosition
 from jaxrl_llm.runtime.producer import Producer, Rollout
 from jaxrl_llm.runtime.weights import WeightStore
 
-MODES = ("sync", "iterative", "offpolicy", "simulated", "async")
+MODES = ("sync", "iterative", "offpolicy", "simulated", "async", "remote")
 
 
 SECTION = V.Section(
@@ -59,6 +62,11 @@ SECTION = V.Section(
     delay=V.Section(kind=("none", V.one_of(*delay_lib.KINDS)), min=(1.0, V.non_negative()),
                     max=(8.0, V.non_negative()), value=(1.0, V.non_negative()), weibull_shape=(1.5, V.positive())),
     step_seconds=(1.0, V.positive()),  # simulated: seconds of delay per learner step
+    # remote: the learner's service for sampler nodes (remote.py). Beyond loopback it needs the
+    # token (or JAXRL_REMOTE_TOKEN); tls_cert / tls_key: PEM files for TLS.
+    remote=V.Section(host=("127.0.0.1", V.text()), port=(8815, V.integer(0)), token=("", V.anything()),
+                     lease_s=(30.0, V.positive()), verify_fraction=(0.05, V.unit()), max_mismatch=(0.1, V.unit()),
+                     chunk_mb=(8, V.integer(1)), tls_cert=("", V.anything()), tls_key=("", V.anything())),  # simulated: seconds of delay per learner step
     advantage=("grpo", V.one_of(*advantages.names())),
     mask_zero_variance=(False, V.boolean()),
     seed=(0, V.integer(0)),
@@ -75,14 +83,15 @@ def validate(c, batching: str = "static") -> None:
         raise ValueError(f"runtime.reuse={c.reuse} needs mode='iterative' (mode is {c.mode!r})")
     if c.refresh_every != 1 and c.mode != "offpolicy":
         raise ValueError(f"runtime.refresh_every={c.refresh_every} needs mode='offpolicy' (mode is {c.mode!r})")
-    if c.refresh_mid_generation and c.mode != "async":
-        raise ValueError(f"runtime.refresh_mid_generation needs mode='async' (mode is {c.mode!r})")
+    if c.refresh_mid_generation and c.mode not in ("async", "remote"):
+        raise ValueError(f"runtime.refresh_mid_generation needs mode='async' or 'remote' (mode is {c.mode!r})")
     if c.mode == "simulated" and c.max_staleness < 0:
         raise ValueError("mode='simulated' needs a finite runtime.max_staleness (past params are retained)")
-    if c.staleness_policy == "admit" and (c.mode != "async" or c.max_staleness < 0):
+    if c.staleness_policy == "admit" and (c.mode not in ("async", "remote") or c.max_staleness < 0):
         raise ValueError("runtime.staleness_policy='admit' needs mode='async' (with sampler.batching='continuous') "
-                         f"and a finite runtime.max_staleness (mode is {c.mode!r}, max_staleness {c.max_staleness})")
-    if c.staleness_policy == "admit" and batching != "continuous":
+                         f"or 'remote', and a finite runtime.max_staleness (mode is {c.mode!r}, max_staleness "
+                         f"{c.max_staleness})")
+    if c.staleness_policy == "admit" and c.mode == "async" and batching != "continuous":
         raise ValueError("runtime.staleness_policy='admit' holds prompts back from decode slots: it needs "
                          "--config.sampler.batching=continuous")
     fixed = {"iterative": ("reuse", c.reuse), "offpolicy": ("refresh_every", c.refresh_every)}.get(c.mode)
@@ -92,6 +101,8 @@ def validate(c, batching: str = "static") -> None:
             f"mode {c.mode!r} with runtime.{name}={value} trains on batches up to {value - 1} steps stale, beyond "
             f"runtime.max_staleness={c.max_staleness}; dropping them cannot yield fresher ones in this mode. Set "
             f"max_staleness >= {value - 1} (or -1), or staleness_policy='keep' to train on them (runtime/over_stale)")
+    if c.mode == "remote":
+        remote.validate(c.remote)
     _delay(c)  # bad delay bounds fail here
 
 
@@ -103,8 +114,9 @@ def _delay(c) -> delay_lib.DelayModel:
 class Orchestrator:
     """Runs the learner on batches that the configured mode takes from the producer."""
 
-    def __init__(self, learner, sampler, task, cfg=None, placement=None, scorer=None):
-        """`scorer`: the task's scoring stage (`tasks.scorer`; default: `task.reward` in a scorer thread)."""
+    def __init__(self, learner, sampler, task, cfg=None, placement=None, scorer=None, node_config=None):
+        """`scorer`: the task's scoring stage (`tasks.scorer`; default: `task.reward` in a scorer thread);
+        `node_config`: remote mode, what sampler nodes need to build the task (`{"task", "hf_path"}`)."""
         self.cfg = c = cfg or default_config()
         validate(c, sampler.cfg.batching)
         self.learner, self.sampler, self.task = learner, sampler, task
@@ -118,12 +130,20 @@ class Orchestrator:
         self.position = DataPosition(c.prompts_per_batch)  # async: what each worker has delivered
         self.lengths = LengthCounts()  # async: completion lengths generated / trained / dropped
         self._delay_rng = np.random.default_rng([c.seed, 10_007])  # simulated delays
+        self.node_config = None
+        if c.mode == "remote":  # what a node is told (the token and service settings are not)
+            self.node_config = dict(node_config or {}, model=dataclasses.asdict(sampler.model_cfg),
+                                    sampler=dataclasses.asdict(sampler.cfg),
+                                    runtime={k: v for k, v in c.to_dict().items() if k != "remote"})
         self.mode = self._make_mode(_delay(c))
 
     def _make_mode(self, delay):
         c, args = self.cfg, (self.producer, self.store)
         if c.mode == "async":
             return AsyncMode(*args, delay, c, self.position, self.lengths, on_drop=lambda item: self.dropped_item(item))
+        if c.mode == "remote":
+            return remote.RemoteMode(*args, c, self.position, self.lengths, lambda item: self.dropped_item(item),
+                                     self.node_config)
         if c.mode == "simulated":
             return modes.Simulated(*args, delay, self._delay_rng, c.step_seconds, c.max_staleness)
         if c.mode == "iterative":
@@ -135,6 +155,11 @@ class Orchestrator:
     @property
     def reward_failures(self) -> int:
         return self.mode.reward_failures
+
+    def close(self) -> None:
+        """End what outlives run() calls (the remote mode's service)."""
+        if hasattr(self.mode, "close"):
+            self.mode.close()
 
     def dropped_item(self, item: Rollout) -> None:
         """The queue dropped `item` as over-stale: counted, and delivered (not generated again)."""

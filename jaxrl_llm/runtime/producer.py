@@ -126,6 +126,7 @@ class Producer:
         the decode slots; each prompt group is handed to the scorer once its G rows have finished
         and yielded once scored, as (Rollout, the params version its draw was admitted under,
         failed rewards, seconds scoring took from this thread: `Pending.score_s`).
+        `todo` may yield None while it has nothing to hand out (the slots then idle until it does).
         `refresh()` as in `Sampler.generate` (it also gives the version `admit` is asked with:
         `admit(worker version, groups)` may hold a draw back); `stop()` ends the stream."""
         sampler, g = self.sampler, self.group_size
@@ -133,16 +134,20 @@ class Producer:
         engine = sampler.slots(per_draw)
         p = sampler.bucket(getattr(self.task, "max_prompt_len", sampler.cfg.prompt_buckets[-1]))
         todo = iter(todo)
-        upcoming = [next(todo)]  # the next draw, taken from `todo` once admitted
+        upcoming = [None]  # the next draw, taken from `todo` when slots are free, consumed once admitted
         drawn: dict[int, _Draw] = {}
         parts: dict[int, dict] = {}  # group -> {row id: outputs}
         at = [version]  # the params version the slots decode with now
 
         def feed():
+            if upcoming[0] is None:
+                upcoming[0] = next(todo)
+                if upcoming[0] is None:  # nothing to hand out now (a sampler node between leases)
+                    return ()
             draw, groups = upcoming[0]
             if admit is not None and not admit(at[0], len(groups)):
                 return ()  # held back: the learner could not train these tokens within the bound
-            upcoming[0] = next(todo)
+            upcoming[0] = None
             prompts, key = self.draw(worker + 1, draw)
             toks, mask, _ = sampler.pad_prompts(prompts, width=p)
             if toks.shape[1] != p:

@@ -1,0 +1,222 @@
+"""The learner's side of every sampler-node call (served by `service.py`): who is connected,
+which prompts each node works on (`leases.py`), the newest weights as a chunked artifact, and
+the checks every incoming group passes before it joins the learner's queue.
+
+A group is accepted only if its node is known to this learner run (a node of a run that died
+says hello again), it holds the group's lease, the group decodes to the declared fields
+(`wire.decode_group`) and passes `wire.check_group`; with `verify_fraction`, the learner scores
+that share of groups itself and refuses the rewards that differ; a node whose mismatch rate
+exceeds `max_mismatch` (after `MIN_VERIFIED` checks) is refused from then on. Advantages are
+recomputed here from the rewards. Everything refused is counted, nothing refused is trained.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+import uuid
+from typing import Optional
+
+import numpy as np
+
+import jaxrl_llm
+from jaxrl_llm import staleness
+from jaxrl_llm.runtime import wire
+from jaxrl_llm.runtime.leases import Leases
+from jaxrl_llm.runtime.producer import Origin, Producer, Rollout
+from jaxrl_llm.runtime.queue import VersionedQueue
+from jaxrl_llm.runtime.weights import WeightStore
+
+STREAM = 0  # the data position's stream the nodes share (draws are Producer.draw(STREAM + 1, d))
+MIN_VERIFIED = 5
+
+
+@dataclasses.dataclass
+class NodeStats:
+    name: str
+    peer: str
+    joined: float
+    seen: float
+    version: int = -1  # the weights version it reported last
+    busy: float = 0.0  # share of its time generating or scoring, as it reported
+    groups: int = 0  # accepted
+    rejected: int = 0
+    verified: int = 0
+    mismatched: int = 0
+    reward_failures: int = 0
+    refused: bool = False
+
+
+class Hub:
+    def __init__(self, producer: Producer, store: WeightStore, leases: Leases, queue: VersionedQueue, cfg,
+                 node_config: dict, admission=None, vocab: int = 0, capacity: int = 1, lengths=None):
+        """`cfg`: the runtime section; `node_config`: what a node needs to build its task,
+        model and sampler (`hello`); `capacity`: leased + queued groups allowed per live node."""
+        self.producer, self.store, self.leases, self.queue, self.cfg = producer, store, leases, queue, cfg
+        self.node_config, self.admission, self.capacity, self.lengths = node_config, admission, capacity, lengths
+        self.vocab = vocab or producer.sampler.model_cfg.vocab_size
+        self.run_id = uuid.uuid4().hex
+        self.nodes: dict[str, NodeStats] = {}
+        self.rejected = 0
+        self._artifacts: collections.OrderedDict = collections.OrderedDict()  # version -> (manifest, buffer)
+        self._prompts: collections.OrderedDict = collections.OrderedDict()  # draw -> prompts
+        self._lock = threading.Lock()
+        self._rng = np.random.default_rng([cfg.seed, 31])
+
+    # ------------------------------------------------------------------ calls
+
+    def hello(self, req: dict) -> dict:
+        mine = {"protocol": wire.PROTOCOL, "package": jaxrl_llm.__version__}
+        theirs = {k: req.get(k) for k in mine}
+        if theirs != mine:
+            raise PermissionError(f"this learner speaks protocol {mine['protocol']} (jaxrl_llm {mine['package']}); "
+                                  f"the node {theirs['protocol']} (jaxrl_llm {theirs['package']})")
+        with self._lock:
+            name = str(req.get("name") or "node")
+            node = name if name not in self.nodes else f"{name}-{len(self.nodes)}"
+            now = time.monotonic()
+            self.nodes[node] = NodeStats(node, req.get("peer", ""), now, now)
+        return {"run_id": self.run_id, "node": node, "version": self.store.latest()[0],
+                "lease_s": self.leases.lease_s, **self.node_config}
+
+    def lease(self, req: dict) -> dict:
+        n = self._node(req)
+        self.expire()
+        room = self.capacity * max(1, self.live()) - len(self.queue) - self.leases.pending_groups()
+        admit = None
+        if self.admission is not None:
+            admit = lambda v, groups: self.admission.try_admit(v, self.store.latest()[0], groups)  # noqa: E731
+        x = None
+        if room > 0:
+            x = self.leases.issue(n.name, int(req.get("version", -1)), admit)
+        if x is None:
+            return {"lease": None}
+        return {"lease": {"id": x.id, "draw": x.draw, "groups": x.groups}}
+
+    def heartbeat(self, req: dict) -> dict:
+        n = self._node(req)
+        n.version, n.busy = int(req.get("version", -1)), float(req.get("busy", 0.0))
+        return {"version": self.store.latest()[0], "leases": self.leases.heartbeat(n.name)}
+
+    def release(self, req: dict) -> dict:
+        n = self._node(req)
+        return {"released": len(self._revoke(self.leases.release(n.name)))}
+
+    def manifest(self, req: dict) -> dict:
+        self._node(req)
+        return self._artifact(self.store.latest())[0]
+
+    def chunk(self, req: dict):
+        with self._lock:
+            art = self._artifacts.get(int(req["version"]))
+        if art is None:
+            raise KeyError(f"weights version {req['version']} is no longer served; fetch the newest manifest")
+        c = art[0]["chunks"][int(req["chunk"])]
+        return memoryview(art[1])[c["offset"]:c["offset"] + c["nbytes"]]
+
+    def put_group(self, req: dict) -> dict:
+        n = self._node(req)
+        try:
+            lease_id, group = int(req["lease"]), int(req["group"])
+            lease = self.leases.held(lease_id, n.name, group)
+            f = wire.decode_group(req["table"])
+            prompt = self._draw_prompts(lease.draw)[group]
+            sc = self.producer.sampler.cfg
+            wire.check_group(f, rows=self.producer.group_size, prompt=prompt, vocab=self.vocab, topk=sc.capture_topk,
+                             max_new_tokens=sc.max_new_tokens, learner_version=self.store.latest()[0],
+                             min_version=max(0, lease.version))
+            if self.cfg.remote.verify_fraction and self._rng.random() < self.cfg.remote.verify_fraction:
+                self._verify(n, prompt, f)
+            self.leases.received(lease_id, n.name, group)
+        except (ValueError, KeyError) as e:  # Rejected and LeaseError too
+            n.rejected += 1
+            self.rejected += 1
+            raise wire.Rejected(str(e)) from None
+        batch = self.producer.with_rewards(wire.group_batch(f),
+                                           np.asarray(f["rewards"]))
+        n.groups += 1
+        if self.lengths is not None:
+            self.lengths.add("generated", batch)
+        n.reward_failures += int(req.get("failures", 0))
+        version = staleness.oldest_version(batch.versions, batch.loss_mask)
+        self.queue.put(Rollout(Origin(STREAM, lease.draw, (group,)), batch), version, timeout=10.0)
+        if self.admission is not None:
+            self.admission.enqueued(lease.version)
+        return {"accepted": True}
+
+    # ------------------------------------------------------------------ learner side
+
+    def expire(self) -> None:
+        self._revoke(self.leases.expire())
+
+    def live(self, within: Optional[float] = None) -> int:
+        """Nodes heard from within `within` seconds (default: one lease period)."""
+        now, within = time.monotonic(), within or self.leases.lease_s
+        return sum(1 for n in list(self.nodes.values()) if not n.refused and now - n.seen <= within)
+
+    def release_all(self) -> None:
+        self._revoke(self.leases.release())
+
+    # ------------------------------------------------------------------ helpers
+
+    def _node(self, req: dict) -> NodeStats:
+        if req.get("run_id") != self.run_id:
+            raise wire.Rejected("this learner run does not know the node (it restarted): say hello again")
+        n = self.nodes.get(req.get("node"))
+        if n is None:
+            raise wire.Rejected(f"unknown node {req.get('node')!r}: say hello first")
+        if n.refused:
+            raise PermissionError(f"node {n.name} was refused: {n.mismatched} of {n.verified} verified groups had "
+                                  "rewards that differ from the learner's")
+        n.seen = time.monotonic()
+        return n
+
+    def _revoke(self, leases) -> list:
+        if self.admission is not None:
+            for x in leases:
+                if x.pending:
+                    self.admission.revoke(x.version, len(x.pending))
+        return leases
+
+    def _draw_prompts(self, draw: int) -> list:
+        with self._lock:
+            if draw not in self._prompts:
+                self._prompts[draw] = self.producer.draw(STREAM + 1, draw)[0]
+                while len(self._prompts) > 256:
+                    self._prompts.popitem(last=False)
+            return self._prompts[draw]
+
+    def _artifact(self, latest):
+        version, params = latest
+        with self._lock:
+            if version not in self._artifacts:
+                self._artifacts[version] = wire.pack_params(params, version, self.cfg.remote.chunk_mb << 20)
+                while len(self._artifacts) > 2:  # the newest, and the one nodes may still be fetching
+                    self._artifacts.popitem(last=False)
+            return self._artifacts[version]
+
+    def _verify(self, n: NodeStats, prompt, f) -> None:
+        mine, _ = self.producer.scorer.submit([prompt], f["tokens"], f["loss_mask"] > 0, len(f["tokens"])).result()
+        n.verified += 1
+        if not np.allclose(mine, f["rewards"], atol=1e-5):
+            n.mismatched += 1
+            if n.verified >= MIN_VERIFIED and n.mismatched > self.cfg.remote.max_mismatch * n.verified:
+                n.refused = True
+                self._revoke(self.leases.release(n.name))
+            raise wire.Rejected(f"rewards {np.round(f['rewards'], 4).tolist()} differ from the learner's "
+                                f"{np.round(mine, 4).tolist()}")
+
+    def metrics(self) -> dict:
+        m = {"remote/nodes": float(self.live()), "remote/rejected": float(self.rejected),
+             "remote/leases_expired": float(self.leases.expired),
+             "remote/refused": float(sum(n.refused for n in self.nodes.values()))}
+        latest = self.store.latest()[0]
+        for n in list(self.nodes.values()):
+            m[f"remote/{n.name}/groups"] = float(n.groups)
+            m[f"remote/{n.name}/lag"] = float(latest - n.version) if n.version >= 0 else float("nan")
+            m[f"remote/{n.name}/busy"] = n.busy
+            if n.verified:
+                m[f"remote/{n.name}/mismatch"] = n.mismatched / n.verified
+        return m

@@ -1,0 +1,172 @@
+"""The remote mode (`runtime.mode="remote"`): the learner trains on what sampler nodes on other
+machines send (`python -m jaxrl_llm.sampler_node --learner=HOST:PORT`, `docs/sampler_nodes.md`).
+
+The learner serves (`service.py`, Arrow Flight) from its first run() call to the end of the
+run, across eval and checkpoint boundaries, so nodes keep generating while it evaluates or
+saves. Nodes lease prompt draws (`leases.py`), fetch each newest version of the weights, and
+upload scored groups; the `Hub` checks them and feeds the same `VersionedQueue`, staleness
+policies (`drop`, `keep`, `admit`: issuing a lease is the admission gate) and data position as
+local async samplers (worker 0's stream: switching between async and remote keeps it). What
+was queued or leased but not trained when the learner stops is generated again after a resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from jaxrl_llm import distributed
+from jaxrl_llm.batch import TrajectoryBatch
+from jaxrl_llm.runtime.admission import Admission
+from jaxrl_llm.runtime.hub import STREAM, Hub
+from jaxrl_llm.runtime.leases import Leases
+from jaxrl_llm.runtime.lengths import LengthCounts
+from jaxrl_llm.runtime.position import DataPosition
+from jaxrl_llm.runtime.producer import Producer
+from jaxrl_llm.runtime.queue import QueueTimeout, VersionedQueue
+from jaxrl_llm.runtime.weights import WeightStore
+
+TOKEN_ENV = "JAXRL_REMOTE_TOKEN"
+POLL_S = 0.05
+WAIT_LOG_S = 10.0  # how often a learner with no data says what it waits for
+log = logging.getLogger("jaxrl_llm.remote")
+
+
+class RemoteMode:
+    """The mode interface of `modes.py`, fed by sampler nodes; `close()` ends the service."""
+
+    def __init__(self, producer: Producer, store: WeightStore, cfg, position: DataPosition, lengths: LengthCounts,
+                 on_drop: Callable, node_config: dict):
+        self.producer, self.store, self.cfg, self.position = producer, store, cfg, position
+        self.lengths, self.on_drop, self.node_config = lengths, on_drop, node_config
+        self.items = cfg.prompts_per_batch  # queue entries (prompt groups) per learner batch
+        self.hub: Optional[Hub] = None
+        self.service = None
+
+    @property
+    def reward_failures(self) -> int:
+        return sum(n.reward_failures for n in self.hub.nodes.values()) if self.hub else 0
+
+    def start(self) -> None:
+        if self.hub is None:
+            self._serve()
+        self._start, self._idle, self._trained, self._got = time.perf_counter(), 0.0, 0, []
+
+    def _serve(self):
+        c, r = self.cfg, self.cfg.remote
+        admit = c.staleness_policy == "admit"
+        self.admission = Admission(c.max_staleness, self.items) if admit else None
+        queue = VersionedQueue(1 << 20, None if c.max_staleness < 0 else c.max_staleness, c.staleness_policy,
+                               on_drop=self.on_drop)  # bounded by the leases the hub issues
+        capacity = max(c.queue_size, c.max_staleness + 1 if admit else 0) * self.items
+        leases = Leases(self.position.todo(STREAM), r.lease_s)
+        self.hub = Hub(self.producer, self.store, leases, queue, c, self.node_config, self.admission,
+                       capacity=capacity, lengths=self.lengths)
+        from jaxrl_llm.runtime.service import Service  # pyarrow.flight only where it serves
+
+        self.service = Service(self.hub, r.host, r.port, token(r), tls(r))
+        log.warning("serving sampler nodes: python -m jaxrl_llm.sampler_node --learner=%s", self.service.address)
+
+    def next_batch(self, version: int) -> TrajectoryBatch:
+        t0, said, got, hub = time.perf_counter(), time.monotonic(), [], self.hub
+        while len(got) < self.items:
+            hub.expire()
+            held = self.admission is not None and not got and not (
+                len(hub.queue) >= self.items and self.admission.may_step(version))
+            if not held:
+                try:
+                    got.append(hub.queue.get(version, timeout=POLL_S)[0])
+                    continue
+                except QueueTimeout:
+                    pass
+            else:
+                time.sleep(POLL_S)
+            if time.monotonic() - said > WAIT_LOG_S:
+                said = time.monotonic()
+                nodes = hub.live()
+                log.warning("waiting %.0f s for %d more prompt groups at version %d: %s", time.perf_counter() - t0,
+                            self.items - len(got), version,
+                            f"{nodes} sampler node(s) connected" if nodes else
+                            f"no sampler node connected (python -m jaxrl_llm.sampler_node "
+                            f"--learner={self.service.address})")
+        self._got = got
+        width = max(r.batch.shape[1] for r in got)
+        pad = self.producer.sampler.cfg.pad_token_id
+        batch = TrajectoryBatch.concat([_widen(r.batch, width, pad) for r in got])
+        self.lengths.add("trained", batch)
+        self._idle += time.perf_counter() - t0
+        return batch
+
+    def trained(self, batch) -> dict:
+        for item in self._got:
+            self.position.deliver(*item.origin)
+        if self.admission is not None:
+            self.admission.trained(self.items)
+        elapsed = time.perf_counter() - self._start
+        self._trained += batch.shape[0]
+        m = self.lengths.metrics()
+        m.update(self.hub.metrics())
+        m.update({"runtime/queue_depth": float(len(self.hub.queue)), "runtime/samples_per_s": self._trained / elapsed,
+                  "runtime/learner_idle": self._idle / elapsed,
+                  "remote/origins": [[r.origin.draw, *r.origin.groups] for r in self._got]})
+        return m
+
+    def stop(self) -> None:
+        pass  # nodes keep generating into the queue while the learner evaluates or saves
+
+    def close(self) -> None:
+        if self.service is not None:
+            self.hub.release_all()
+            self.service.close()
+            self.service = None
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def validate(r) -> None:
+    """The remote section's cross-field rules (start-up)."""
+    if distributed.count() > 1:
+        raise ValueError("runtime.mode='remote' runs a single learner process for now (got "
+                         f"{distributed.count()} processes)")
+    if r.host not in LOOPBACK and not token(r):
+        raise ValueError(f"runtime.remote.host={r.host!r} is reachable beyond this machine: set a shared token "
+                         f"(--config.runtime.remote.token or {TOKEN_ENV}) that sampler nodes must present")
+    if bool(r.tls_cert) != bool(r.tls_key):
+        raise ValueError("TLS needs both runtime.remote.tls_cert and runtime.remote.tls_key (PEM files)")
+    for f in (r.tls_cert, r.tls_key):
+        if f and not os.path.isfile(f):
+            raise ValueError(f"runtime.remote TLS file {f!r} does not exist")
+
+
+def token(r) -> str:
+    """The shared token of remote section `r`: its own, else the environment's."""
+    return r.token or os.environ.get(TOKEN_ENV, "")
+
+
+def tls(r):
+    """(certificate PEM, key PEM) of remote section `r`, or None."""
+    if not r.tls_cert:
+        return None
+    with open(r.tls_cert, "rb") as c, open(r.tls_key, "rb") as k:
+        return c.read(), k.read()
+
+
+def _widen(batch: TrajectoryBatch, width: int, pad_id: int) -> TrajectoryBatch:
+    """Right-pad a host group to `width` tokens (static batching pads prompts per draw)."""
+    extra = width - batch.shape[1]
+    if not extra:
+        return batch
+    fill = {"tokens": pad_id, "versions": -1}
+
+    def pad(name, x):
+        if x is None or np.ndim(x) < 2:
+            return x
+        return np.pad(np.asarray(x), [(0, 0), (0, extra)] + [(0, 0)] * (np.ndim(x) - 2),
+                      constant_values=fill.get(name, 0))
+
+    return batch.replace(**{f: pad(f, getattr(batch, f)) for f in batch.__dataclass_fields__})

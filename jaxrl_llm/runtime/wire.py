@@ -1,0 +1,158 @@
+"""What travels between a learner and its sampler nodes (`service.py`, `client.py`), as Arrow data.
+
+Weights: one published version is an *artifact*: the sampler copy's leaves laid end to end in
+one buffer, cut into chunks of `chunk_bytes`, and a JSON manifest naming each leaf (path, dtype,
+shape, offset) and each chunk (offset, size, SHA-256). A node fetches the chunks in parallel
+streams, checks each against the manifest and rebuilds the tree.
+
+Rollouts: one prompt group is an Arrow table with a row per field (name, dtype, shape, bytes).
+Nothing from the network is trusted: `decode_group` accepts only the declared fields at their
+declared dtypes with consistent shapes, and `check_group` the values a sampler can produce for
+the leased prompt (token ids in the vocabulary, versions no newer than the learner's, log-probs
+that are log-probs, the prompt tokens the learner itself drew).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import jax
+import numpy as np
+import pyarrow as pa
+
+from jaxrl_llm.batch import TrajectoryBatch
+
+PROTOCOL = 1  # bumped whenever a message below changes shape
+CHUNK_BYTES = 8 << 20
+
+# Field -> dtype on the wire; the learner recomputes group ids and advantages from the rewards.
+GROUP_FIELDS = {"tokens": "int32", "loss_mask": "float32", "behav_logp": "float32", "versions": "int32",
+                "topk_ids": "int32", "topk_logp": "float32", "rewards": "float32", "truncated": "bool",
+                "input_mask": "float32", "behav_kept": "int32"}
+OPTIONAL = {"behav_kept"}
+_SCHEMA = pa.schema([("field", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
+                     ("data", pa.large_binary())])
+
+
+class Rejected(ValueError):
+    """A message from the network that the learner refuses (and counts)."""
+
+
+# ---------------------------------------------------------------------- weights
+
+
+def pack_params(params, version: int, chunk_bytes: int = CHUNK_BYTES):
+    """(manifest, buffer): the leaves of `params` end to end in one uint8 buffer."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    arrays = [(jax.tree_util.keystr(path), np.asarray(x)) for path, x in leaves]
+    total = sum(a.nbytes for _, a in arrays)
+    buf = np.empty(total, np.uint8)
+    entries, offset = [], 0
+    for path, a in arrays:
+        buf[offset:offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        entries.append({"path": path, "dtype": a.dtype.name, "shape": list(a.shape), "offset": offset})
+        offset += a.nbytes
+    chunks = [{"offset": o, "nbytes": min(chunk_bytes, total - o),
+               "sha256": hashlib.sha256(buf[o:o + chunk_bytes]).hexdigest()} for o in range(0, total, chunk_bytes)]
+    return {"version": int(version), "nbytes": total, "leaves": entries, "chunks": chunks}, buf
+
+
+def check_chunk(manifest: dict, index: int, data) -> None:
+    """Raise if chunk `index` is not what the manifest says."""
+    want = manifest["chunks"][index]
+    if len(data) != want["nbytes"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
+        raise ValueError(f"weights version {manifest['version']}: chunk {index} fails its checksum "
+                         f"({len(data)} bytes, expected {want['nbytes']})")
+
+
+def unpack_params(manifest: dict, buf: np.ndarray, like):
+    """The tree of `like` (same structure: the node's model) with leaves read from `buf`."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
+    got = [e["path"] for e in manifest["leaves"]]
+    if paths != got:
+        raise ValueError(f"the learner's weights do not match this node's model: {len(got)} leaves "
+                         f"({got[:3]}...) vs {len(paths)} ({paths[:3]}...)")
+    leaves = []
+    for e in manifest["leaves"]:
+        dtype = jax.numpy.dtype(e["dtype"])
+        n = int(np.prod(e["shape"], dtype=np.int64)) * dtype.itemsize
+        leaves.append(buf[e["offset"]:e["offset"] + n].view(dtype).reshape(e["shape"]))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
+
+
+# ---------------------------------------------------------------------- rollouts
+
+
+def encode_group(batch) -> pa.Table:
+    """One prompt group's rows (a host `TrajectoryBatch`) as a table."""
+    rows = []
+    for name in GROUP_FIELDS:
+        x = getattr(batch, name)
+        if x is None:
+            continue
+        x = np.ascontiguousarray(np.asarray(x))
+        rows.append((name, x.dtype.name, list(x.shape), x.tobytes()))
+    return pa.Table.from_pylist([dict(zip(_SCHEMA.names, r)) for r in rows], schema=_SCHEMA)
+
+
+def decode_group(table: pa.Table) -> dict:
+    """Field -> array; raises Rejected on an unknown or missing field, a wrong dtype or a size
+    that does not match its shape."""
+    if table.schema != _SCHEMA:
+        raise Rejected(f"rollout table has schema {table.schema}, expected {_SCHEMA}")
+    out = {}
+    for row in table.to_pylist():
+        name, dtype, shape, data = row["field"], row["dtype"], row["shape"], row["data"]
+        if name not in GROUP_FIELDS or name in out:
+            raise Rejected(f"rollout field {name!r} is unknown or repeated; fields: {', '.join(GROUP_FIELDS)}")
+        if dtype != GROUP_FIELDS[name]:
+            raise Rejected(f"rollout field {name!r} has dtype {dtype}, expected {GROUP_FIELDS[name]}")
+        if any(d < 0 for d in shape) or len(data) != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize:
+            raise Rejected(f"rollout field {name!r}: {len(data)} bytes do not hold shape {shape} of {dtype}")
+        out[name] = np.frombuffer(data, dtype).reshape(shape)
+    missing = set(GROUP_FIELDS) - OPTIONAL - set(out)
+    if missing:
+        raise Rejected(f"rollout lacks fields {sorted(missing)}")
+    return out
+
+
+def check_group(f: dict, *, rows: int, prompt, vocab: int, topk: int, max_new_tokens: int,
+                learner_version: int, min_version: int = 0) -> None:
+    """Raise Rejected unless `f` (decoded fields) is one group of `rows` samples answering
+    `prompt` (token ids, left-padded into the prompt span) with at most `max_new_tokens` new
+    tokens each, sampled by versions in [min_version, learner_version]."""
+    toks = f["tokens"]
+    if toks.ndim != 2 or toks.shape[0] != rows:
+        raise Rejected(f"tokens have shape {toks.shape}, expected ({rows}, L)")
+    b, width = toks.shape
+    p = width - max_new_tokens
+    shapes = {n: (b, width) for n in ("loss_mask", "behav_logp", "versions", "input_mask", "behav_kept")}
+    shapes.update(topk_ids=(b, width, topk), topk_logp=(b, width, topk), rewards=(b,), truncated=(b,))
+    for n, want in shapes.items():
+        if n in f and f[n].shape != want:
+            raise Rejected(f"{n} has shape {f[n].shape}, expected {want}")
+    if p < len(prompt):
+        raise Rejected(f"rows of width {width} cannot hold the {len(prompt)}-token prompt and {max_new_tokens} "
+                       "new tokens")
+    if toks.min() < 0 or toks.max() >= vocab or (topk and (f["topk_ids"].min() < 0 or f["topk_ids"].max() >= vocab)):
+        raise Rejected(f"token ids outside the vocabulary [0, {vocab})")
+    gen = f["loss_mask"]
+    if not np.isin(gen, (0.0, 1.0)).all() or gen[:, :p].any() or not np.isin(f["input_mask"], (0.0, 1.0)).all():
+        raise Rejected("loss_mask / input_mask must be 0 or 1, and 0 on the prompt span")
+    v = f["versions"][gen > 0]
+    if v.size and (v.max() > learner_version or v.min() < min_version):
+        raise Rejected(f"token versions span [{v.min()}, {v.max()}]; the learner is at version {learner_version} "
+                       f"and leased no older than {min_version}")
+    logps = [f["behav_logp"][gen > 0]] + ([f["topk_logp"][gen > 0]] if topk else [])
+    if not all(np.isfinite(x).all() and (x <= 1e-3).all() for x in logps) or not np.isfinite(f["rewards"]).all():
+        raise Rejected("log-probs must be finite and <= 0, rewards finite")
+    if "behav_kept" in f and f["behav_kept"].min() < 0:
+        raise Rejected("behav_kept must be >= 0")
+    if not (toks[:, p - len(prompt):p] == np.asarray(prompt, np.int32)).all():
+        raise Rejected("the rows do not answer the leased prompt")
+
+
+def group_batch(f: dict) -> TrajectoryBatch:
+    """Decoded fields -> a host `TrajectoryBatch` (group id 0, advantages 0: the learner's own)."""
+    b, w = f["tokens"].shape
+    return TrajectoryBatch(**{n: None if f.get(n) is None else np.array(f[n]) for n in GROUP_FIELDS},
+                           group_ids=np.zeros(b, np.int32), advantages=np.zeros((b, w), np.float32))
