@@ -262,3 +262,38 @@ def test_learner_and_two_nodes_through_joins_kills_and_a_learner_restart(tmp_pat
     last = records[-1]
     assert last["remote/rejected"] >= 3 and last["remote/b/groups"] > 0 and last["remote/leases_expired"] >= 1
     assert (tmp_path / "b.log").read_text().count("node b joined") == 2  # and again after the restart, by itself
+
+
+def test_two_learner_processes_two_nodes_and_a_node_leaving_by_sigterm(tmp_path):
+    """With 2 learner processes, process 0 serves and hands each process its rows; a node sent
+    SIGTERM returns its leases at once (none has to expire) and training goes on with the other."""
+    port, wd = free_port(), str(tmp_path / "run")
+    learner = [sys.executable, "-m", "jaxrl_llm.launch", "--processes=2", "--", f"--workdir={wd}",
+               "--config.warm_start.steps=0", "--config.runtime.mode=remote", f"--config.runtime.remote.port={port}",
+               "--config.runtime.max_staleness=2", "--config.runtime.prompts_per_batch=4", "--config.train.steps=6",
+               "--config.train.save_every=100", "--config.train.eval_every=100", "--config.task.eval_size=8",
+               "--config.train.progress=False", "--config.sampler.batching=static"]
+    logs = {n: open(tmp_path / f"{n}.log", "w") for n in ("l", "a", "b")}
+
+    def start(cmd, name):
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=logs[name], stderr=subprocess.STDOUT)
+
+    procs = [start(learner, "l")] + [start([sys.executable, "-m", "jaxrl_llm.sampler_node", f"--learner=127.0.0.1:{port}",
+                                             f"--name={n}", "--retry_s=0.5"], n) for n in ("a", "b")]
+    try:
+        _wait_step(wd, 2, procs[0])
+        procs[1].send_signal(signal.SIGTERM)
+        assert procs[1].wait(timeout=30) == 0
+        assert procs[0].wait(timeout=240) == 0, (tmp_path / "l.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for f in logs.values():
+            f.close()
+    records = [r for r in _records(wd) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 7)) and records[-1]["processes"] == 2
+    trained = [tuple(o) for r in records for o in r["remote/origins"]]
+    assert len(trained) == 6 * 4 * 2 and len(set(trained)) == len(trained)
+    assert "leases returned" in (tmp_path / "a.log").read_text()
+    assert records[-1]["remote/leases_expired"] == 0 and records[-1]["remote/b/groups"] > 0

@@ -17,6 +17,7 @@ import os
 import time
 from typing import Callable, Optional
 
+import jax
 import numpy as np
 
 from jaxrl_llm import distributed
@@ -44,25 +45,26 @@ class RemoteMode:
         self.producer, self.store, self.cfg, self.position = producer, store, cfg, position
         self.lengths, self.on_drop, self.node_config = lengths, on_drop, node_config
         self.items = cfg.prompts_per_batch  # queue entries (prompt groups) per learner batch
-        self.hub: Optional[Hub] = None
+        self.hub: Optional[Hub] = None  # process 0's
         self.service = None
+        self.admission = None
 
     @property
     def reward_failures(self) -> int:
         return sum(n.reward_failures for n in self.hub.nodes.values()) if self.hub else 0
 
     def start(self) -> None:
-        if self.hub is None:
+        if self.hub is None and distributed.is_main():
             self._serve()
         self._start, self._idle, self._trained, self._got = time.perf_counter(), 0.0, 0, []
 
     def _serve(self):
         c, r = self.cfg, self.cfg.remote
         admit = c.staleness_policy == "admit"
-        self.admission = Admission(c.max_staleness, self.items) if admit else None
+        self.admission = Admission(c.max_staleness, self.items * distributed.count()) if admit else None
         queue = VersionedQueue(1 << 20, None if c.max_staleness < 0 else c.max_staleness, c.staleness_policy,
                                on_drop=self.on_drop)  # bounded by the leases the hub issues
-        capacity = max(c.queue_size, c.max_staleness + 1 if admit else 0) * self.items
+        capacity = max(c.queue_size, c.max_staleness + 1 if admit else 0) * self.items * distributed.count()
         leases = Leases(self.position.todo(STREAM), r.lease_s)
         self.hub = Hub(self.producer, self.store, leases, queue, c, self.node_config, self.admission,
                        capacity=capacity, lengths=self.lengths)
@@ -72,11 +74,43 @@ class RemoteMode:
         log.warning("serving sampler nodes: python -m jaxrl_llm.sampler_node --learner=%s", self.service.address)
 
     def next_batch(self, version: int) -> TrajectoryBatch:
+        """This process's rows of the next batch. With many learner processes, process 0 alone
+        serves nodes: it takes every process's groups and broadcasts them (one shape header,
+        then the arrays), and each process keeps its own `items` groups."""
+        t0, n = time.perf_counter(), distributed.count()
+        got = self._take(version, self.items * n) if self.hub is not None else self._wait_for_main()
+        if n == 1:
+            batch = self._assemble(got)
+        else:
+            if self.hub is not None:
+                distributed.agree(1)
+            batch = _broadcast_batch(self._assemble(got) if got else None)
+            rows = batch.shape[0] // n
+            i = distributed.index()
+            batch = jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch)
+        self._got = got
+        self.lengths.add("trained", batch)
+        self._idle += time.perf_counter() - t0
+        return batch
+
+    def _assemble(self, got) -> TrajectoryBatch:
+        width = max(r.batch.shape[1] for r in got)
+        pad = self.producer.sampler.cfg.pad_token_id
+        return TrajectoryBatch.concat([_widen(r.batch, width, pad) for r in got])
+
+    def _wait_for_main(self) -> list:
+        """Processes other than 0: poll (one small collective each) until process 0 has a batch."""
+        while not (distributed.agree(0)[0] == 1):
+            pass
+        return []
+
+    def _take(self, version: int, items: int) -> list:
+        """`items` acceptable groups from the queue (process 0); says what it waits for."""
         t0, said, got, hub = time.perf_counter(), time.monotonic(), [], self.hub
-        while len(got) < self.items:
+        while len(got) < items:
             hub.expire()
             held = self.admission is not None and not got and not (
-                len(hub.queue) >= self.items and self.admission.may_step(version))
+                len(hub.queue) >= items and self.admission.may_step(version))
             if not held:
                 try:
                     got.append(hub.queue.get(version, timeout=POLL_S)[0])
@@ -85,33 +119,31 @@ class RemoteMode:
                     pass
             else:
                 time.sleep(POLL_S)
+            if distributed.count() > 1:
+                distributed.agree(0)  # the other processes poll with us
             if time.monotonic() - said > WAIT_LOG_S:
                 said = time.monotonic()
                 nodes = hub.live()
                 log.warning("waiting %.0f s for %d more prompt groups at version %d: %s", time.perf_counter() - t0,
-                            self.items - len(got), version,
+                            items - len(got), version,
                             f"{nodes} sampler node(s) connected" if nodes else
                             f"no sampler node connected (python -m jaxrl_llm.sampler_node "
                             f"--learner={self.service.address})")
-        self._got = got
-        width = max(r.batch.shape[1] for r in got)
-        pad = self.producer.sampler.cfg.pad_token_id
-        batch = TrajectoryBatch.concat([_widen(r.batch, width, pad) for r in got])
-        self.lengths.add("trained", batch)
-        self._idle += time.perf_counter() - t0
-        return batch
+        return got
 
     def trained(self, batch) -> dict:
-        for item in self._got:
-            self.position.deliver(*item.origin)
-        if self.admission is not None:
-            self.admission.trained(self.items)
         elapsed = time.perf_counter() - self._start
         self._trained += batch.shape[0]
         m = self.lengths.metrics()
+        m.update({"runtime/samples_per_s": self._trained / elapsed, "runtime/learner_idle": self._idle / elapsed})
+        if self.hub is None:
+            return m
+        for item in self._got:
+            self.position.deliver(*item.origin)
+        if self.admission is not None:
+            self.admission.trained(len(self._got))
         m.update(self.hub.metrics())
-        m.update({"runtime/queue_depth": float(len(self.hub.queue)), "runtime/samples_per_s": self._trained / elapsed,
-                  "runtime/learner_idle": self._idle / elapsed,
+        m.update({"runtime/queue_depth": float(len(self.hub.queue)),
                   "remote/origins": [[r.origin.draw, *r.origin.groups] for r in self._got]})
         return m
 
@@ -130,9 +162,6 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def validate(r) -> None:
     """The remote section's cross-field rules (start-up)."""
-    if distributed.count() > 1:
-        raise ValueError("runtime.mode='remote' runs a single learner process for now (got "
-                         f"{distributed.count()} processes)")
     if r.host not in LOOPBACK and not token(r):
         raise ValueError(f"runtime.remote.host={r.host!r} is reachable beyond this machine: set a shared token "
                          f"(--config.runtime.remote.token or {TOKEN_ENV}) that sampler nodes must present")
@@ -141,6 +170,31 @@ def validate(r) -> None:
     for f in (r.tls_cert, r.tls_key):
         if f and not os.path.isfile(f):
             raise ValueError(f"runtime.remote TLS file {f!r} does not exist")
+
+
+_DTYPES = (np.int32, np.float32, np.bool_)
+
+
+def _broadcast_batch(batch: Optional[TrajectoryBatch]) -> TrajectoryBatch:
+    """Process 0's host batch on every process (the others pass None): a header of dtypes and
+    shapes first, so the others can offer arrays of the same shapes to the broadcast."""
+    fields = list(TrajectoryBatch.__dataclass_fields__)
+    head = np.full((len(fields), 5), -1, np.int64)  # per field: dtype index (-1: absent), ndim, shape
+    if batch is not None:
+        for i, f in enumerate(fields):
+            x = getattr(batch, f)
+            if x is not None:
+                x = np.asarray(x)
+                head[i, :2] = _DTYPES.index(x.dtype.type), x.ndim
+                head[i, 2:2 + x.ndim] = x.shape
+    head = np.asarray(distributed.broadcast(head))
+    present = [(f, h) for f, h in zip(fields, head) if h[0] >= 0]
+    if batch is None:
+        arrays = {f: np.zeros(h[2:2 + h[1]], _DTYPES[h[0]]) for f, h in present}
+    else:
+        arrays = {f: np.asarray(getattr(batch, f)) for f, _ in present}
+    out = distributed.broadcast(arrays)
+    return TrajectoryBatch(**{f: np.asarray(out[f]) if f in out else None for f in fields})
 
 
 def token(r) -> str:
