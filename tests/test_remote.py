@@ -297,3 +297,67 @@ def test_two_learner_processes_two_nodes_and_a_node_leaving_by_sigterm(tmp_path)
     assert len(trained) == 6 * 4 * 2 and len(set(trained)) == len(trained)
     assert "leases returned" in (tmp_path / "a.log").read_text()
     assert records[-1]["remote/leases_expired"] == 0 and records[-1]["remote/b/groups"] > 0
+
+
+def _hub(verify_fraction=1.0):
+    import jax
+
+    from jaxrl_llm import models
+    from jaxrl_llm.rollout import Sampler, SamplerConfig
+    from jaxrl_llm.runtime import orchestrator
+    from jaxrl_llm.runtime.hub import Hub
+    from jaxrl_llm.runtime.producer import Producer
+    from jaxrl_llm.runtime.queue import VersionedQueue
+    from jaxrl_llm.runtime.weights import WeightStore
+    from jaxrl_llm.tasks.arithmetic import Arithmetic
+
+    task = Arithmetic()
+    mcfg = models.ModelConfig(vocab_size=task.vocab_size, hidden_size=16, intermediate_size=32, num_layers=1,
+                              num_heads=2, num_kv_heads=1, head_dim=8, eos_token_id=task.eos_id)
+    cfg = orchestrator.default_config()
+    cfg.prompts_per_batch, cfg.remote.verify_fraction = 2, verify_fraction
+    producer = Producer(Sampler(mcfg, SamplerConfig(max_new_tokens=4, num_samples=2, capture_topk=0, eos_token_id=task.eos_id)),
+                        task, cfg)
+    store = WeightStore()
+    store.publish(3, models.init_params(mcfg, jax.random.key(0)))
+    queue = VersionedQueue(100)
+    return Hub(producer, store, Leases(_todo(), 30.0), queue, cfg, {"task": {}}, capacity=100), task
+
+
+def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
+    from jaxrl_llm import advantages
+    from jaxrl_llm.runtime.hub import MIN_VERIFIED
+
+    hub, task = _hub()
+    with pytest.raises(PermissionError, match=r"protocol 1 \(jaxrl_llm 0\.1\.0\); the node 0 \(jaxrl_llm 0\.0\.1\)"):
+        hub.hello({"protocol": 0, "package": "0.0.1"})
+    me = hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "n"})
+    s = {"run_id": me["run_id"], "node": me["node"]}
+    with pytest.raises(wire.Rejected, match="restarted"):
+        hub.lease({"run_id": "old", "node": me["node"]})
+
+    def group(lease, k, lie):
+        prompt = hub.producer.draw(1, lease["draw"])[0][k]
+        f = _group(rows=2, p=len(prompt) + 1, new=4, k=0, prompt=prompt, vocab=task.vocab_size)
+        f["versions"] = np.where(f["loss_mask"] > 0, 3, -1).astype(np.int32)
+        honest = [task.reward(prompt, t[m > 0].tolist()) for t, m in zip(f["tokens"], f["loss_mask"])]
+        f["rewards"] = (1.0 - np.asarray(honest) if lie else np.asarray(honest)).astype(np.float32)
+        return hub.put_group({**s, "lease": lease["id"], "group": k,
+                              "table": wire.encode_group(wire.group_batch(f))}), f
+
+    lease = hub.lease({**s, "version": 3})["lease"]
+    out, f = group(lease, 0, lie=False)
+    assert out == {"accepted": True} and len(hub.queue) == 1
+    item = hub.queue.get(3)[0]
+    assert item.origin == (0, lease["draw"], (0,))
+    np.testing.assert_allclose(item.batch.advantages, advantages.compute("grpo", f["rewards"], np.zeros(2, np.int32),
+                                                                          f["loss_mask"]))
+    with pytest.raises(wire.Rejected, match="not held"):
+        group(lease, 0, lie=False)  # once only
+    for i in range(MIN_VERIFIED - 1):  # 1 honest + 4 lies: refused at the 5th check (4 / 5 > max_mismatch)
+        lease = hub.lease({**s, "version": 3})["lease"]
+        with pytest.raises(wire.Rejected, match="differ from the learner's"):
+            group(lease, 0, lie=True)
+    with pytest.raises(PermissionError, match=f"{MIN_VERIFIED - 1} of {MIN_VERIFIED} verified groups"):
+        hub.lease({**s, "version": 3})
+    assert hub.rejected == MIN_VERIFIED and len(hub.queue) == 0 and hub.leases.pending_groups() == 0
