@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
@@ -54,6 +55,7 @@ class Node:
         self.retry_s, self.stopping = retry_s, threading.Event()
         self.parts, self.session = None, None
         self.uploaded = self.rejected = self.sessions = 0
+        self.refused = None  # the learner's refusal, which ends the node
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -96,8 +98,10 @@ class Node:
         self.version, self.params = self._fetch()
         self.latest = (self.version, self.params)
         log.warning("node %s joined the learner at %s (version %d)", s["node"], self.client.address, self.version)
-        beat = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
-        beat.start()
+        self.outbox = queue.Queue()
+        helpers = [threading.Thread(target=f, daemon=True, name=f.__name__) for f in (self._beat, self._send)]
+        for t in helpers:
+            t.start()
         try:
             if self.producer.streams:
                 self._stream()
@@ -105,7 +109,10 @@ class Node:
                 self._batches()
         finally:
             self.lost = self.lost or LearnerLost("session ended")
-            beat.join(timeout=10)
+            for t in helpers:
+                t.join(timeout=10)
+        if self.refused is not None:
+            raise self.refused
         if not self.stopping.is_set():
             raise self.lost
 
@@ -216,14 +223,31 @@ class Node:
                 failures = 0
 
     def _put(self, lease, group, batch, failures):
-        try:
-            self.client.put_group(batch, **self.session, lease=lease["id"], group=group, failures=failures)
-            self.uploaded += 1
-        except Exception as e:
-            if "rejected" not in str(e):
-                self._call("heartbeat", version=self.version)  # raises LearnerLost if the learner is gone
-            self.rejected += 1
-            log.warning("group %d of draw %d rejected: %s", group, lease["draw"], str(e).splitlines()[0][:300])
+        """Hand a scored group to the sender thread (decoding goes on while it uploads)."""
+        self.outbox.put((batch, {"lease": lease["id"], "group": group, "failures": failures}))
+
+    def _send(self):
+        """Upload what the generation loop hands over, everything waiting in one stream."""
+        while self.lost is None and not self.stopping.is_set():
+            try:
+                groups = [self.outbox.get(timeout=POLL_S)]
+            except queue.Empty:
+                continue
+            while not self.outbox.empty():
+                groups.append(self.outbox.get_nowait())
+            try:
+                results = self.client.put_groups(groups, **self.session)
+            except Exception as e:
+                if _refused(e):
+                    self.refused = e
+                self.lost = self.lost or LearnerLost(f"upload: {str(e).splitlines()[0][:200]}")
+                return
+            for (_, meta), r in zip(groups, results):
+                if "rejected" in r:
+                    self.rejected += 1
+                    log.warning("group %d of lease %d rejected: %s", meta["group"], meta["lease"], r["rejected"][:300])
+                else:
+                    self.uploaded += 1
 
 
 def _refused(e) -> bool:

@@ -3,12 +3,14 @@ and one learner with two node processes on 127.0.0.1 through joins, kill -9 and 
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -28,23 +30,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_weights_artifact_roundtrip_and_checksums():
-    params = {"embed": np.arange(12, dtype=np.float32).reshape(3, 4),
+    big = np.arange(40, dtype=np.float32)  # 160 bytes: its own pieces of at most 64
+    params = {"embed": np.arange(12, dtype=np.float32).reshape(3, 4), "big": big,
               "layers": [{"w": np.linspace(-1, 1, 10).astype(ml_dtypes.bfloat16)}, {"b": np.ones(7, np.float32)}]}
-    manifest, buf = wire.pack_params(params, version=3, chunk_bytes=16)
-    assert manifest["nbytes"] == 48 + 20 + 28 and len(manifest["chunks"]) == -(-96 // 16)
-    like = {"embed": jnp.zeros((3, 4)), "layers": [{"w": jnp.zeros(10, jnp.bfloat16)}, {"b": jnp.zeros(7)}]}
-    out = wire.unpack_params(json.loads(json.dumps(manifest)), buf.copy(), like)
-    np.testing.assert_array_equal(out["embed"], params["embed"])
-    assert out["layers"][0]["w"].dtype == ml_dtypes.bfloat16
-    np.testing.assert_array_equal(out["layers"][0]["w"], params["layers"][0]["w"])
-    for i, c in enumerate(manifest["chunks"]):
-        wire.check_chunk(manifest, i, buf[c["offset"]:c["offset"] + c["nbytes"]].tobytes())
-    bad = buf[:16].copy()
+    manifest, buf = wire.pack_params(params, version=3, chunk_bytes=64)
+    offsets = {e["path"]: e["offset"] for e in manifest["leaves"]}
+    assert all(o % wire.ALIGN == 0 for o in offsets.values())
+    spans = [(c["offset"], c["offset"] + c["nbytes"]) for c in manifest["chunks"]]
+    assert spans == [(0, 64), (64, 128), (128, 160), (192, 240), (256, 276), (320, 348)]  # big; embed; w; b
+    like = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), params)
+    chunks = [buf[lo:hi].tobytes() for lo, hi in spans]
+    out = wire.unpack_params(json.loads(json.dumps(manifest)), chunks, like)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(params)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    for i, c in enumerate(chunks):
+        wire.check_chunk(manifest, i, c)
+    bad = bytearray(chunks[1])
     bad[3] ^= 1
+    with pytest.raises(ValueError, match="chunk 1 fails its checksum"):
+        wire.check_chunk(manifest, 1, bytes(bad))
     with pytest.raises(ValueError, match="chunk 0 fails its checksum"):
-        wire.check_chunk(manifest, 0, bad.tobytes())
+        wire.check_chunk(manifest, 0, chunks[0][:-1])
     with pytest.raises(ValueError, match="do not match this node's model"):
-        wire.unpack_params(manifest, buf, {"embed": like["embed"]})
+        wire.unpack_params(manifest, chunks, {"embed": like["embed"]})
 
 
 def _group(rows=2, p=4, new=3, k=2, prompt=(7, 8, 9), vocab=20):
@@ -240,8 +249,9 @@ def test_learner_and_two_nodes_through_joins_kills_and_a_learner_restart(tmp_pat
         for why, g in {"outside the vocabulary": dict(f, tokens=f["tokens"] + 10_000),
                        "the learner is at version": dict(f, versions=f["versions"] + 10_000),
                        "expected \\(16, L\\)": {n: x[:3] for n, x in f.items()}}.items():
-            with pytest.raises(flight.FlightServerError, match=why):
-                forger.put_group(wire.group_batch(g), **s, lease=lease["id"], group=lease["groups"][0])
+            (answer,) = forger.put_groups([(wire.group_batch(g), {"lease": lease["id"], "group": lease["groups"][0]})],
+                                          **s)
+            assert re.search(why, answer["rejected"]), answer
         # The forger never comes back: its lease expires and its groups go to node b.
         assert procs[0].wait(timeout=240) == 0, (tmp_path / "l2.log").read_text()[-3000:]
     finally:
@@ -325,7 +335,6 @@ def _hub(verify_fraction=1.0):
 
 
 def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
-    from jaxrl_llm import advantages
     from jaxrl_llm.runtime.hub import MIN_VERIFIED
 
     hub, task = _hub()
@@ -350,8 +359,8 @@ def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
     assert out == {"accepted": True} and len(hub.queue) == 1
     item = hub.queue.get(3)[0]
     assert item.origin == (0, lease["draw"], (0,))
-    np.testing.assert_allclose(item.batch.advantages, advantages.compute("grpo", f["rewards"], np.zeros(2, np.int32),
-                                                                          f["loss_mask"]))
+    np.testing.assert_array_equal(item.batch.rewards, f["rewards"])
+    np.testing.assert_array_equal(item.batch.advantages, 0.0)  # the learner's own, per batch (RemoteMode)
     with pytest.raises(wire.Rejected, match="not held"):
         group(lease, 0, lie=False)  # once only
     for i in range(MIN_VERIFIED - 1):  # 1 honest + 4 lies: refused at the 5th check (4 / 5 > max_mismatch)

@@ -7,12 +7,15 @@ import concurrent.futures
 import json
 from typing import Optional
 
-import numpy as np
+import pyarrow as pa
 import pyarrow.flight as flight
 
 from jaxrl_llm.runtime import wire
 
-STREAMS = 4  # parallel chunk streams per weights fetch
+STREAMS = 4  # parallel chunk streams per weights fetch, each on a connection of its own
+# HTTP/2 frames as large as the protocol allows, and a channel per stream (gRPC would otherwise
+# share one connection): the two settings that raised loopback fetches the most (experiments/bench_remote.py).
+_BULK = [("grpc.http2.max_frame_size", (1 << 24) - 1), ("grpc.use_local_subchannel_pool", 1)]
 
 
 class Client:
@@ -20,7 +23,10 @@ class Client:
         """`address`: HOST:PORT; `tls_root_cert`: PEM of the learner's (e.g. self-signed) certificate."""
         scheme = "grpc+tls" if tls_root_cert else "grpc+tcp"
         self.address = address
-        self._flight = flight.FlightClient(f"{scheme}://{address}", tls_root_certs=tls_root_cert)
+        where = f"{scheme}://{address}"
+        self._flight = flight.FlightClient(where, tls_root_certs=tls_root_cert)
+        self._bulk = [flight.FlightClient(where, tls_root_certs=tls_root_cert, generic_options=_BULK + [("jaxrl.stream", i)])
+                      for i in range(STREAMS)]
         headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._options = flight.FlightCallOptions(headers=headers, timeout=timeout)
         self._pool = concurrent.futures.ThreadPoolExecutor(STREAMS, thread_name_prefix="weights")
@@ -31,32 +37,33 @@ class Client:
 
     def fetch_weights(self, manifest: dict, like):
         """The params of `manifest`'s version, in the tree of `like`; every chunk is checked."""
-        buf = np.empty(manifest["nbytes"], np.uint8)
-
         def one(i):
             ticket = flight.Ticket(json.dumps({"version": manifest["version"], "chunk": i}).encode())
-            col = self._flight.do_get(ticket, options=self._options).read_all().column("data").chunk(0)
-            data = memoryview(col.buffers()[2])[: manifest["chunks"][i]["nbytes"]]
-            wire.check_chunk(manifest, i, data)
-            o = manifest["chunks"][i]["offset"]
-            buf[o:o + len(data)] = np.frombuffer(data, np.uint8)
+            col = self._bulk[i % STREAMS].do_get(ticket, options=self._options).read_all().column("data").chunk(0)
+            data = col.buffers()[2]  # an Arrow buffer, read in place
+            wire.check_chunk(manifest, i, memoryview(data)[: manifest["chunks"][i]["nbytes"]])
+            return data
 
-        list(self._pool.map(one, range(len(manifest["chunks"]))))
-        return wire.unpack_params(manifest, buf, like)
+        chunks = list(self._pool.map(one, range(len(manifest["chunks"]))))
+        return wire.unpack_params(manifest, chunks, like)
 
-    def put_group(self, batch, **meta) -> dict:
-        """Upload one scored prompt group (a host batch) with its lease metadata."""
-        table = wire.encode_group(batch)
-        desc = flight.FlightDescriptor.for_command(json.dumps(meta).encode())
-        writer, reader = self._flight.do_put(desc, table.schema, options=self._options)
+    def put_groups(self, groups, **session) -> list:
+        """Upload scored prompt groups [(host batch, {"lease", "group", ...})] in one stream;
+        returns the learner's result per group ({"accepted": True} or {"rejected": why})."""
+        tables = [wire.encode_group(batch) for batch, _ in groups]
+        desc = flight.FlightDescriptor.for_command(json.dumps(session).encode())
+        writer, reader = self._flight.do_put(desc, tables[0].schema, options=self._options)
         try:
-            writer.write_table(table)
+            for table, (_, meta) in zip(tables, groups):
+                for batch in table.to_batches():
+                    writer.write_with_metadata(batch, pa.py_buffer(json.dumps(meta).encode()))
             writer.done_writing()
             answer = reader.read()
         finally:
             writer.close()
-        return json.loads(answer.to_pybytes()) if answer is not None else {}
+        return json.loads(answer.to_pybytes())
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
-        self._flight.close()
+        for c in [self._flight, *self._bulk]:
+            c.close()

@@ -7,7 +7,7 @@ says hello again), it holds the group's lease, the group decodes to the declared
 (`wire.decode_group`) and passes `wire.check_group`; with `verify_fraction`, the learner scores
 that share of groups itself and refuses the rewards that differ; a node whose mismatch rate
 exceeds `max_mismatch` (after `MIN_VERIFIED` checks) is refused from then on. Advantages are
-recomputed here from the rewards. Everything refused is counted, nothing refused is trained.
+the learner's own, from the rewards. Everything refused is counted, nothing refused is trained.
 """
 
 from __future__ import annotations
@@ -134,8 +134,7 @@ class Hub:
             n.rejected += 1
             self.rejected += 1
             raise wire.Rejected(str(e)) from None
-        batch = self.producer.with_rewards(wire.group_batch(f),
-                                           np.asarray(f["rewards"]))
+        batch = wire.group_batch(f)  # advantages: once per learner batch (`RemoteMode`)
         n.groups += 1
         if self.lengths is not None:
             self.lengths.add("generated", batch)

@@ -96,7 +96,8 @@ class RemoteMode:
     def _assemble(self, got) -> TrajectoryBatch:
         width = max(r.batch.shape[1] for r in got)
         pad = self.producer.sampler.cfg.pad_token_id
-        return TrajectoryBatch.concat([_widen(r.batch, width, pad) for r in got])
+        batch = TrajectoryBatch.concat([_widen(r.batch, width, pad) for r in got])
+        return self.producer.with_rewards(batch, np.asarray(batch.rewards))  # advantages within each group
 
     def _wait_for_main(self) -> list:
         """Processes other than 0: poll (one small collective each) until process 0 has a batch."""

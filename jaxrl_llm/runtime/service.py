@@ -2,7 +2,8 @@
 
   actions (JSON in, JSON out)  hello, lease, heartbeat, release, manifest
   do_get  {"version", "chunk"}  one chunk of a published weights artifact (`wire.pack_params`)
-  do_put  {"node", "lease", "group", ...} + table   one scored prompt group (`wire.encode_group`)
+  do_put  {"run_id", "node"} + record batches, each one scored prompt group (`wire.encode_group`)
+          with its {"lease", "group"} as metadata; answers one result per group
 
 This module is the transport only: a `handler` (the remote mode, `remote.py`) answers each
 call. Every call carries the shared token as a bearer header, checked before the handler runs
@@ -79,10 +80,24 @@ class Service(flight.FlightServerBase):
         return flight.RecordBatchStream(pa.table({"data": arr}))
 
     def do_put(self, context, descriptor, reader, writer):
-        req = _json(descriptor.command)
-        req["table"] = reader.read_all()
-        out = _guard(self.handler.put_group, req)
-        writer.write(pa.py_buffer(json.dumps(out).encode()))
+        """A stream of groups: each record batch one group, its metadata {"lease", "group", ...};
+        answers one result per group (a refused group does not end the stream)."""
+        session = _json(descriptor.command)
+        results = []
+        while True:
+            try:
+                chunk = reader.read_chunk()
+            except StopIteration:
+                break
+            try:
+                req = {**session, **_json(chunk.app_metadata.to_pybytes() if chunk.app_metadata else b""),
+                       "table": pa.Table.from_batches([chunk.data])}
+                results.append(_guard(self.handler.put_group, req))
+            except flight.FlightUnauthorizedError:
+                raise
+            except flight.FlightError as e:
+                results.append({"rejected": str(e)})
+        writer.write(pa.py_buffer(json.dumps(results).encode()))
 
     def close(self) -> None:
         self.shutdown()

@@ -1,0 +1,325 @@
+"""Sampler nodes over a real network stack (loopback): weight transfer, training with a node
+against local sampler threads, and staleness behind an injected delay (not a test).
+
+    python experiments/bench_remote.py [--json experiments/results/bench_remote_cpu.json] [--parts transfer,train,delay]
+
+(a) transfer: a Qwen2.5-0.5B-shaped bf16 sampler copy (about 1 GB) served by the learner's
+    service (`runtime/service.py`, Arrow Flight) and fetched by the node's client in parallel
+    chunk streams with every SHA-256 checked, against a raw TCP socket copy of the same bytes
+    between the same two processes, measured in the same run: `transfer_vs_loopback`.
+(b) train: the embedded default config for `--steps` steps, once with one local async sampler
+    thread and once as a learner with one sampler-node process, on the same cores, interleaved
+    `--repeats` times: trained completion tokens per second after `--skip` steps, and the
+    learner's idle share: `remote_vs_local_trained`, `learner_idle_remote`.
+(c) delay: one node behind a relay on 127.0.0.1 that holds every forwarded read for `--delays`
+    seconds (each way) and caps the bandwidth: the mean staleness the learner trains at, next to
+    what the simulated mode's model predicts (staleness = delay / seconds per learner step, on
+    top of the undelayed run's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------------- (a) transfer
+
+
+def _params_05b():
+    """Random bf16 leaves with the shapes of Qwen2.5-0.5B's sampler copy."""
+    import jax
+    import ml_dtypes
+
+    from bench_scale import QWEN25_05B
+    from jaxrl_llm import models
+
+    cfg = models.ModelConfig(**QWEN25_05B)
+    shapes = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda s: rng.integers(0, 1 << 16, s.shape, np.uint16).view(ml_dtypes.bfloat16), shapes)
+
+
+class _Weights:
+    """A handler serving one artifact, as the learner's hub does."""
+
+    def __init__(self, params):
+        from jaxrl_llm.runtime import wire
+
+        self.art = wire.pack_params(params, 1)
+
+    def manifest(self, req):
+        return self.art[0]
+
+    def chunk(self, req):
+        c = self.art[0]["chunks"][int(req["chunk"])]
+        return memoryview(self.art[1])[c["offset"]:c["offset"] + c["nbytes"]]
+
+
+def _serve_weights(port_q, stop):
+    from jaxrl_llm.runtime.service import Service
+
+    svc = Service(_Weights(_params_05b()), "127.0.0.1", 0)
+    port_q.put(svc.port)
+    stop.wait()
+    svc.close()
+
+
+def _serve_raw(nbytes, port_q, stop):
+    buf = np.random.default_rng(1).integers(0, 255, nbytes, np.uint8)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port_q.put(s.getsockname()[1])
+        s.settimeout(1.0)
+        while not stop.is_set():
+            try:
+                conn, _ = s.accept()
+            except socket.timeout:
+                continue
+            with conn:
+                conn.sendall(memoryview(buf))
+
+
+def _raw_fetch(port, nbytes) -> float:
+    out = bytearray(nbytes)
+    view = memoryview(out)
+    t = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        got = 0
+        while got < nbytes:
+            got += c.recv_into(view[got:], min(nbytes - got, 1 << 22))
+    return time.perf_counter() - t
+
+
+def transfer(repeats: int) -> dict:
+    from jaxrl_llm.runtime.client import Client
+
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=_serve_weights, args=(q, stop), daemon=True)
+    server.start()
+    client = Client(f"127.0.0.1:{q.get(timeout=600)}")
+    manifest = client.call("manifest")
+    nbytes = manifest["nbytes"]
+    raw = ctx.Process(target=_serve_raw, args=(nbytes, q, stop), daemon=True)
+    raw.start()
+    raw_port = q.get(timeout=120)
+    like = _skeleton()
+    flight_s, raw_s = [], []
+    for _ in range(repeats):  # interleaved
+        t = time.perf_counter()
+        client.fetch_weights(manifest, like)
+        flight_s.append(time.perf_counter() - t)
+        raw_s.append(_raw_fetch(raw_port, nbytes))
+    stop.set()
+    server.join(30)
+    raw.join(30)
+    gb = nbytes / 1e9
+    return {"transfer_bytes": nbytes, "transfer_chunks": len(manifest["chunks"]),
+            "transfer_flight_gbps": gb / min(flight_s), "transfer_raw_socket_gbps": gb / min(raw_s),
+            "transfer_vs_loopback": min(raw_s) / min(flight_s)}
+
+
+def _skeleton():
+    """The model's tree of leaves (what a node's `like` provides)."""
+    import jax
+
+    from jaxrl_llm import models
+    from bench_scale import QWEN25_05B
+
+    return jax.eval_shape(lambda: models.init_params(models.ModelConfig(**QWEN25_05B), jax.random.key(0)))
+
+
+# ---------------------------------------------------------------------- (b, c) training
+
+
+def _records(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+def _run(mode: str, steps: int, extra=(), node_via=None) -> list:
+    """One embedded-default run (`mode` async or remote, with one node); its step records."""
+    wd = tempfile.mkdtemp(prefix=f"bench_remote_{mode}_")
+    port = _free_port()
+    cmd = [sys.executable, "-m", "jaxrl_llm.main", "--config=configs/default.py", f"--workdir={wd}",
+           f"--config.train.steps={steps}", "--config.train.eval_every=100000", "--config.train.save_every=100000",
+           "--config.train.progress=False", f"--config.runtime.mode={mode}", f"--config.runtime.remote.port={port}",
+           *extra]
+    learner = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    node = relay = None
+    if mode == "remote":
+        target = port
+        if node_via is not None:
+            relay = Relay(port, *node_via)
+            target = relay.port
+        node = subprocess.Popen([sys.executable, "-m", "jaxrl_llm.sampler_node", f"--learner=127.0.0.1:{target}",
+                                 "--name=n", "--retry_s=0.5"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    try:
+        _, err = learner.communicate(timeout=1800)
+        if learner.returncode:
+            raise RuntimeError(f"{mode} run failed: {err[-2000:]}")
+    finally:
+        for p in (node, learner):
+            if p is not None and p.poll() is None:
+                p.kill()
+        if relay is not None:
+            relay.close()
+    return _records(wd)
+
+
+def _rows() -> int:
+    """Rows per learner step of the default config."""
+    sys.path.insert(0, ROOT)
+    from configs import default
+
+    c = default.get_config()
+    return c.runtime.prompts_per_batch * c.sampler.num_samples
+
+
+def _rates(records, skip: int) -> dict:
+    """Trained completion tokens / s and learner idle over steps skip+1 .. end."""
+    a, b = records[skip - 1], records[-1]
+    tokens = lambda r: r["runtime/length_trained_mean"] * r["step"] * _rows()  # noqa: E731
+    return {"tokens_per_s": (tokens(b) - tokens(a)) / (b["time_s"] - a["time_s"]),
+            "learner_idle": b["runtime/learner_idle"],
+            "staleness": float(np.mean([r["staleness/mean"] for r in records[skip:]])),
+            "step_s": (b["time_s"] - a["time_s"]) / (b["step"] - a["step"])}
+
+
+def train(steps: int, skip: int, repeats: int) -> dict:
+    local, remote = [], []
+    for _ in range(repeats):
+        local.append(_rates(_run("async", steps), skip))
+        remote.append(_rates(_run("remote", steps), skip))
+    best = lambda runs: max(runs, key=lambda r: r["tokens_per_s"])  # noqa: E731
+    lo, re = best(local), best(remote)
+    return {"local_trained_tokens_per_s": lo["tokens_per_s"], "remote_trained_tokens_per_s": re["tokens_per_s"],
+            "remote_vs_local_trained": re["tokens_per_s"] / lo["tokens_per_s"],
+            "learner_idle_local": lo["learner_idle"], "learner_idle_remote": re["learner_idle"],
+            "staleness_local": lo["staleness"], "staleness_remote": re["staleness"],
+            "step_s_local": lo["step_s"], "step_s_remote": re["step_s"]}
+
+
+def delay(steps: int, skip: int, delays, mbps: float) -> dict:
+    out, base = {}, None
+    for d in delays:
+        r = _rates(_run("remote", steps, ("--config.runtime.max_staleness=-1",), node_via=(d, mbps)), skip)
+        base = r if base is None else base
+        out[f"delay_{d:g}s_staleness"] = r["staleness"]
+        # The simulated mode's model: a delay of d seconds is d / step_seconds learner steps.
+        out[f"delay_{d:g}s_predicted"] = base["staleness"] + (d - delays[0]) / r["step_s"]
+        out[f"delay_{d:g}s_step_s"] = r["step_s"]
+    return out
+
+
+class Relay:
+    """A TCP relay on 127.0.0.1 that holds every forwarded read `delay_s` before sending it on
+    and caps each direction at `mbps` megabytes per second (the delaying proxy)."""
+
+    def __init__(self, target: int, delay_s: float, mbps: float):
+        self.target, self.delay_s, self.rate = target, delay_s, mbps * 1e6
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port, self.stop = self.sock.getsockname()[1], threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.stop.is_set():
+            try:
+                a, _ = self.sock.accept()
+            except OSError:
+                return
+            b = socket.create_connection(("127.0.0.1", self.target))
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    def _pipe(self, src, dst):
+        import collections
+
+        held, lock, more = collections.deque(), threading.Lock(), threading.Event()
+
+        def send():  # forwards each read once it is `delay_s` old, at the capped rate
+            while not self.stop.is_set():
+                more.wait(0.05)
+                with lock:
+                    ready = held and held[0][0] <= time.monotonic()
+                    item = held.popleft() if ready else None
+                    if not held:
+                        more.clear()
+                if item is None:
+                    if held:
+                        time.sleep(max(0.0, held[0][0] - time.monotonic()))
+                    continue
+                try:
+                    dst.sendall(item[1])
+                except OSError:
+                    return
+                time.sleep(len(item[1]) / self.rate)
+
+        threading.Thread(target=send, daemon=True).start()
+        while not self.stop.is_set():
+            try:
+                data = src.recv(1 << 16)
+            except OSError:
+                break
+            if not data:
+                break
+            with lock:
+                held.append((time.monotonic() + self.delay_s, data))
+                more.set()
+
+    def close(self):
+        self.stop.set()
+        self.sock.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--parts", default="transfer,train,delay")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--skip", type=int, default=10, help="steps left out of the rates (compiles, first weights)")
+    ap.add_argument("--delays", default="0,0.5,2", help="seconds each way, comma separated")
+    ap.add_argument("--mbps", type=float, default=100.0, help="relay bandwidth cap, MB/s each way")
+    a = ap.parse_args()
+    parts = a.parts.split(",")
+    out = common.cpu_kind()
+    if "transfer" in parts:
+        out.update(transfer(max(a.repeats, 3)))
+    if "train" in parts:
+        out.update(train(a.steps, a.skip, a.repeats))
+    if "delay" in parts:
+        out.update(delay(a.steps, a.skip, [float(x) for x in a.delays.split(",")], a.mbps))
+    common.report(out, a.json)
+
+
+if __name__ == "__main__":
+    main()
