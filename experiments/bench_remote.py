@@ -12,9 +12,9 @@ against local sampler threads, and staleness behind an injected delay (not a tes
     `--repeats` times: trained completion tokens per second after `--skip` steps, and the
     learner's idle share: `remote_vs_local_trained`, `learner_idle_remote`.
 (c) delay: one node behind a relay on 127.0.0.1 that holds every forwarded read for `--delays`
-    seconds (each way) and caps the bandwidth: the mean staleness the learner trains at, next to
-    what the simulated mode's model predicts (staleness = delay / seconds per learner step, on
-    top of the undelayed run's).
+    seconds (each way) and caps the bandwidth, with room for `--delay_queue_size` batches in
+    flight: the mean staleness the learner trains at, next to what the simulated mode's model
+    predicts (staleness = delay / seconds per learner step, on top of the undelayed run's).
 """
 
 from __future__ import annotations
@@ -156,6 +156,9 @@ def _records(workdir):
         return [r for r in map(json.loads, f) if "loss" in r]
 
 
+NODE_ENV = {}  # --node_xla_flags
+
+
 def _run(mode: str, steps: int, extra=(), node_via=None) -> list:
     """One embedded-default run (`mode` async or remote, with one node); its step records."""
     wd = tempfile.mkdtemp(prefix=f"bench_remote_{mode}_")
@@ -173,7 +176,7 @@ def _run(mode: str, steps: int, extra=(), node_via=None) -> list:
             target = relay.port
         node = subprocess.Popen([sys.executable, "-m", "jaxrl_llm.sampler_node", f"--learner=127.0.0.1:{target}",
                                  "--name=n", "--retry_s=0.5"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+                                stderr=subprocess.DEVNULL, env={**os.environ, **NODE_ENV})
     try:
         _, err = learner.communicate(timeout=1800)
         if learner.returncode:
@@ -201,7 +204,7 @@ def _rates(records, skip: int) -> dict:
     a, b = records[skip - 1], records[-1]
     tokens = lambda r: r["runtime/length_trained_mean"] * r["step"] * _rows()  # noqa: E731
     return {"tokens_per_s": (tokens(b) - tokens(a)) / (b["time_s"] - a["time_s"]),
-            "learner_idle": b["runtime/learner_idle"],
+            "learner_idle": (b["runtime/learner_idle_s"] - a["runtime/learner_idle_s"]) / (b["time_s"] - a["time_s"]),
             "staleness": float(np.mean([r["staleness/mean"] for r in records[skip:]])),
             "step_s": (b["time_s"] - a["time_s"]) / (b["step"] - a["step"])}
 
@@ -220,10 +223,13 @@ def train(steps: int, skip: int, repeats: int) -> dict:
             "step_s_local": lo["step_s"], "step_s_remote": re["step_s"]}
 
 
-def delay(steps: int, skip: int, delays, mbps: float) -> dict:
-    out, base = {}, None
+def delay(steps: int, skip: int, delays, mbps: float, queue_size: int) -> dict:
+    """Unbounded staleness, and room for `queue_size` learner batches in flight per node: what is
+    in flight must cover the round trip, or the link's latency bounds the node's throughput."""
+    out, base = {"delay_queue_size": queue_size}, None
     for d in delays:
-        r = _rates(_run("remote", steps, ("--config.runtime.max_staleness=-1",), node_via=(d, mbps)), skip)
+        extra = ("--config.runtime.max_staleness=-1", f"--config.runtime.queue_size={queue_size}")
+        r = _rates(_run("remote", steps, extra, node_via=(d, mbps)), skip)
         base = r if base is None else base
         out[f"delay_{d:g}s_staleness"] = r["staleness"]
         # The simulated mode's model: a delay of d seconds is d / step_seconds learner steps.
@@ -250,7 +256,11 @@ class Relay:
                 a, _ = self.sock.accept()
             except OSError:
                 return
-            b = socket.create_connection(("127.0.0.1", self.target))
+            try:
+                b = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:  # the learner is not serving yet: the node tries again
+                a.close()
+                continue
             for src, dst in ((a, b), (b, a)):
                 threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
 
@@ -309,7 +319,12 @@ def main():
     ap.add_argument("--skip", type=int, default=10, help="steps left out of the rates (compiles, first weights)")
     ap.add_argument("--delays", default="0,0.5,2", help="seconds each way, comma separated")
     ap.add_argument("--mbps", type=float, default=100.0, help="relay bandwidth cap, MB/s each way")
+    ap.add_argument("--delay_queue_size", type=int, default=8, help="(c): runtime.queue_size behind the relay")
+    ap.add_argument("--merge", action="store_true", help="keep the other parts' figures already in --json")
+    ap.add_argument("--node_xla_flags", default="", help="XLA_FLAGS of the node process (e.g. its threads)")
     a = ap.parse_args()
+    if a.node_xla_flags:
+        NODE_ENV["XLA_FLAGS"] = a.node_xla_flags
     parts = a.parts.split(",")
     out = common.cpu_kind()
     if "transfer" in parts:
@@ -317,7 +332,10 @@ def main():
     if "train" in parts:
         out.update(train(a.steps, a.skip, a.repeats))
     if "delay" in parts:
-        out.update(delay(a.steps, a.skip, [float(x) for x in a.delays.split(",")], a.mbps))
+        out.update(delay(a.steps, a.skip, [float(x) for x in a.delays.split(",")], a.mbps, a.delay_queue_size))
+    if a.merge and a.json and os.path.exists(a.json):  # a rerun of some parts keeps the others' figures
+        with open(a.json) as f:
+            out = {**json.load(f), **out}
     common.report(out, a.json)
 
 

@@ -40,6 +40,7 @@ from jaxrl_llm.runtime.producer import Producer
 
 POLL_S = 0.2  # heartbeat and newest-version poll
 LOG_EVERY_S = 10.0  # how often a node that lost its learner says so
+AHEAD = 2  # leases held ready beyond the ones decoding (a slow link's round trip stays hidden)
 log = logging.getLogger("jaxrl_llm.sampler_node")
 
 
@@ -53,7 +54,7 @@ class Node:
         self.client = Client(address, token, tls_root_cert, timeout=30.0)
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.retry_s, self.stopping = retry_s, threading.Event()
-        self.parts, self.session = None, None
+        self.parts, self.session, self.producer, self.lost = None, None, None, None
         self.uploaded = self.rejected = self.sessions = 0
         self.refused = None  # the learner's refusal, which ends the node
 
@@ -65,7 +66,7 @@ class Node:
         while not self.stopping.is_set():
             try:
                 self._session()
-            except (LearnerLost, OSError, Exception) as e:  # noqa: B014  (every Flight error is an Exception)
+            except Exception as e:  # Flight errors, LearnerLost, a refusal (re-raised)
                 if _refused(e):
                     raise
                 if self.stopping.is_set():
@@ -89,6 +90,12 @@ class Node:
             except Exception:  # the learner may be gone; its leases then expire
                 pass
 
+    def close(self) -> None:
+        """End the scoring stage (e.g. the math task's checker processes)."""
+        if self.producer is not None:
+            self.producer.scorer.close()
+            self.producer = None
+
     def _session(self):
         hello = self.client.call("hello", protocol=wire.PROTOCOL, package=jaxrl_llm.__version__, name=self.name)
         self._build(hello)
@@ -98,8 +105,9 @@ class Node:
         self.version, self.params = self._fetch()
         self.latest = (self.version, self.params)
         log.warning("node %s joined the learner at %s (version %d)", s["node"], self.client.address, self.version)
-        self.outbox = queue.Queue()
-        helpers = [threading.Thread(target=f, daemon=True, name=f.__name__) for f in (self._beat, self._send)]
+        self.outbox, self.ready = queue.Queue(), queue.Queue()
+        helpers = [threading.Thread(target=self._guarded, args=(f,), daemon=True, name=f.__name__)
+                   for f in (self._beat, self._send, self._lease_ahead)]
         for t in helpers:
             t.start()
         try:
@@ -121,6 +129,7 @@ class Node:
         key = (repr(hello["model"]), repr(hello["sampler"]), repr(hello["task"]), repr(hello["runtime"]))
         if self.parts == key:
             return
+        self.close()
         task_cfg = ml_collections.ConfigDict(hello["task"])
         task = tasks.make(task_cfg, hello["hf_path"])
         mcfg = models.ModelConfig(**_tuples(hello["model"]))
@@ -153,18 +162,24 @@ class Node:
                  time.perf_counter() - t)
         return manifest["version"], params
 
+    def _guarded(self, fn):
+        """A helper thread's body: any failure ends the session (a refusal ends the node)."""
+        try:
+            fn()
+        except LearnerLost:
+            pass
+        except Exception as e:
+            if _refused(e):
+                self.refused = e
+            self.lost = self.lost or LearnerLost(f"{fn.__name__}: {str(e).splitlines()[0][:200]}")
+
     def _beat(self):
+        """Heartbeats; each newer version is fetched here, beside decoding."""
         while self.lost is None and not self.stopping.is_set():
-            try:
-                busy = self.busy_s / max(1e-9, time.monotonic() - self.t0)
-                r = self._call("heartbeat", version=self.version, busy=busy)
-                if r["version"] > self.latest[0]:
-                    self.latest = self._fetch()
-            except LearnerLost:
-                return
-            except Exception as e:  # a failed fetch: the session ends and starts over
-                self.lost = LearnerLost(f"weights: {e}")
-                return
+            busy = self.busy_s / max(1e-9, time.monotonic() - self.t0)
+            r = self._call("heartbeat", version=self.version, busy=busy)
+            if r["version"] > self.latest[0]:
+                self.latest = self._fetch()
             time.sleep(POLL_S)
 
     def refresh(self):
@@ -176,11 +191,23 @@ class Node:
 
     # ------------------------------------------------------------------ generation
 
+    def _lease_ahead(self):
+        """Keep AHEAD leases ready for the slots (requested together: one round trip)."""
+        while self.lost is None and not self.stopping.is_set():
+            want = AHEAD - self.ready.qsize()
+            got = self._call("lease", version=self.version, count=want)["leases"] if want > 0 else []
+            for r in got:
+                self.leased[r["draw"]] = r
+                self.ready.put(r)
+            if len(got) < want or want <= 0:
+                time.sleep(POLL_S / 4)
+
     def _lease(self):
-        r = self._call("lease", version=self.version)["lease"]
-        if r is not None:
-            self.leased[r["draw"]] = r
-        return r
+        """The next ready lease, or None."""
+        try:
+            return self.ready.get(timeout=POLL_S / 4)
+        except queue.Empty:
+            return None
 
     def _ended(self) -> bool:
         return self.lost is not None or self.stopping.is_set()
@@ -189,8 +216,6 @@ class Node:
         """Leased (draw, groups) for the slots; None while the learner has nothing to lease."""
         while not self._ended():
             lease = self._lease()
-            if lease is None:
-                time.sleep(POLL_S / 4)
             yield None if lease is None else (lease["draw"], lease["groups"])
         while True:
             yield None
@@ -209,7 +234,6 @@ class Node:
         while not self._ended():
             lease = self._lease()
             if lease is None:
-                time.sleep(POLL_S / 4)
                 continue
             t = time.monotonic()
             self.refresh()
@@ -235,13 +259,7 @@ class Node:
                 continue
             while not self.outbox.empty():
                 groups.append(self.outbox.get_nowait())
-            try:
-                results = self.client.put_groups(groups, **self.session)
-            except Exception as e:
-                if _refused(e):
-                    self.refused = e
-                self.lost = self.lost or LearnerLost(f"upload: {str(e).splitlines()[0][:200]}")
-                return
+            results = self.client.put_groups(groups, **self.session)
             for (_, meta), r in zip(groups, results):
                 if "rejected" in r:
                     self.rejected += 1
@@ -277,6 +295,7 @@ def main(argv=None) -> int:
 
     def on_term(signum, frame):
         node.stop(release=True)
+        node.close()
         log.warning("node %s: %s, leases returned; %d groups uploaded, %d rejected", node.name,
                     signal.Signals(signum).name, node.uploaded, node.rejected)
         os._exit(0)  # decoding threads and scorer processes end with the process
@@ -288,6 +307,8 @@ def main(argv=None) -> int:
     except Exception as e:
         log.error("node %s stops: %s", node.name, e)
         return 2
+    finally:
+        node.close()
     return 0
 
 

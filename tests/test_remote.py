@@ -133,6 +133,9 @@ def test_leases_expire_back_to_the_front_and_refuse_late_groups():
     assert leases.issue("b", 1).draw == 2
     assert not leases.issue("a", 1, admit=lambda v, g: False) and leases.issue("a", 1).draw == 3
     assert len(leases.release("b")) == 3 and leases.issue("a", 1).draw == 0  # b held groups of draws 0, 1, 2
+    d = leases.issue("a", 1)
+    assert leases.give_back(d.id, 0) is d and d.pending == {1}  # a refused group: leased again at once
+    assert (lambda x: (x.draw, x.groups))(leases.issue("b", 1)) == (d.draw, [0])
 
 
 # ---------------------------------------------------------------------- service
@@ -241,16 +244,18 @@ def test_learner_and_two_nodes_through_joins_kills_and_a_learner_restart(tmp_pat
         with pytest.raises(flight.FlightUnauthenticatedError, match="requires its shared token"):
             Client(addr, token="guess").call("hello", name="intruder")
         forger, s = Client(addr, token=token), {"run_id": hello["run_id"], "node": hello["node"]}
-        lease = None
-        while lease is None:
-            lease = forger.call("lease", version=hello["version"], **s)["lease"]
+        leases = []
+        while not leases:
+            leases = forger.call("lease", version=hello["version"], **s)["leases"]
+        lease = leases[0]
         sc = hello["sampler"]
         f = _group(rows=sc["num_samples"], p=16, new=sc["max_new_tokens"], k=sc["capture_topk"], prompt=(1,))
-        for why, g in {"outside the vocabulary": dict(f, tokens=f["tokens"] + 10_000),
-                       "the learner is at version": dict(f, versions=f["versions"] + 10_000),
-                       "expected \\(16, L\\)": {n: x[:3] for n, x in f.items()}}.items():
-            (answer,) = forger.put_groups([(wire.group_batch(g), {"lease": lease["id"], "group": lease["groups"][0]})],
-                                          **s)
+        forged = {"outside the vocabulary": dict(f, tokens=f["tokens"] + 10_000),
+                  "the learner is at version": dict(f, versions=f["versions"] + 10_000),
+                  "expected \\(16, L\\)": {n: x[:3] for n, x in f.items()}}
+        answers = forger.put_groups([(wire.group_batch(g), {"lease": lease["id"], "group": k})
+                                     for g, k in zip(forged.values(), lease["groups"])], **s)
+        for why, answer in zip(forged, answers):  # each refused group is leased again at once
             assert re.search(why, answer["rejected"]), answer
         # The forger never comes back: its lease expires and its groups go to node b.
         assert procs[0].wait(timeout=240) == 0, (tmp_path / "l2.log").read_text()[-3000:]
@@ -307,6 +312,7 @@ def test_two_learner_processes_two_nodes_and_a_node_leaving_by_sigterm(tmp_path)
     assert len(trained) == 6 * 4 * 2 and len(set(trained)) == len(trained)
     assert "leases returned" in (tmp_path / "a.log").read_text()
     assert records[-1]["remote/leases_expired"] == 0 and records[-1]["remote/b/groups"] > 0
+    assert records[-1]["remote/b/staleness"] <= 2  # max_staleness: what is trained is within it
 
 
 def _hub(verify_fraction=1.0):
@@ -354,7 +360,7 @@ def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
         return hub.put_group({**s, "lease": lease["id"], "group": k,
                               "table": wire.encode_group(wire.group_batch(f))}), f
 
-    lease = hub.lease({**s, "version": 3})["lease"]
+    lease = hub.lease({**s, "version": 3})["leases"][0]
     out, f = group(lease, 0, lie=False)
     assert out == {"accepted": True} and len(hub.queue) == 1
     item = hub.queue.get(3)[0]
@@ -364,9 +370,31 @@ def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
     with pytest.raises(wire.Rejected, match="not held"):
         group(lease, 0, lie=False)  # once only
     for i in range(MIN_VERIFIED - 1):  # 1 honest + 4 lies: refused at the 5th check (4 / 5 > max_mismatch)
-        lease = hub.lease({**s, "version": 3})["lease"]
+        (lease,) = hub.lease({**s, "version": 3})["leases"]
         with pytest.raises(wire.Rejected, match="differ from the learner's"):
             group(lease, 0, lie=True)
     with pytest.raises(PermissionError, match=f"{MIN_VERIFIED - 1} of {MIN_VERIFIED} verified groups"):
         hub.lease({**s, "version": 3})
+    with pytest.raises(PermissionError, match="'n' was refused earlier in this run"):
+        hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "n"})
     assert hub.rejected == MIN_VERIFIED and len(hub.queue) == 0 and hub.leases.pending_groups() == 0
+
+
+def test_remote_options_fail_at_start_up(tmp_path, monkeypatch):
+    from jaxrl_llm.runtime import orchestrator
+
+    c = orchestrator.default_config()
+    c.mode = "remote"
+    orchestrator.validate(c)  # loopback: no token needed
+    c.remote.host = "0.0.0.0"
+    monkeypatch.delenv("JAXRL_REMOTE_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="reachable beyond this machine: set a shared token"):
+        orchestrator.validate(c)
+    monkeypatch.setenv("JAXRL_REMOTE_TOKEN", "t")
+    orchestrator.validate(c)
+    c.remote.tls_cert = str(tmp_path / "cert.pem")
+    with pytest.raises(ValueError, match="needs both runtime.remote.tls_cert and runtime.remote.tls_key"):
+        orchestrator.validate(c)
+    c.remote.tls_key = str(tmp_path / "key.pem")
+    with pytest.raises(ValueError, match="cert.pem' does not exist"):
+        orchestrator.validate(c)

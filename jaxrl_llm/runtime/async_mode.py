@@ -185,7 +185,7 @@ class AsyncMode:
         self._trained += batch.shape[0]
         m = self.lengths.metrics()
         m.update({"runtime/queue_depth": float(len(self.queue)), "runtime/samples_per_s": self._trained / elapsed,
-                  "runtime/learner_idle": self._idle / elapsed,
+                  "runtime/learner_idle": self._idle / elapsed, "runtime/learner_idle_s": self._idle,
                   "runtime/sampler_busy": sum(w.busy_s for w in self.workers) / (elapsed * self.cfg.num_samplers),
                   "runtime/score_wait": sum(w.score_wait_s for w in self.workers) / (elapsed * self.cfg.num_samplers)})
         return m

@@ -31,11 +31,13 @@ from jaxrl_llm.runtime.weights import WeightStore
 
 STREAM = 0  # the data position's stream the nodes share (draws are Producer.draw(STREAM + 1, d))
 MIN_VERIFIED = 5
+MAX_LEASES = 8  # per lease call
 
 
 @dataclasses.dataclass
 class NodeStats:
-    name: str
+    name: str  # unique in this run
+    asked: str  # the name it asked for
     peer: str
     joined: float
     seen: float
@@ -60,10 +62,12 @@ class Hub:
         self.run_id = uuid.uuid4().hex
         self.nodes: dict[str, NodeStats] = {}
         self.rejected = 0
+        self._refused: dict[str, str] = {}  # asked name -> why
         self._artifacts: collections.OrderedDict = collections.OrderedDict()  # version -> (manifest, buffer)
         self._prompts: collections.OrderedDict = collections.OrderedDict()  # draw -> prompts
         self._lock = threading.Lock()
         self._rng = np.random.default_rng([cfg.seed, 31])
+        self.made_by: dict[tuple, str] = {}  # (draw, group) queued -> its node, until trained or dropped
 
     # ------------------------------------------------------------------ calls
 
@@ -73,27 +77,32 @@ class Hub:
         if theirs != mine:
             raise PermissionError(f"this learner speaks protocol {mine['protocol']} (jaxrl_llm {mine['package']}); "
                                   f"the node {theirs['protocol']} (jaxrl_llm {theirs['package']})")
+        name = str(req.get("name") or "node")
+        if name in self._refused:  # saying hello again does not undo a refusal
+            raise PermissionError(f"node {name!r} was refused earlier in this run: {self._refused[name]}")
         with self._lock:
-            name = str(req.get("name") or "node")
             node = name if name not in self.nodes else f"{name}-{len(self.nodes)}"
             now = time.monotonic()
-            self.nodes[node] = NodeStats(node, req.get("peer", ""), now, now)
+            self.nodes[node] = NodeStats(node, name, req.get("peer", ""), now, now)
         return {"run_id": self.run_id, "node": node, "version": self.store.latest()[0],
                 "lease_s": self.leases.lease_s, **self.node_config}
 
     def lease(self, req: dict) -> dict:
+        """Up to `count` (at most MAX_LEASES) leases while the node's share of the in-flight room
+        lasts: a node on a slow link leases ahead, or the round trip bounds its throughput."""
         n = self._node(req)
         self.expire()
-        room = self.capacity * max(1, self.live()) - len(self.queue) - self.leases.pending_groups()
         admit = None
         if self.admission is not None:
             admit = lambda v, groups: self.admission.try_admit(v, self.store.latest()[0], groups)  # noqa: E731
-        x = None
-        if room > 0:
-            x = self.leases.issue(n.name, int(req.get("version", -1)), admit)
-        if x is None:
-            return {"lease": None}
-        return {"lease": {"id": x.id, "draw": x.draw, "groups": x.groups}}
+        out = []
+        for _ in range(min(MAX_LEASES, max(1, int(req.get("count", 1))))):
+            room = self.capacity * max(1, self.live()) - len(self.queue) - self.leases.pending_groups()
+            x = self.leases.issue(n.name, int(req.get("version", -1)), admit) if room > 0 else None
+            if x is None:
+                break
+            out.append({"id": x.id, "draw": x.draw, "groups": x.groups})
+        return {"leases": out}
 
     def heartbeat(self, req: dict) -> dict:
         n = self._node(req)
@@ -117,7 +126,7 @@ class Hub:
         return memoryview(art[1])[c["offset"]:c["offset"] + c["nbytes"]]
 
     def put_group(self, req: dict) -> dict:
-        n = self._node(req)
+        n, lease = self._node(req), None
         try:
             lease_id, group = int(req["lease"]), int(req["group"])
             lease = self.leases.held(lease_id, n.name, group)
@@ -133,6 +142,10 @@ class Hub:
         except (ValueError, KeyError) as e:  # Rejected and LeaseError too
             n.rejected += 1
             self.rejected += 1
+            # A refused group of a lease the node holds is leased again at once (the node's
+            # heartbeats would otherwise keep it held and its prompts untrained).
+            if lease is not None and self.leases.give_back(lease.id, group) and self.admission is not None:
+                self.admission.revoke(lease.version, 1)
             raise wire.Rejected(str(e)) from None
         batch = wire.group_batch(f)  # advantages: once per learner batch (`RemoteMode`)
         n.groups += 1
@@ -140,6 +153,7 @@ class Hub:
             self.lengths.add("generated", batch)
         n.reward_failures += int(req.get("failures", 0))
         version = staleness.oldest_version(batch.versions, batch.loss_mask)
+        self.made_by[lease.draw, group] = n.name
         self.queue.put(Rollout(Origin(STREAM, lease.draw, (group,)), batch), version, timeout=10.0)
         if self.admission is not None:
             self.admission.enqueued(lease.version)
@@ -182,7 +196,7 @@ class Hub:
     def _draw_prompts(self, draw: int) -> list:
         with self._lock:
             if draw not in self._prompts:
-                self._prompts[draw] = self.producer.draw(STREAM + 1, draw)[0]
+                self._prompts[draw] = self.producer.prompts(STREAM + 1, draw)
                 while len(self._prompts) > 256:
                     self._prompts.popitem(last=False)
             return self._prompts[draw]
@@ -203,6 +217,7 @@ class Hub:
             n.mismatched += 1
             if n.verified >= MIN_VERIFIED and n.mismatched > self.cfg.remote.max_mismatch * n.verified:
                 n.refused = True
+                self._refused[n.asked] = f"{n.mismatched} of {n.verified} verified groups had differing rewards"
                 self._revoke(self.leases.release(n.name))
             raise wire.Rejected(f"rewards {np.round(f['rewards'], 4).tolist()} differ from the learner's "
                                 f"{np.round(mine, 4).tolist()}")

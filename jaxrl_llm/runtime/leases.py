@@ -105,6 +105,19 @@ class Leases:
                 del self._held[lease_id]
             return lease
 
+    def give_back(self, lease_id: int, group: int) -> Optional[Lease]:
+        """A group the learner refused goes back to the front of the stream at once (its node
+        would otherwise keep the lease alive with heartbeats); returns its lease, if held."""
+        with self._lock:
+            lease = self._held.get(lease_id)
+            if lease is None or group not in lease.pending:
+                return None
+            lease.pending.discard(group)
+            if not lease.pending:
+                del self._held[lease_id]
+            self._returned.appendleft((lease.draw, [group]))
+            return lease
+
     def expire(self) -> list[Lease]:
         """Leases past their deadline end; their pending groups go back to the stream."""
         with self._lock:

@@ -91,11 +91,15 @@ class Producer:
         """Whether groups are streamed as they finish (continuous batching) rather than batched."""
         return self.sampler.cfg.batching == "continuous"
 
+    def prompts(self, worker: int, counter: int) -> list:
+        """The prompts of draw `counter` of sampler `worker` (see `draw`)."""
+        rng = np.random.default_rng(distributed.seed_ids(self.seed, worker, counter))
+        return self.task.prompts(rng, self.prompts_per_batch)
+
     def draw(self, worker: int, counter: int):
         """Draw `counter` of sampler `worker`: (prompts, sampling key). With many processes each
         draws prompts and samples of its own (`distributed.seed_ids`)."""
-        rng = np.random.default_rng(distributed.seed_ids(self.seed, worker, counter))
-        prompts = self.task.prompts(rng, self.prompts_per_batch)
+        prompts = self.prompts(worker, counter)
         key = self._key
         for i in distributed.seed_ids(worker, counter):
             key = jax.random.fold_in(key, i)

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
-from jaxrl_llm import distributed
+from jaxrl_llm import distributed, staleness
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.runtime.admission import Admission
 from jaxrl_llm.runtime.hub import STREAM, Hub
@@ -63,7 +63,7 @@ class RemoteMode:
         admit = c.staleness_policy == "admit"
         self.admission = Admission(c.max_staleness, self.items * distributed.count()) if admit else None
         queue = VersionedQueue(1 << 20, None if c.max_staleness < 0 else c.max_staleness, c.staleness_policy,
-                               on_drop=self.on_drop)  # bounded by the leases the hub issues
+                               on_drop=self._dropped)  # bounded by the leases the hub issues
         capacity = max(c.queue_size, c.max_staleness + 1 if admit else 0) * self.items * distributed.count()
         leases = Leases(self.position.todo(STREAM), r.lease_s)
         self.hub = Hub(self.producer, self.store, leases, queue, c, self.node_config, self.admission,
@@ -72,6 +72,10 @@ class RemoteMode:
 
         self.service = Service(self.hub, r.host, r.port, token(r), tls(r))
         log.warning("serving sampler nodes: python -m jaxrl_llm.sampler_node --learner=%s", self.service.address)
+
+    def _dropped(self, item) -> None:
+        self.hub.made_by.pop((item.origin.draw, *item.origin.groups), None)
+        self.on_drop(item)
 
     def next_batch(self, version: int) -> TrajectoryBatch:
         """This process's rows of the next batch. With many learner processes, process 0 alone
@@ -88,7 +92,7 @@ class RemoteMode:
             rows = batch.shape[0] // n
             i = distributed.index()
             batch = jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch)
-        self._got = got
+        self._got, self._version = got, version
         self.lengths.add("trained", batch)
         self._idle += time.perf_counter() - t0
         return batch
@@ -136,7 +140,8 @@ class RemoteMode:
         elapsed = time.perf_counter() - self._start
         self._trained += batch.shape[0]
         m = self.lengths.metrics()
-        m.update({"runtime/samples_per_s": self._trained / elapsed, "runtime/learner_idle": self._idle / elapsed})
+        m.update({"runtime/samples_per_s": self._trained / elapsed, "runtime/learner_idle": self._idle / elapsed,
+                  "runtime/learner_idle_s": self._idle})
         if self.hub is None:
             return m
         for item in self._got:
@@ -144,6 +149,12 @@ class RemoteMode:
         if self.admission is not None:
             self.admission.trained(len(self._got))
         m.update(self.hub.metrics())
+        by_node = {}
+        for r in self._got:  # each node's staleness in this step
+            node = self.hub.made_by.pop((r.origin.draw, *r.origin.groups), "?")
+            by_node.setdefault(node, []).append(self._version - staleness.oldest_version(r.batch.versions,
+                                                                                         r.batch.loss_mask))
+        m.update({f"remote/{node}/staleness": float(np.mean(d)) for node, d in by_node.items()})
         m.update({"runtime/queue_depth": float(len(self.hub.queue)),
                   "remote/origins": [[r.origin.draw, *r.origin.groups] for r in self._got]})
         return m
