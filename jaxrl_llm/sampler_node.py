@@ -40,7 +40,7 @@ from jaxrl_llm.runtime.producer import Producer
 
 POLL_S = 0.2  # heartbeat and newest-version poll
 LOG_EVERY_S = 10.0  # how often a node that lost its learner says so
-AHEAD = 2  # leases held ready beyond the ones decoding (a slow link's round trip stays hidden)
+AHEAD = 8  # leases held ready, asked for in one call: what a slow link's round trip must cover
 log = logging.getLogger("jaxrl_llm.sampler_node")
 
 
