@@ -135,6 +135,7 @@ def test_leases_expire_back_to_the_front_and_refuse_late_groups():
     assert len(leases.release("b")) == 3 and leases.issue("a", 1).draw == 0  # b held groups of draws 0, 1, 2
     d = leases.issue("a", 1)
     assert leases.give_back(d.id, 0) is d and d.pending == {1}  # a refused group: leased again at once
+    assert leases.issue("a", 1).draw != d.draw  # a still holds d's draw: never two leases on one draw
     assert (lambda x: (x.draw, x.groups))(leases.issue("b", 1)) == (d.draw, [0])
 
 

@@ -57,11 +57,14 @@ class Leases:
         """A lease on the next draw for `node` (whose weights are at `version`), or None when
         `admit(version, groups)` holds it back."""
         with self._lock:
-            draw, groups = self._returned[0] if self._returned else self._peek()
+            # Never a second lease on a draw the node still holds (its slots track draws by id).
+            mine = {x.draw for x in self._held.values() if x.node == node}
+            i = next((i for i, (d, _) in enumerate(self._returned) if d not in mine), None)
+            draw, groups = self._returned[i] if i is not None else self._peek()
             if admit is not None and not admit(version, len(groups)):
                 return None
-            if self._returned:
-                self._returned.popleft()
+            if i is not None:
+                del self._returned[i]
             else:
                 self._next = None
             lease = Lease(next(self._ids), node, draw, list(groups), version, self.clock() + self.lease_s)

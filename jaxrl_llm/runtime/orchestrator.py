@@ -66,7 +66,7 @@ SECTION = V.Section(
     # token (or JAXRL_REMOTE_TOKEN); tls_cert / tls_key: PEM files for TLS.
     remote=V.Section(host=("127.0.0.1", V.text()), port=(8815, V.integer(0)), token=("", V.anything()),
                      lease_s=(30.0, V.positive()), verify_fraction=(0.05, V.unit()), max_mismatch=(0.1, V.unit()),
-                     chunk_mb=(8, V.integer(1)), tls_cert=("", V.anything()), tls_key=("", V.anything())),  # simulated: seconds of delay per learner step
+                     chunk_mb=(16, V.integer(1)), tls_cert=("", V.anything()), tls_key=("", V.anything())),
     advantage=("grpo", V.one_of(*advantages.names())),
     mask_zero_variance=(False, V.boolean()),
     seed=(0, V.integer(0)),
