@@ -25,8 +25,8 @@ class Client:
         self.address = address
         where = f"{scheme}://{address}"
         self._flight = flight.FlightClient(where, tls_root_certs=tls_root_cert)
-        self._bulk = [flight.FlightClient(where, tls_root_certs=tls_root_cert, generic_options=_BULK + [("jaxrl.stream", i)])
-                      for i in range(STREAMS)]
+        self._bulk = [flight.FlightClient(where, tls_root_certs=tls_root_cert,
+                                          generic_options=_BULK + [("jaxrl.stream", i)]) for i in range(STREAMS)]
         headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._options = flight.FlightCallOptions(headers=headers, timeout=timeout)
         self._pool = concurrent.futures.ThreadPoolExecutor(STREAMS, thread_name_prefix="weights")

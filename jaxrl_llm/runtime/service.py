@@ -21,8 +21,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from jaxrl_llm.runtime.leases import LeaseError
-from jaxrl_llm.runtime.wire import Rejected
 
 ACTIONS = ("hello", "lease", "heartbeat", "release", "manifest")
 
@@ -124,5 +122,5 @@ def _guard(fn, req):
         return fn(req)
     except PermissionError as e:
         raise flight.FlightUnauthorizedError(f"refused: {e}") from None
-    except (Rejected, LeaseError, KeyError, TypeError) as e:
+    except (ValueError, LookupError, TypeError) as e:  # Rejected, LeaseError, a bad field or index
         raise flight.FlightServerError(f"rejected: {type(e).__name__}: {e}") from None

@@ -1,11 +1,12 @@
 """What travels between a learner and its sampler nodes (`service.py`, `client.py`), as Arrow data.
 
 Weights: one published version is an *artifact*: the sampler copy's leaves laid end to end in
-one buffer, cut into chunks of at most `chunk_bytes` along leaf boundaries where it can, and a JSON
-manifest naming each leaf (path, dtype, shape, offset) and each chunk (offset, size, CRC-32C: the hardware checksum catches a damaged or
-truncated transfer at ~10 GB/s a core, where SHA-256 runs at 1.3 and would halve the transfer
-rate; tampering is what the token and TLS keep out). A node fetches the chunks in parallel
-streams, checks each against the manifest and rebuilds the tree.
+one buffer, cut into chunks of at most `chunk_bytes` along leaf boundaries where it can, and a
+JSON manifest naming each leaf (path, dtype, shape, offset) and each chunk (offset, size,
+CRC-32C: the hardware checksum catches a damaged or truncated transfer at ~10 GB/s a core, where
+SHA-256 runs at 1.3 and would halve the transfer rate; tampering is what the token and TLS keep
+out). A node fetches the chunks in parallel streams, checks each against the manifest and
+rebuilds the tree.
 
 Rollouts: one prompt group is an Arrow table with a row per field (name, dtype, shape, bytes).
 Nothing from the network is trusted: `decode_group` accepts only the declared fields at their
