@@ -37,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402
 
+from jaxrl_llm.launch import free_port  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -48,13 +50,8 @@ def _params_05b():
     import jax
     import ml_dtypes
 
-    from bench_scale import QWEN25_05B
-    from jaxrl_llm import models
-
-    cfg = models.ModelConfig(**QWEN25_05B)
-    shapes = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
     rng = np.random.default_rng(0)
-    return jax.tree.map(lambda s: rng.integers(0, 1 << 16, s.shape, np.uint16).view(ml_dtypes.bfloat16), shapes)
+    return jax.tree.map(lambda s: rng.integers(0, 1 << 16, s.shape, np.uint16).view(ml_dtypes.bfloat16), _skeleton())
 
 
 class _Weights:
@@ -162,7 +159,7 @@ NODE_ENV = {}  # --node_xla_flags
 def _run(mode: str, steps: int, extra=(), node_via=None) -> list:
     """One embedded-default run (`mode` async or remote, with one node); its step records."""
     wd = tempfile.mkdtemp(prefix=f"bench_remote_{mode}_")
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "jaxrl_llm.main", "--config=configs/default.py", f"--workdir={wd}",
            f"--config.train.steps={steps}", "--config.train.eval_every=100000", "--config.train.save_every=100000",
            "--config.train.progress=False", f"--config.runtime.mode={mode}", f"--config.runtime.remote.port={port}",
@@ -302,12 +299,6 @@ class Relay:
     def close(self):
         self.stop.set()
         self.sock.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():

@@ -201,6 +201,41 @@ def _wait_step(workdir, step, proc, timeout=240):
     raise AssertionError(f"no step {step} within {timeout} s")
 
 
+class _Processes:
+    """Learner and node processes of one test, each logging to tmp_path/<name>.log; every one
+    still running is killed on exit."""
+
+    def __init__(self, tmp_path, port, env=None):
+        self.tmp, self.port, self.env, self.logs, self.procs = tmp_path, port, env, [], []
+
+    def start(self, cmd, name):
+        log = open(self.tmp / f"{name}.log", "w")
+        self.logs.append(log)
+        self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT))
+        return self.procs[-1]
+
+    def node(self, name):
+        return self.start([sys.executable, "-m", "jaxrl_llm.sampler_node", f"--learner=127.0.0.1:{self.port}",
+                           f"--name={name}", "--retry_s=0.5"], name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for f in self.logs:
+            f.close()
+
+
+def _trained(workdir, steps):
+    """The step records (asserted to be steps 1..`steps`, once each) and every trained (draw, group)."""
+    records = [r for r in _records(workdir) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    return records, [tuple(o) for r in records for o in r["remote/origins"]]
+
+
 def test_learner_and_two_nodes_through_joins_kills_and_a_learner_restart(tmp_path):
     """Node a starts with the learner, node b joins at step 2; a is killed (-9) mid-generation at
     step 4, the learner (-9) at step 7; a new learner resumes from its checkpoint at version 6
@@ -214,26 +249,16 @@ def test_learner_and_two_nodes_through_joins_kills_and_a_learner_restart(tmp_pat
                "--config.runtime.remote.lease_s=3", "--config.runtime.prompts_per_batch=4", "--config.train.steps=10",
                "--config.train.save_every=3", "--config.train.eval_every=100", "--config.task.eval_size=8",
                "--config.train.progress=False", "--config.runtime.remote.verify_fraction=0.5"]
-    env = dict(os.environ, JAXRL_REMOTE_TOKEN=token)
-    logs = {n: open(tmp_path / f"{n}.log", "w") for n in ("l1", "l2", "a", "b")}
-
-    def start(cmd, name):
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logs[name], stderr=subprocess.STDOUT)
-
-    def node(name):
-        return start([sys.executable, "-m", "jaxrl_llm.sampler_node", f"--learner=127.0.0.1:{port}",
-                      f"--name={name}", "--retry_s=0.5"], name)
-
-    procs = [start(learner, "l1"), node("a")]
-    try:
-        _wait_step(wd, 2, procs[0])
-        procs.append(node("b"))
-        _wait_step(wd, 4, procs[0])
-        procs[1].send_signal(signal.SIGKILL)
-        _wait_step(wd, 7, procs[0])
-        procs[0].send_signal(signal.SIGKILL)
-        procs[0].wait()
-        procs[0] = start(learner, "l2")
+    with _Processes(tmp_path, port, dict(os.environ, JAXRL_REMOTE_TOKEN=token)) as run:
+        first, a = run.start(learner, "l1"), run.node("a")
+        _wait_step(wd, 2, first)
+        run.node("b")
+        _wait_step(wd, 4, first)
+        a.send_signal(signal.SIGKILL)
+        _wait_step(wd, 7, first)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        second = run.start(learner, "l2")
         addr = f"127.0.0.1:{port}"
         for _ in range(600):  # the new learner serves once it has restored
             try:
@@ -259,16 +284,8 @@ def test_learner_and_two_nodes_through_joins_kills_and_a_learner_restart(tmp_pat
         for why, answer in zip(forged, answers):  # each refused group is leased again at once
             assert re.search(why, answer["rejected"]), answer
         # The forger never comes back: its lease expires and its groups go to node b.
-        assert procs[0].wait(timeout=240) == 0, (tmp_path / "l2.log").read_text()[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for f in logs.values():
-            f.close()
-    records = [r for r in _records(wd) if "loss" in r]
-    assert [r["step"] for r in records] == list(range(1, 11))
-    trained = [tuple(o) for r in records for o in r["remote/origins"]]
+        assert second.wait(timeout=240) == 0, (tmp_path / "l2.log").read_text()[-3000:]
+    records, trained = _trained(wd, 10)
     assert len(trained) == 10 * 4 and len(set(trained)) == len(trained)  # nothing trained twice
     with open(os.path.join(wd, "checkpoints", "10.runtime", "process_0.json")) as f:
         pos = json.load(f)["position"]["workers"]["0"]
@@ -289,27 +306,14 @@ def test_two_learner_processes_two_nodes_and_a_node_leaving_by_sigterm(tmp_path)
                "--config.runtime.max_staleness=2", "--config.runtime.prompts_per_batch=4", "--config.train.steps=6",
                "--config.train.save_every=100", "--config.train.eval_every=100", "--config.task.eval_size=8",
                "--config.train.progress=False", "--config.sampler.batching=static"]
-    logs = {n: open(tmp_path / f"{n}.log", "w") for n in ("l", "a", "b")}
-
-    def start(cmd, name):
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=logs[name], stderr=subprocess.STDOUT)
-
-    procs = [start(learner, "l")] + [start([sys.executable, "-m", "jaxrl_llm.sampler_node", f"--learner=127.0.0.1:{port}",
-                                             f"--name={n}", "--retry_s=0.5"], n) for n in ("a", "b")]
-    try:
-        _wait_step(wd, 2, procs[0])
-        procs[1].send_signal(signal.SIGTERM)
-        assert procs[1].wait(timeout=30) == 0
-        assert procs[0].wait(timeout=240) == 0, (tmp_path / "l.log").read_text()[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for f in logs.values():
-            f.close()
-    records = [r for r in _records(wd) if "loss" in r]
-    assert [r["step"] for r in records] == list(range(1, 7)) and records[-1]["processes"] == 2
-    trained = [tuple(o) for r in records for o in r["remote/origins"]]
+    with _Processes(tmp_path, port) as run:
+        lrn, a, _ = run.start(learner, "l"), run.node("a"), run.node("b")
+        _wait_step(wd, 2, lrn)
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(timeout=30) == 0
+        assert lrn.wait(timeout=240) == 0, (tmp_path / "l.log").read_text()[-3000:]
+    records, trained = _trained(wd, 6)
+    assert records[-1]["processes"] == 2
     assert len(trained) == 6 * 4 * 2 and len(set(trained)) == len(trained)
     assert "leases returned" in (tmp_path / "a.log").read_text()
     assert records[-1]["remote/leases_expired"] == 0 and records[-1]["remote/b/groups"] > 0

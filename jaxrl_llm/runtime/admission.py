@@ -56,6 +56,10 @@ class Admission:
         with self._lock:
             self.untrained -= groups
 
+    def ready(self, learner_version: int, queued: int, groups: int) -> bool:
+        """Whether a step at `learner_version` may take its `groups` now (`queued` are waiting)."""
+        return queued >= groups and self.may_step(learner_version)
+
     def may_step(self, learner_version: int) -> bool:
         """Whether a step at `learner_version` leaves every group still decoding within the bound
         (it will be trained at learner_version + 1 or later)."""

@@ -213,7 +213,7 @@ def _gather(queue: VersionedQueue, workers, learner_version: int, items: int = 1
     got = []
     while True:
         failed = any(w.error is not None for w in workers)
-        held = admission is not None and not got and not (len(queue) >= items and admission.may_step(learner_version))
+        held = admission is not None and not got and not admission.ready(learner_version, len(queue), items)
         if held and not failed:
             time.sleep(POLL_S / 10)
         elif len(got) < items and not failed:

@@ -114,8 +114,7 @@ class RemoteMode:
         t0, said, got, hub = time.perf_counter(), time.monotonic(), [], self.hub
         while len(got) < items:
             hub.expire()
-            held = self.admission is not None and not got and not (
-                len(hub.queue) >= items and self.admission.may_step(version))
+            held = self.admission is not None and not got and not self.admission.ready(version, len(hub.queue), items)
             if not held:
                 try:
                     got.append(hub.queue.get(version, timeout=POLL_S)[0])
