@@ -18,9 +18,9 @@ from jaxrl_llm.tasks import warmstart
 _SIZES = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 
 
-def _model(size_low: int, sizes: tuple) -> V.Section:
+def _model(size_low: int, sizes: tuple, **more) -> V.Section:
     """A `model` section; sizes below `size_low` are refused (0 allowed for `aux_model`: off)."""
-    return V.Section(
+    return V.Section(**more,
         hf_path=("", V.anything()),  # a local Hugging Face directory (paths.py); empty: a random model of these sizes
         **{f: (n, V.integer(size_low)) for f, n in zip(_SIZES, sizes)},
         dtype=("float32", V.one_of(*models.config.DTYPES)),  # compute (and sampler weights); master weights stay float32
@@ -28,7 +28,7 @@ def _model(size_low: int, sizes: tuple) -> V.Section:
         remat=("none", V.one_of(*models.config.REMAT)))  # none | full | dots: decoder layers recomputed in backward
 
 
-MODEL = _model(1, (64, 128, 2, 4, 2, 16))
+MODEL = _model(1, (64, 128, 2, 4, 2, 16), lora=models.lora.SECTION)  # lora: models/lora.py
 # A second model for objectives that train one (e.g. Jackpot's rollout actor): hf_path, or a
 # random model of hidden_size > 0; off (all sizes 0) by default.
 AUX_MODEL = _model(0, (0,) * len(_SIZES))

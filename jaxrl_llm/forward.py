@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import minibatches, packing, sharding
 from jaxrl_llm.batch import TrajectoryBatch
-from jaxrl_llm.models import heads
+from jaxrl_llm.models import heads, lora
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.policy_dist import PolicyDist
 
@@ -40,24 +40,27 @@ class Forward:
 
 
 def stats(fwd: Forward, params, batch: TrajectoryBatch, topk: int = 0, gather: bool = True,
-          return_hidden: bool = False, packed: Optional[packing.PackPlan] = None, replicas: int = 0) -> dict:
+          return_hidden: bool = False, packed: Optional[packing.PackPlan] = None, replicas: int = 0,
+          base=None) -> dict:
     """Per-token stats (`heads.sequence_logprobs`) in the padded [B, L] layout. `gather`: also
-    the policy's log-probs at the behaviour top-K ids; `topk`: the policy's own top-K."""
+    the policy's log-probs at the behaviour top-K ids; `topk`: the policy's own top-K. `base`:
+    with LoRA, the frozen weights the adapters `params` complete (one copy, also under replicas)."""
     gather_ids = batch.topk_ids if gather and batch.topk > 0 else None
+    full = (lambda p: p) if base is None else (lambda p: lora.combine(base, p))  # noqa: E731
     kw = dict(dist=fwd.dist, topk=topk, chunk=fwd.chunk, return_hidden=return_hidden)
     if replicas:
         split = lambda x: minibatches.by_shard(x, replicas, fwd.on_shards)  # noqa: E731
         one = lambda p, t, m, k, g: heads.sequence_logprobs(  # noqa: E731
-            p, fwd.model_cfg, t, m, kept_BxL=k, gather_ids_BxLxK=g, **kw)
+            full(p), fwd.model_cfg, t, m, kept_BxL=k, gather_ids_BxLxK=g, **kw)
         out = jax.vmap(one)(params, split(batch.tokens), split(batch.input_mask), split(batch.behav_kept),
                             split(gather_ids))
         return {k: v.reshape(-1, *v.shape[2:]) for k, v in out.items()}
     if packed is None:
-        return heads.sequence_logprobs(params, fwd.model_cfg, batch.tokens, batch.input_mask,
+        return heads.sequence_logprobs(full(params), fwd.model_cfg, batch.tokens, batch.input_mask,
                                        kept_BxL=batch.behav_kept, gather_ids_BxLxK=gather_ids, **kw)
     rows = lambda x: jax.lax.with_sharding_constraint(x, fwd.on_shards)  # noqa: E731
     pack = lambda x: None if x is None else rows(packing.pack(x, packed.src))
-    s = heads.sequence_logprobs(params, fwd.model_cfg, pack(batch.tokens), kept_BxL=pack(batch.behav_kept),
+    s = heads.sequence_logprobs(full(params), fwd.model_cfg, pack(batch.tokens), kept_BxL=pack(batch.behav_kept),
                                 gather_ids_BxLxK=pack(gather_ids),
                                 segments=(rows(packed.segment), rows(packed.position)), **kw)
     return {k: packing.unpack(v, packed.dst) for k, v in s.items()}

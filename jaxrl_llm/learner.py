@@ -21,7 +21,7 @@ from jaxrl_llm import distributed, minibatches, objectives, packing, sharding, t
 from jaxrl_llm import validation as V
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.forward import Forward
-from jaxrl_llm.models import decoder
+from jaxrl_llm.models import decoder, lora
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.policy_dist import PolicyDist
 from jaxrl_llm.objectives.auxiliary import AuxContext
@@ -69,6 +69,9 @@ class Learner:
         self._prox = jax.jit(functools.partial(update.prox_pass, plan=self.plan))
         self._ref = jax.jit(functools.partial(update.ref_pass, plan=self.plan))
         self._step = None  # built by place(): needs the state's shardings
+        self.base = None  # LoRA: the frozen weights the adapters complete (`hold_base`)
+        scale, dtype = model_cfg.lora_scale, model_cfg.dtype
+        self._merge = jax.jit(lambda base, adapters: lora.merge(base, adapters, scale, dtype))
 
     @property
     def temperature(self) -> float:
@@ -83,9 +86,28 @@ class Learner:
         """The params the samplers generate with (see `rollout_model_cfg`)."""
         return state.aux.params if self.aux is not None and self.aux.samples else state.params
 
-    def init(self, key, params=None, aux_params=None) -> TrainState:
-        """A new state, created in its shardings (given params are copied there)."""
+    @property
+    def rollout_base(self):
+        """With LoRA (and the policy sampling): the frozen base the published adapters complete."""
+        return self.base if self.layout.lora and not (self.aux is not None and self.aux.samples) else None
+
+    def init(self, key, params=None, aux_params=None, adapters=None) -> TrainState:
+        """A new state, created in its shardings (given params are copied there). With LoRA,
+        `params` is the base (random when None) and the state holds `adapters` (new when None)."""
+        if self.layout.lora:
+            self.hold_base(params if params is not None else decoder.init_params(
+                self.model_cfg.replace(lora_rank=0), jax.random.fold_in(key, 2)))
+            params = adapters
         return self.place(train_state.init(self.layout, key, params, aux_params))
+
+    def hold_base(self, params) -> None:
+        """LoRA: keep the frozen base (float weights in the compute dtype) on the learner's mesh."""
+        cast = lambda x: x.astype(self.model_cfg.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+        self.base = train_state.own(jax.tree_util.tree_map(cast, params), self.layout.base_sh)
+
+    def policy_params(self, state: TrainState):
+        """The policy as plain decoder params (LoRA: merged into a new copy, compute dtype)."""
+        return self._merge(self.base, state.params) if self.layout.lora else state.params
 
     def abstract_state(self) -> TrainState:
         """`init`'s state, abstract: the template a checkpoint restores into."""
@@ -126,23 +148,23 @@ class Learner:
         timings = {"prox_time_s": 0.0}
         if "prox_logp" in self.plan.needs:
             t = time.perf_counter()
-            prox, prox_topk = jax.block_until_ready(self._prox(state.params, batch, packed))
+            prox, prox_topk = jax.block_until_ready(self._prox(state.params, batch, packed, self.base))
             timings["prox_time_s"] = time.perf_counter() - t
             batch = batch.replace(prox_logp=prox, prox_topk_logp=prox_topk)
         if "ref_logp" in self.plan.needs:
-            batch = batch.replace(ref_logp=self._ref(state.ref_params, batch, packed))
+            batch = batch.replace(ref_logp=self._ref(state.ref_params, batch, packed, self.base))
         return batch, packed, timings
 
     def lower_step(self, state: TrainState, batch: TrajectoryBatch):
         """`train_step`'s program, lowered and not run (its memory analysis, its HLO)."""
         batch, packed, _ = self.prepare(state, batch)
-        return self._step.lower(state, batch, packed)
+        return self._step.lower(state, batch, packed, self.base)
 
     def train_step(self, state: TrainState, batch: TrajectoryBatch):
         """One training step (num_minibatches updates). Returns (new_state, metrics)."""
         t0 = time.perf_counter()
         batch, packed, timings = self.prepare(state, batch)
-        state, metrics = self._step(state, batch, packed)
+        state, metrics = self._step(state, batch, packed, self.base)
         metrics = jax.device_get(metrics)
         tokens = float(metrics.pop("trained_tokens"))  # over the global batch, from the step itself
         if self.cfg.ref_swap_every and int(state.version) % self.cfg.ref_swap_every == 0:
@@ -163,7 +185,14 @@ def _resolve(model_cfg, cfg, objective_cfg, mesh, mesh_cfg, aux_model_cfg, dist)
     aux = _active_aux(objective, aux_model_cfg)
     aux_ctx = AuxContext(model_cfg, aux_model_cfg, dist, cfg.logprob_chunk)
     opt = update.make_optimizer(cfg)
-    param_sh = sharding.param_shardings(decoder.logical_axes(model_cfg), mesh, mesh_cfg)
+    param_sh = sharding.param_shardings(decoder.logical_axes(model_cfg.replace(lora_rank=0)), mesh, mesh_cfg)
+    init_params, base_sh = functools.partial(decoder.init_params, model_cfg), None
+    if model_cfg.lora_rank:
+        # Adapters are replicated: r (in + out) per target is ~1-2% of the base at rank 16, so
+        # a copy per device costs little and no layer all-gathers them; their gradients are one
+        # small all-reduce. The base keeps its logical-axis shardings.
+        init_params, base_sh, param_sh = functools.partial(_init_adapters, model_cfg), param_sh, \
+            sharding.replicated(mesh)
     aux_sh = None
     if aux is not None:
         axes = aux.logical_axes and aux.logical_axes(aux_ctx)
@@ -180,10 +209,15 @@ def _resolve(model_cfg, cfg, objective_cfg, mesh, mesh_cfg, aux_model_cfg, dist)
         # (`minibatches.replicate_rows`), not a gloo all-reduce per metric.
         gather_metrics=cpu and mesh.devices.size > len(mesh.local_devices))
     layout = train_state.Layout(
-        opt=opt, mesh=mesh, init_params=functools.partial(decoder.init_params, model_cfg), param_sh=param_sh,
+        opt=opt, mesh=mesh, init_params=init_params, param_sh=param_sh,
         seed=cfg.seed, with_ref="ref_logp" in needs, init_aux=aux and functools.partial(_init_aux, aux, aux_ctx),
-        aux_sh=aux_sh)
+        aux_sh=aux_sh, lora=bool(model_cfg.lora_rank), base_sh=base_sh)
     return plan, layout
+
+
+def _init_adapters(model_cfg, key):
+    """New LoRA adapters (A random, B zero); the base XLA builds beside them is dead code."""
+    return lora.split(decoder.init_params(model_cfg, key))[1]
 
 
 def _init_aux(aux, ctx, key):

@@ -12,6 +12,7 @@ import optax
 from flax import struct
 
 from jaxrl_llm import distributed, sharding
+from jaxrl_llm.models import lora
 
 
 @struct.dataclass
@@ -44,6 +45,8 @@ class Layout:
     with_ref: bool  # the objective reads ref_logp: a frozen reference copy
     init_aux: Optional[Callable] = None  # key -> the objective's auxiliary params
     aux_sh: Any = None
+    lora: bool = False  # params are LoRA adapters (`models/lora.py`); the frozen base is not state
+    base_sh: Any = None  # with lora: the base's shardings (its logical-axis rules)
 
 
 def init(layout: Layout, key, params=None, aux_params=None) -> TrainState:
@@ -59,8 +62,8 @@ def init(layout: Layout, key, params=None, aux_params=None) -> TrainState:
         else:
             aux_params = own(aux_params, layout.aux_sh)
         kw["aux"] = AuxState(aux_params, _opt_init(layout, aux_params, layout.aux_sh))
-    if layout.with_ref:
-        kw["ref_params"] = jax.tree_util.tree_map(jnp.copy, params)
+    if layout.with_ref:  # with LoRA: the adapters disabled (B = 0), i.e. the base, at adapter size
+        kw["ref_params"] = lora.disabled(params) if layout.lora else jax.tree_util.tree_map(jnp.copy, params)
     return TrainState(params=params, opt_state=_opt_init(layout, params, layout.param_sh),
                       step=jnp.zeros((), jnp.int32), version=jnp.zeros((), jnp.int32),
                       rng=jax.random.PRNGKey(layout.seed), skipped=jnp.zeros((), jnp.int32), **kw)

@@ -27,6 +27,7 @@ import optax
 
 from jaxrl_llm import forward, minibatches, packing, sharding, step_metrics
 from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch
+from jaxrl_llm.models import lora
 from jaxrl_llm.objectives.auxiliary import AuxContext, AuxInputs
 from jaxrl_llm.train_state import AuxState, TrainState
 
@@ -58,14 +59,15 @@ def make_optimizer(c) -> optax.GradientTransformation:
                        optax.adamw(lr, c.b1, c.b2, c.eps, weight_decay=c.weight_decay))
 
 
-def prox_pass(params, batch: TrajectoryBatch, packed, *, plan: StepPlan):
+def prox_pass(params, batch: TrajectoryBatch, packed, base=None, *, plan: StepPlan):
     """pi_prox = the policy at the start of the step (decoupled PPO's recompute pass)."""
-    s = forward.batch_stats(plan.fwd, params, batch, packed, gather="prox_topk_logp" in plan.needs)
+    s = forward.batch_stats(plan.fwd, params, batch, packed, gather="prox_topk_logp" in plan.needs, base=base)
     return s["logp"], s.get("logp_at_ids")
 
 
-def ref_pass(ref_params, batch: TrajectoryBatch, packed, *, plan: StepPlan):
-    return forward.batch_stats(plan.fwd, ref_params, batch, packed, gather=False)["logp"]
+def ref_pass(ref_params, batch: TrajectoryBatch, packed, base=None, *, plan: StepPlan):
+    """With LoRA `ref_params` are adapters over the frozen `base` (B = 0 at first: the base itself)."""
+    return forward.batch_stats(plan.fwd, ref_params, batch, packed, gather=False, base=base)["logp"]
 
 
 def _policy(s, version, rng) -> PolicyOutput:
@@ -74,12 +76,13 @@ def _policy(s, version, rng) -> PolicyOutput:
                         topk_logp=s.get("topk_logp"), rng=rng)
 
 
-def loss(params, batch: TrajectoryBatch, version, rng, packed=None, replicas=0, *, plan: StepPlan):
+def loss(params, batch: TrajectoryBatch, version, rng, packed=None, replicas=0, *, plan: StepPlan, base=None):
     """Objective loss; aux = (sg(per-token stats) for the metrics, sg(final hidden states)),
-    the latter handed to the auxiliary model's loss instead of a second policy forward."""
+    the latter handed to the auxiliary model's loss instead of a second policy forward. With
+    LoRA, `params` are the adapters and `base` the frozen rest: gradients reach adapters only."""
     topk = batch.topk if "topk" in plan.needs else 0
     s = forward.stats(plan.fwd, params, batch, topk=topk, return_hidden=plan.aux is not None, packed=packed,
-                      replicas=replicas)
+                      replicas=replicas, base=base)
     value, _ = plan.objective(_policy(s, version, rng), batch, plan.obj_cfg)
     hidden = s.pop("hidden", None)
     return value, (jax.lax.stop_gradient(s), jax.lax.stop_gradient(hidden))
@@ -96,13 +99,14 @@ def _apply(plan: StepPlan, params, opt_state, grads, value):
     return (*jax.lax.cond(ok, apply, lambda p, o, _: (p, o, jnp.float32(0.0)), params, opt_state, grads), ok)
 
 
-def train_step(state: TrainState, batch: TrajectoryBatch, packed: Optional[packing.PackPlan] = None, *,
+def train_step(state: TrainState, batch: TrajectoryBatch, packed: Optional[packing.PackPlan] = None, base=None, *,
                plan: StepPlan):
     """`num_minibatches` updates on `batch` (laid out by `minibatches.host_layout`) -> (state
-    with version + 1, metrics)."""
+    with version + 1, metrics). `base`: with LoRA, the frozen weights `state.params` adapt
+    (an input, not state: never donated, never checkpointed, no optimizer state)."""
     shards = sharding.batch_size(plan.fwd.mesh)
     mbs = jax.tree_util.tree_map(lambda x: minibatches.split(x, plan.num_minibatches, shards), batch)
-    loss_fn = functools.partial(loss, plan=plan)
+    loss_fn = functools.partial(loss, plan=plan, base=base)
 
     def one(st, xs):
         mb, pl = xs
@@ -118,7 +122,8 @@ def train_step(state: TrainState, batch: TrajectoryBatch, packed: Optional[packi
         aux = st.aux
         if plan.aux is not None:  # the objective's auxiliary model, from the same forward
             (aloss, am), agrads = jax.value_and_grad(plan.aux.loss, has_aux=True)(
-                aux.params, AuxInputs(st.params, hidden), mb, plan.obj_cfg, plan.aux_ctx)
+                aux.params, AuxInputs(st.params if base is None else lora.combine(base, st.params), hidden), mb,
+                plan.obj_cfg, plan.aux_ctx)
             aparams, aopt, _, aok = _apply(plan, aux.params, aux.opt_state, agrads, aloss)
             aux = AuxState(aparams, aopt)
             metrics.update(am)

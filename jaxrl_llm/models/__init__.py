@@ -1,5 +1,6 @@
 """Flax decoder (Qwen2 / Qwen3 / Llama), HF safetensors in/out, float32 log-prob heads."""
 
+from jaxrl_llm.models import lora  # noqa: F401
 from jaxrl_llm.models.config import ModelConfig  # noqa: F401
 from jaxrl_llm.models.decoder import init_params, logical_axes, unembed_matrix  # noqa: F401
 from jaxrl_llm.models.heads import full_logits, logprob_stats, sequence_logprobs  # noqa: F401

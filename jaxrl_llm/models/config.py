@@ -55,6 +55,11 @@ class ModelConfig:
     attention: str = "auto"
     remat: str = "none"
     attention_chunk: int = 512  # queries per attention block on long sequences (0: one block)
+    # LoRA (`lora.py`): rank > 0 adds a low-rank side path, scaled by alpha / rank, to each
+    # projection named in `lora_targets` (q, k, v, o, gate, up, down).
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: tuple = ()
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED:
@@ -72,6 +77,13 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
+
+    @property
+    def lora_scale(self) -> float:
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+    def adapts(self, target: str) -> bool:
+        return self.lora_rank > 0 and target in self.lora_targets
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)

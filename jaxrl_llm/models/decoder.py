@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.models import lora
 from jaxrl_llm.models.config import ModelConfig
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -104,6 +105,19 @@ class RMSNorm(nn.Module):
         return (xf.astype(x.dtype) * scale).astype(x.dtype)
 
 
+def lora_side(mdl: nn.Module, name: str, x_NxI, out_shape, in_axes: int = 1):
+    """LoRA's side path of projection `name` (`lora.py`): scale * (x A) B, shaped like the
+    projection's output; 0 (nothing traced) when `name` is not adapted. `in_axes`: how many
+    of A's leading dims `x` contracts (2 for o's [H, hd])."""
+    c = mdl.cfg
+    if not c.adapts(name):
+        return 0
+    a = mdl.param(f"{name}_lora_a", lora.uniform_a, (*x_NxI.shape[-in_axes:], c.lora_rank), jnp.float32)
+    b = mdl.param(f"{name}_lora_b", nn.initializers.zeros, (c.lora_rank, *out_shape), jnp.float32)
+    low = jnp.tensordot(x_NxI.astype(c.dtype), a.astype(c.dtype), axes=in_axes)
+    return (jnp.tensordot(low, b.astype(c.dtype), axes=1) * jnp.asarray(c.lora_scale, c.dtype)).astype(c.dtype)
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
 
@@ -114,11 +128,12 @@ class Attention(nn.Module):
         x_NxD = x_BxTxD.reshape(b * t, -1)  # 2-D GEMMs: see MLP
 
         def proj(name, heads):
-            return nn.DenseGeneral(
+            y = nn.DenseGeneral(
                 (heads, c.head_dim), use_bias=c.qkv_bias, name=name, dtype=c.dtype, param_dtype=c.param_dtype,
                 kernel_init=_part(_init, ("embed", "heads", "kv")),
                 bias_init=_part(nn.initializers.zeros, ("heads", "kv")),
-            )(x_NxD).reshape(b, t, heads, c.head_dim)
+            )(x_NxD)
+            return (y + lora_side(self, name, x_NxD, (heads, c.head_dim))).reshape(b, t, heads, c.head_dim)
 
         q, k, v = proj("q", c.num_heads), proj("k", c.num_kv_heads), proj("v", c.num_kv_heads)
         if c.qk_norm:
@@ -138,11 +153,12 @@ class Attention(nn.Module):
             v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, 0, cache_index, 0))
             new_cache = {"k": k, "v": v}
         out = attention(q, k, v, mask_BxTxS, c).reshape(b * t, c.num_heads, c.head_dim)
-        out = nn.DenseGeneral(
+        o = nn.DenseGeneral(
             c.hidden_size, axis=(-2, -1), use_bias=c.o_bias, name="o", dtype=c.dtype, param_dtype=c.param_dtype,
             kernel_init=_part(_init, ("heads", "kv", "embed")), bias_init=_part(nn.initializers.zeros, ("embed",)),
         )(out)
-        return out.reshape(b, t, -1), new_cache
+        o = o + lora_side(self, "o", out, (c.hidden_size,), in_axes=2)
+        return o.reshape(b, t, -1), new_cache
 
 
 def attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS, cfg: ModelConfig):
@@ -204,13 +220,14 @@ class MLP(nn.Module):
         # operand transposed (column-order writes), ~3x slower MLP backward than 2-D GEMMs.
         x = x_BxTxD.reshape(-1, x_BxTxD.shape[-1])
 
-        def dense(name, feats, axes):
-            return nn.Dense(feats, use_bias=c.mlp_bias, name=name, dtype=c.dtype, param_dtype=c.param_dtype,
-                            kernel_init=_part(_init, axes), bias_init=_part(nn.initializers.zeros, axes[1:]))
+        def dense(name, feats, axes, x):
+            y = nn.Dense(feats, use_bias=c.mlp_bias, name=name, dtype=c.dtype, param_dtype=c.param_dtype,
+                         kernel_init=_part(_init, axes), bias_init=_part(nn.initializers.zeros, axes[1:]))(x)
+            return y + lora_side(self, name, x, (feats,))
 
-        h = nn.silu(dense("gate", c.intermediate_size, ("embed", "mlp"))(x)) * dense(
-            "up", c.intermediate_size, ("embed", "mlp"))(x)
-        return dense("down", c.hidden_size, ("mlp", "embed"))(h).reshape(x_BxTxD.shape)
+        h = nn.silu(dense("gate", c.intermediate_size, ("embed", "mlp"), x)) * dense(
+            "up", c.intermediate_size, ("embed", "mlp"), x)
+        return dense("down", c.hidden_size, ("mlp", "embed"), h).reshape(x_BxTxD.shape)
 
 
 class Block(nn.Module):
@@ -250,11 +267,18 @@ def recomputed_block(cfg: ModelConfig):
         late = 0 * g.reshape(-1)[0]
         x = x + late.astype(x.dtype)
         apply = lambda p, x, sin, cos: Block(cfg).apply({"params": p}, x, sin, cos, mask)[0]
-        dparams, dx, dsin, dcos = jax.vjp(apply, params, x, sin, cos)[1](g)
+        if cfg.lora_rank:  # the frozen base gets no weight gradient (zeros, dropped by XLA)
+            base, adapters = lora.split(params)
+            apply_adapters = lambda a, x, sin, cos: apply(lora.combine(base, a), x, sin, cos)
+            trained, dx, dsin, dcos = jax.vjp(apply_adapters, adapters, x, sin, cos)[1](g)
+            dparams = lora.combine(jax.tree_util.tree_map(jnp.zeros_like, base), trained)
+        else:
+            trained, dx, dsin, dcos = jax.vjp(apply, params, x, sin, cos)[1](g)
+            dparams = trained
         # The layer below starts from dx, so its recomputation also waits for this layer's
         # weight gradients: XLA otherwise defers them (nothing else needs them) and keeps
         # every layer's intermediates alive until then.
-        done = sum(jnp.sum(d) for d in jax.tree_util.tree_leaves(dparams))
+        done = sum(jnp.sum(d) for d in jax.tree_util.tree_leaves(trained))
         return {"params": dparams}, dx + 0 * done.astype(dx.dtype), dsin, dcos, None
 
     return nn.custom_vjp(_block_out, forward_fn=_block_fwd, backward_fn=bwd)

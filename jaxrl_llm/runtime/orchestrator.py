@@ -122,7 +122,8 @@ class Orchestrator:
         self.learner, self.sampler, self.task = learner, sampler, task
         self.producer = Producer(sampler, task, c, scorer)
         keep = c.max_staleness + 1 if c.mode == "simulated" else 1
-        self.store = WeightStore(keep=keep, placement=placement, dtype=learner.rollout_model_cfg.dtype)
+        self.store = WeightStore(keep=keep, placement=placement, dtype=learner.rollout_model_cfg.dtype,
+                                 lora_scale=learner.model_cfg.lora_scale)
         self.state = None  # the newest live state (the previous one was donated), e.g. for Ctrl-C saves
         # Run-long counters, saved with every checkpoint (`runtime_state`).
         self.over_stale = 0  # batches trained beyond max_staleness (policy keep)
@@ -196,7 +197,8 @@ class Orchestrator:
         totals = g[:, 1:5].sum(0)
         state, m = self.learner.train_step(state, batch)
         self.state = state
-        self.store.publish(int(state.version), self.learner.rollout_params(state))
+        self.publish(state)
+        m["weights/publish_bytes"] = float(self.store.published_bytes)
         m["staleness/hist"] = distributed.host_sum(np.pad(hist, (0, int(g[:, 5].max()) - hist.size))).tolist()
         m["reward/mean"] = float(totals[0] / totals[1])
         m["reward/failures"] = float(totals[2])
@@ -205,9 +207,13 @@ class Orchestrator:
         m["processes"] = distributed.count()
         return state, m
 
+    def publish(self, state) -> None:
+        """The samplers' weights of `state` to the store (LoRA: the adapters, with the base)."""
+        self.store.publish(int(state.version), self.learner.rollout_params(state), base=self.learner.rollout_base)
+
     def run(self, state, num_steps: int, on_metrics: Optional[Callable] = None):
         """Train for `num_steps` learner steps; returns (state, [metrics per step])."""
-        self.store.publish(int(state.version), self.learner.rollout_params(state))
+        self.publish(state)
         history = []
         self.mode.start()
         try:

@@ -7,6 +7,11 @@ float32 master weights, the samplers hold and read half the bytes; every matmul 
 bfloat16 on both sides anyway). The newest `keep` versions
 are retained: simulated-staleness runs sample from past versions. Each publication's time is
 recorded, so samplers can take a version only after a (simulated) network delay.
+
+LoRA (`models/lora.py`): the learner publishes its adapters only, with the frozen base; the store
+places the base once and keeps, per version, the base merged with that version's adapters
+(W + scale B A, in the compute dtype): the samplers' decode step is the base model's, unchanged.
+`published_bytes` is what a publication carried (the adapters' bytes under LoRA).
 """
 
 from __future__ import annotations
@@ -19,12 +24,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import distributed, sharding
+from jaxrl_llm.models import lora
 
 
 class WeightStore:
-    def __init__(self, keep: int = 1, placement: Optional[Any] = None, dtype: str = "float32"):
+    def __init__(self, keep: int = 1, placement: Optional[Any] = None, dtype: str = "float32",
+                 lora_scale: float = 0.0):
         """`placement`: a Sharding / device (or a pytree of them) for the sampler's copy;
-        None keeps the learner's placement (still a private copy). `dtype`: of the copy."""
+        None keeps the learner's placement (still a private copy). `dtype`: of the copy.
+        `lora_scale`: alpha / rank, for publications of LoRA adapters."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1; got {keep}")
         self.keep, self.placement, self.dtype = keep, placement, jnp.dtype(dtype)
@@ -33,11 +41,17 @@ class WeightStore:
         self._cond = threading.Condition()
         cast = lambda x: x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.copy(x)
         self._copy = jax.jit(lambda p: jax.tree_util.tree_map(cast, p))
+        self._merge = jax.jit(lambda base, adapters: lora.merge(base, adapters, lora_scale, self.dtype))
+        self._base_of, self._base, self.published_bytes = None, None, 0
 
-    def publish(self, version: int, params) -> None:
+    def publish(self, version: int, params, base=None) -> None:
         """Every process publishes each version (with many processes the learner's global
-        params are first gathered onto this process's devices: a collective)."""
+        params are first gathered onto this process's devices: a collective). `base`: with
+        LoRA, the frozen weights that `params` (adapters) complete."""
         params = distributed.to_local(params)
+        self.published_bytes = lora.size_bytes(params)
+        if base is not None:
+            params = self._merged(params, base)
         if sharding.shares_host_copy(self.placement):
             if any(x.dtype != self.dtype for x in jax.tree_util.tree_leaves(params)):
                 params = self._copy(params)
@@ -52,6 +66,16 @@ class WeightStore:
             for old in sorted(self._versions)[: -self.keep]:
                 del self._versions[old], self._published_at[old]
             self._cond.notify_all()
+
+    def _merged(self, adapters, base):
+        """The base (placed once, on one device) merged with `adapters`."""
+        if self._base_of is not base:
+            leaf = jax.tree_util.tree_leaves(self.placement)[0] if self.placement is not None else None
+            device = next(iter(leaf.device_set)) if isinstance(leaf, jax.sharding.Sharding) else \
+                leaf or jax.local_devices()[0]
+            self._base_of, self._base = base, jax.device_put(distributed.to_local(base), device)
+            self._device = device
+        return self._merge(self._base, jax.device_put(adapters, self._device))
 
     @property
     def versions(self) -> list[int]:
