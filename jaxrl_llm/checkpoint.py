@@ -136,6 +136,14 @@ class Checkpointer:
         return CheckpointError(f"saving the checkpoint of version {version} in {self.directory} failed "
                                f"({type(e).__name__}: {e}); {kept}. Free space or fix permissions, then run again")
 
+    def saved_tree(self, version: Optional[int] = None) -> dict:
+        """A checkpoint as saved (nested dicts of arrays), with no template: for tools that read
+        one part, e.g. `export` the params. None: the newest."""
+        version = self.latest_version() if version is None else version
+        if version is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory!r}")
+        return self.manager.restore(version, args=ocp.args.StandardRestore())
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 

@@ -6,6 +6,8 @@ stated once. `plan.resolve` turns a valid config into the immutable `RunPlan` th
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 from jaxrl_llm import distributed, learner, models, objectives, paths, sharding, tasks
@@ -93,6 +95,16 @@ def validate(config):
         m = config[name]
         if not m.hf_path and m.num_kv_heads and m.num_heads % m.num_kv_heads:
             problems.append(f"{name}.num_heads={m.num_heads} is not a multiple of {name}.num_kv_heads={m.num_kv_heads}")
+    lo = config.model.lora
+    if lo.init_from and not lo.rank:
+        problems.append(f"model.lora.init_from={lo.init_from!r} needs LoRA on: set --config.model.lora.rank "
+                        "to the adapter's rank")
+    elif lo.init_from and not os.path.isfile(os.path.join(lo.init_from, "adapter_config.json")):
+        problems.append(f"model.lora.init_from={lo.init_from!r}: expected a PEFT adapter directory "
+                        "(adapter_config.json + adapter_model.safetensors)")
+    if lo.rank and config.runtime.mode == "remote":
+        problems.append("model.lora.rank > 0 with runtime.mode='remote': sampler nodes do not take adapter "
+                        "publications yet; use runtime.mode=async (local samplers) for LoRA runs")
     try:
         sharding.make_mesh(config.mesh, devices(config)[0])
     except ValueError as e:

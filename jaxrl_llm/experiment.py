@@ -13,10 +13,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_llm import checkpoint, distributed, learner, memory, models, paths, preemption, sharding, tasks
+from jaxrl_llm import checkpoint, distributed, frozen_base, learner, memory, models, paths, preemption, sharding, tasks
 from jaxrl_llm import plan as plan_lib
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.metrics import MetricsWriter, Progress
+from jaxrl_llm.models import adapters as peft_adapters
 from jaxrl_llm.rollout import Sampler
 from jaxrl_llm.runtime import orchestrator
 from jaxrl_llm.tasks import warmstart
@@ -56,7 +57,7 @@ def set_cpu_devices(n: int) -> None:
 
 def _load(m, cfg):
     """The checkpoint's weights (float32 master copies) or None for a random model."""
-    return models.load_params(m.hf_path, cfg)[0] if m.hf_path else None
+    return models.load_params(m.hf_path, cfg.without_lora())[0] if m.hf_path else None
 
 
 def build(config) -> dict:
@@ -77,7 +78,7 @@ def build(config) -> dict:
     # A sampling auxiliary (a rollout model) is evaluated beside the policy; any auxiliary may be warm-started.
     return dict(plan=p, task=p.task, scorer=scorer, model_cfg=p.model, params=params, memory_plan=p.memory,
                 aux_cfg=p.aux_model, aux_params=aux_params, learner=lrn, orchestrator=orch,
-                greedy=Sampler(p.model, p.greedy, mesh),
+                greedy=Sampler(p.model.without_lora(), p.greedy, mesh),
                 aux_greedy=p.aux_model and Sampler(p.aux_model, p.greedy, mesh),
                 aux_eval=lrn.aux is not None and lrn.aux.samples)
 
@@ -115,18 +116,28 @@ def run(config, workdir: str, log=None) -> dict:
     distributed.agree(0)  # nobody opens the directory while process 0 moves it
     ckpt = Checkpointer(ckdir, save_every=config.train.save_every, keep=config.train.keep)
     key = jax.random.key(config.seed)
+    lora, mcfg = bool(b["model_cfg"].lora_rank), b["model_cfg"]
+    frozen_base.check_resumable(workdir, mcfg, bool(ckpt.manager.all_steps()))
     restored = ckpt.restore_newest_readable(lrn.abstract_state(), log=notes.append)
     resumed = restored is not None
     loaded, loaded_aux = b.pop("params"), b.pop("aux_params")  # dropped once the learner holds its copy
     if resumed:
+        if lora:  # the adapters' frozen base: referenced by the workdir, not in the checkpoint
+            lrn.hold_base(frozen_base.restore(workdir, config.model.hf_path, loaded, mcfg))
         state = lrn.place(restored)
     else:
-        params = _initial_params(config, loaded, b["model_cfg"], task, key, b["greedy"], notes)
+        params = _initial_params(config, loaded, mcfg.without_lora(), task, key, b["greedy"], notes)
         aux = (_initial_params(config, loaded_aux, b["aux_cfg"], task, jax.random.fold_in(key, 1),
                                b["aux_greedy"], notes, role="actor")
                if b["aux_cfg"] else None)
-        state = lrn.init(key, params=params, aux_params=aux)
-        del params, aux
+        adapters = None
+        if lora:
+            frozen_base.record(workdir, config.model.hf_path, params, mcfg)
+            if config.model.lora.init_from:
+                adapters = peft_adapters.load(config.model.lora.init_from, mcfg)
+                notes.append(f"LoRA adapters start from {config.model.lora.init_from}")
+        state = lrn.init(key, params=params, aux_params=aux, adapters=adapters)
+        del params, aux, adapters
     del loaded, loaded_aux, restored
     main = distributed.is_main()  # process 0 alone writes and prints
     if main:
@@ -159,7 +170,7 @@ def run(config, workdir: str, log=None) -> dict:
         return float(total / n)
 
     def evaluate(state) -> dict:
-        rec = {"eval/reward": accuracy(state.params, b["greedy"])}
+        rec = {"eval/reward": accuracy(lrn.policy_params(state), b["greedy"])}
         if b["aux_eval"]:
             rec[f"eval/{lrn.aux.name}_reward"] = accuracy(state.aux.params, b["aux_greedy"])
         rec.update(step=int(state.version), time_s=time.time() - t_start)

@@ -80,7 +80,9 @@ class Learner:
     @property
     def rollout_model_cfg(self) -> ModelConfig:
         """The model the samplers run: the auxiliary's when it samples, else the policy."""
-        return self.plan.aux_ctx.model_cfg if self.aux is not None and self.aux.samples else self.model_cfg
+        if self.aux is not None and self.aux.samples:
+            return self.plan.aux_ctx.model_cfg
+        return self.model_cfg.without_lora()  # LoRA: samplers get merged weights (`WeightStore`)
 
     def rollout_params(self, state: TrainState):
         """The params the samplers generate with (see `rollout_model_cfg`)."""
@@ -96,7 +98,7 @@ class Learner:
         `params` is the base (random when None) and the state holds `adapters` (new when None)."""
         if self.layout.lora:
             self.hold_base(params if params is not None else decoder.init_params(
-                self.model_cfg.replace(lora_rank=0), jax.random.fold_in(key, 2)))
+                self.model_cfg.without_lora(), jax.random.fold_in(key, 2)))
             params = adapters
         return self.place(train_state.init(self.layout, key, params, aux_params))
 
@@ -185,7 +187,7 @@ def _resolve(model_cfg, cfg, objective_cfg, mesh, mesh_cfg, aux_model_cfg, dist)
     aux = _active_aux(objective, aux_model_cfg)
     aux_ctx = AuxContext(model_cfg, aux_model_cfg, dist, cfg.logprob_chunk)
     opt = update.make_optimizer(cfg)
-    param_sh = sharding.param_shardings(decoder.logical_axes(model_cfg.replace(lora_rank=0)), mesh, mesh_cfg)
+    param_sh = sharding.param_shardings(decoder.logical_axes(model_cfg.without_lora()), mesh, mesh_cfg)
     init_params, base_sh = functools.partial(decoder.init_params, model_cfg), None
     if model_cfg.lora_rank:
         # Adapters are replicated: r (in + out) per target is ~1-2% of the base at rank 16, so

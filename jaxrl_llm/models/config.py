@@ -85,6 +85,10 @@ class ModelConfig:
     def adapts(self, target: str) -> bool:
         return self.lora_rank > 0 and target in self.lora_targets
 
+    def without_lora(self) -> "ModelConfig":
+        """The base model (what the samplers run on merged weights, what HF checkpoints hold)."""
+        return dataclasses.replace(self, lora_rank=0, lora_alpha=0.0, lora_targets=())
+
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 
