@@ -14,6 +14,14 @@ from the compiled executables' memory analysis (arguments + temporaries + output
 the process's peak RSS, the plan's budget, and tokens per second. `--tiny` runs the same code
 on a small model (the test does).
 
+`--lora` adds LoRA (rank `--lora_rank`, attention + MLP): the learner step trains adapters over a
+frozen base held in the compute dtype, measured beside the full-weight step in the same run;
+each version's publication carries the adapters only; and the sampler decodes with the base
+merged with that version's adapters (the weight store's path) and, for comparison, with the
+low-rank side path in the decode step. Keys: `lora_learner_peak_vs_full`,
+`lora_learner_peak_vs_plan`, `lora_publish_bytes_frac`, `lora_decode_vs_base` (merged weights),
+`lora_sidepath_decode_vs_base`, `lora_merge_s` (one version's merge).
+
 `--end-to-end` checks a whole run against the plan it prints at start-up: it writes a
 Qwen2.5-0.5B-shaped Hugging Face directory (random weights in bf16 safetensors, a tokenizer
 trained here) and a small GSM8K-style jsonl dataset, then runs the main CLI on them for 2 steps
@@ -43,7 +51,7 @@ def _args():
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
-    ap.add_argument("--part", choices=("learner", "sampler"), default=None, help="(internal) run one part")
+    ap.add_argument("--part", choices=("learner", "sampler", "learner_lora"), default=None, help="(internal) run one part")
     ap.add_argument("--tiny", action="store_true", help="a small model, same code path (tests)")
     ap.add_argument("--remat", default="full", choices=("none", "full", "dots"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
@@ -54,16 +62,35 @@ def _args():
     ap.add_argument("--sample_rows", type=int, default=16)
     ap.add_argument("--prompt_len", type=int, default=64)
     ap.add_argument("--new_tokens", type=int, default=256)
+    ap.add_argument("--lora", action="store_true", help="LoRA learner, publication and decode beside the full ones")
+    ap.add_argument("--lora_rank", type=int, default=16)
+    ap.add_argument("--weights", default="base", choices=("base", "merged", "sidepath"),
+                    help="(internal) the sampler part's weights")
     ap.add_argument("--end-to-end", dest="end_to_end", action="store_true",
                     help="the main CLI on a written 0.5B-shaped checkpoint (see the docstring)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="--end-to-end: model.dtype of each run")
     return ap.parse_args()
 
 
-def _cfg(a):
+def _cfg(a, lora: bool = False):
+    from jaxrl_llm.models import lora as lora_lib
     from jaxrl_llm.models.config import ModelConfig
 
-    return ModelConfig(**(TINY if a.tiny else QWEN25_05B), dtype=a.dtype, remat=a.remat)
+    cfg = ModelConfig(**(TINY if a.tiny else QWEN25_05B), dtype=a.dtype, remat=a.remat)
+    if lora:  # alpha = 2 r, as in many RL recipes; the scale does not change memory or speed
+        cfg = cfg.replace(lora_rank=a.lora_rank, lora_alpha=2.0 * a.lora_rank, lora_targets=tuple(lora_lib.TARGETS))
+    return cfg
+
+
+def _adapters(cfg, seed: int = 1):
+    """Random adapters (B not zero, so a merge or side path does real work)."""
+    import jax
+
+    from jaxrl_llm.models import decoder, lora
+
+    like = jax.eval_shape(lambda: lora.split(decoder.init_params(cfg, jax.random.key(0)))[1])
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(like))))
+    return jax.tree.map(lambda x: 0.01 * jax.random.normal(next(keys), x.shape, x.dtype), like)
 
 
 def compiled_peak(compiled) -> int:
@@ -71,19 +98,34 @@ def compiled_peak(compiled) -> int:
     return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
 
 
-def run_learner(a) -> dict:
+def run_learner(a, lora: bool = False) -> dict:
     import jax
 
     from jaxrl_llm import learner as L
     from jaxrl_llm import memory, sharding, testing
+    from jaxrl_llm.models import decoder
+    from jaxrl_llm.runtime.weights import WeightStore
 
-    cfg = _cfg(a)
+    cfg = _cfg(a, lora)
     c = L.default_config()
     c.lr, c.num_minibatches, c.packing = 1e-5, a.minibatches, "off"
     lrn = L.Learner(cfg, {"name": "ppo"}, c, mesh=sharding.make_mesh(None, jax.devices()[:1]))  # one device's plan
-    state = lrn.init(jax.random.key(0))
-    batch = testing.model_batch(state.params, cfg, num_prompts=a.rows // 2, group_size=2, length=a.seq_len,
-                                prompt=a.prompt_len, topk=0, version=1, max_staleness=0)
+    extra = {}
+    if lora:  # the base made in the compute dtype: no float32 copy of it ever exists
+        plain = cfg.without_lora().replace(param_dtype=cfg.dtype)
+        state = lrn.init(jax.random.key(0), params=jax.jit(lambda k: decoder.init_params(plain, k))(jax.random.key(0)),
+                         adapters=_adapters(cfg))
+        store = WeightStore(dtype=cfg.dtype, lora_scale=cfg.lora_scale)
+        t = time.perf_counter()
+        store.publish(1, lrn.rollout_params(state), base=lrn.rollout_base)
+        jax.block_until_ready(store.latest()[1])
+        extra = dict(publish_bytes=store.published_bytes, full_publish_bytes=4 * cfg.num_params,
+                     publish_and_merge_s=time.perf_counter() - t)
+        del store
+    else:
+        state = lrn.init(jax.random.key(0))
+    batch = testing.model_batch(lrn.policy_params(state), cfg.without_lora(), num_prompts=a.rows // 2, group_size=2,
+                                length=a.seq_len, prompt=a.prompt_len, topk=0, version=1, max_staleness=0)
     batch = jax.block_until_ready(batch)
     t = time.perf_counter()
     state, _ = lrn.train_step(state, batch)
@@ -95,11 +137,12 @@ def run_learner(a) -> dict:
     step = time.perf_counter() - t
     peak = compiled_peak(lrn.lower_step(state, batch).compile())
     plan = memory.learner(cfg, a.rows, a.seq_len, a.minibatches, c.logprob_chunk)
-    return dict(learner_peak_gb=peak / memory.GB, learner_rss_gb=memory.peak_rss() / memory.GB,
-                learner_budget_gb=memory.total(plan) / memory.GB,
-                learner_plan={k: v / memory.GB for k, v in plan.items()},
-                learner_tokens_per_s=a.rows * a.seq_len / step, learner_step_s=step,
-                learner_compile_and_first_step_s=compile_and_step, params=cfg.num_params)
+    out = dict(learner_peak_gb=peak / memory.GB, learner_rss_gb=memory.peak_rss() / memory.GB,
+               learner_budget_gb=memory.total(plan) / memory.GB,
+               learner_plan={k: v / memory.GB for k, v in plan.items()},
+               learner_tokens_per_s=a.rows * a.seq_len / step, learner_step_s=step,
+               learner_compile_and_first_step_s=compile_and_step, params=cfg.num_params, **extra)
+    return {f"lora_{k}": v for k, v in out.items()} if lora else out
 
 
 def run_sampler(a) -> dict:
@@ -111,10 +154,24 @@ def run_sampler(a) -> dict:
     from jaxrl_llm.models import decoder
     from jaxrl_llm.rollout import Sampler, SamplerConfig
 
+    from jaxrl_llm.models import lora
+
     cfg = _cfg(a)
     weights = "bfloat16" if a.dtype == "bfloat16" else "float32"
     # Initialised in the weights' dtype: nothing float32 to cast.
     params = jax.jit(lambda k: decoder.init_params(cfg.replace(param_dtype=weights), k))(jax.random.key(0))
+    extra, weights_kind = {}, getattr(a, "weights", "base")
+    if weights_kind != "base":
+        lcfg = _cfg(a, lora=True)
+        adapters = _adapters(lcfg)
+        if weights_kind == "merged":  # the weight store's per-version copy: the base's own decode program
+            merge = jax.jit(lambda b, ad: lora.merge(b, ad, lcfg.lora_scale, weights))
+            jax.block_until_ready(merge(params, adapters))
+            t = time.perf_counter()
+            params = jax.block_until_ready(merge(params, adapters))
+            extra["merge_s"] = time.perf_counter() - t
+        else:  # the low-rank side path inside every decode step
+            cfg, params = lcfg, lora.combine(params, adapters)
     scfg = SamplerConfig(max_new_tokens=a.new_tokens, num_samples=1, prompt_buckets=(a.prompt_len,),
                          cache_dtype=a.cache_dtype, top_k=20, eos_token_id=None, capture_topk=0)
     sampler = Sampler(cfg, scfg)
@@ -130,11 +187,12 @@ def run_sampler(a) -> dict:
     generated = float(jnp.sum(out.loss_mask))
     peak = compiled_peak(sampler.lower_generate(params, prompts, jax.random.key(2)).compile())
     plan = memory.sampler(cfg, a.sample_rows, a.prompt_len, a.new_tokens, a.cache_dtype, weights)
-    return dict(sampler_peak_gb=peak / memory.GB, sampler_rss_gb=memory.peak_rss() / memory.GB,
-                sampler_budget_gb=memory.total(plan) / memory.GB,
-                sampler_plan={k: v / memory.GB for k, v in plan.items()},
-                sampler_tokens_per_s=generated / call, sampler_call_s=call,
-                sampler_compile_and_first_call_s=compile_and_call)
+    out = dict(sampler_peak_gb=peak / memory.GB, sampler_rss_gb=memory.peak_rss() / memory.GB,
+               sampler_budget_gb=memory.total(plan) / memory.GB,
+               sampler_plan={k: v / memory.GB for k, v in plan.items()},
+               sampler_tokens_per_s=generated / call, sampler_call_s=call,
+               sampler_compile_and_first_call_s=compile_and_call, **extra)
+    return out if weights_kind == "base" else {f"{weights_kind}_{k}": v for k, v in out.items()}
 
 
 # ------------------------------------------------------------------ the whole run
@@ -216,7 +274,7 @@ def main():
                 json.dump(results, f, indent=2)
         return
     if a.part:
-        out = (run_learner if a.part == "learner" else run_sampler)(a)
+        out = {"learner": run_learner, "sampler": run_sampler, "learner_lora": lambda a: run_learner(a, True)}[a.part](a)
         with open(a.json, "w") as f:
             json.dump(out, f)
         return
@@ -226,15 +284,30 @@ def main():
     results = dict(model="tiny" if a.tiny else "Qwen2.5-0.5B-shaped", remat=a.remat, dtype=a.dtype,
                    cache_dtype=a.cache_dtype, rows=a.rows, seq_len=a.seq_len, minibatches=a.minibatches,
                    sample_rows=a.sample_rows, prompt_len=a.prompt_len, new_tokens=a.new_tokens)
-    flags = [f"--{k}={v}" for k, v in vars(a).items() if k not in ("json", "part", "tiny", "end_to_end", "dtypes")]
-    for part in ("learner", "sampler"):
+    flags = [f"--{k}={v}" for k, v in vars(a).items()
+             if k not in ("json", "part", "tiny", "end_to_end", "dtypes", "lora", "weights")]
+    parts = [("learner", "base"), ("sampler", "base")]
+    if a.lora:
+        results["lora_rank"] = a.lora_rank
+        parts += [("learner_lora", "base"), ("sampler", "merged"), ("sampler", "sidepath")]
+    for part, weights in parts:
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            cmd = [sys.executable, os.path.abspath(__file__), f"--part={part}", f"--json={tmp.name}", *flags]
+            cmd = [sys.executable, os.path.abspath(__file__), f"--part={part}", f"--weights={weights}",
+                   f"--json={tmp.name}", *flags]
             subprocess.run(cmd + (["--tiny"] if a.tiny else []), check=True)
             results.update(json.load(open(tmp.name)))
-    for part in ("learner", "sampler"):
+    for part in ("learner", "sampler") + (("lora_learner",) if a.lora else ()):
         results[f"{part}_peak_over_budget"] = results[f"{part}_peak_gb"] / results[f"{part}_budget_gb"]
         results[f"{part}_rss_over_budget"] = results[f"{part}_rss_gb"] / results[f"{part}_budget_gb"]
+    if a.lora:
+        results.update(
+            lora_learner_peak_vs_full=results["lora_learner_peak_gb"] / results["learner_peak_gb"],
+            lora_learner_peak_vs_plan=results["lora_learner_peak_over_budget"],
+            lora_learner_step_vs_full=results["lora_learner_step_s"] / results["learner_step_s"],
+            lora_publish_bytes_frac=results["lora_publish_bytes"] / results["lora_full_publish_bytes"],
+            lora_decode_vs_base=results["merged_sampler_tokens_per_s"] / results["sampler_tokens_per_s"],
+            lora_sidepath_decode_vs_base=results["sidepath_sampler_tokens_per_s"] / results["sampler_tokens_per_s"],
+            lora_merge_s=results["merged_merge_s"])
     results.update(cpu_kind())
     report({k: v for k, v in results.items() if not isinstance(v, dict)}, None)
     if a.json:

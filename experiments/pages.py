@@ -73,6 +73,9 @@ def write_index(directory: str = RESULTS) -> str:
         head = [f"`{k}` {_fmt(v)}" for k, v in flat.items()
                 if isinstance(v, float) and any(h in k for h in HEADLINE) and "range" not in k][:4]
         rows.append(f"| [{name}]({name}.md) | {where} | {'; '.join(head)} |")
+    if os.path.exists(os.path.join(directory, "what_fits.md")):
+        rows.append("| [what_fits](what_fits.md) | written by `experiments/what_fits.py` from the memory plan | "
+                    "which Qwen2.5 sizes fit 24 GiB CPU / 80 GB GPU, full weights and LoRA |")
     if os.path.exists(os.path.join(directory, "claims", "claims.md")):
         rows.append("| [claims](claims/claims.md) | written by `python -m jaxrl_llm.research.reproduce` | "
                     "the papers' claims in miniature, with verdicts |")

@@ -13,6 +13,9 @@ Learner (one step, `num_minibatches` updates over `rows` sequences of `seq_len` 
   long sequences) and key. `remat=full` keeps only
   each layer's input and recomputes one layer at a time; `dots` keeps the projections' outputs.
   The log-prob head works in `logprob_chunk`-token chunks: never a [B, L, V] array.
+  With LoRA (`models/lora.py`) the float32 master, gradient, moments and update are the
+  adapters' alone, the frozen base is held once in the compute dtype, and the activations add
+  each adapted projection's low-rank intermediate (rows x tokens x rank).
 Sampler (one call over `rows` rows): its weight copy in its compute dtype, the float32
   unembedding the decode loop forms once (a copy when tied or not float32), the KV cache
   (2 x layers x rows x kv heads x head_dim x positions) twice (a segment's window grows by
@@ -26,6 +29,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from jaxrl_llm.models import lora
 from jaxrl_llm.models.config import ModelConfig
 
 GB = 2**30
@@ -58,11 +62,14 @@ def activations(cfg: ModelConfig, rows: int, length: int) -> int:
 
 
 def learner(cfg: ModelConfig, rows: int, seq_len: int, minibatches: int = 1, chunk: int = 128) -> dict:
-    """Bytes of one learner step, by part."""
-    n = cfg.num_params
+    """Bytes of one learner step, by part (`base`: LoRA's frozen weights, 0 without LoRA)."""
+    n, base, low_rank = cfg.num_params, 0, 0
     mb = max(1, rows // minibatches)
-    return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "update": 4 * n,
-            "activations": activations(cfg, mb, seq_len) + mb * seq_len * 4,  # + the causal mask
+    if cfg.lora_rank:
+        n, base = lora.num_params(cfg), cfg.num_params * nbytes(cfg.dtype)
+        low_rank = cfg.num_layers * len(cfg.lora_targets) * mb * seq_len * cfg.lora_rank * nbytes(cfg.dtype)
+    return {"base": base, "params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "update": 4 * n,
+            "activations": activations(cfg, mb, seq_len) + mb * seq_len * 4 + low_rank,  # + the causal mask
             "head": 3 * mb * min(chunk, seq_len) * cfg.vocab_size * 4,
             "stats": rows * seq_len * 8}  # every update's log-probs and entropy, for the metric pass
 
@@ -135,10 +142,10 @@ def run_plan(config, task, mcfg, acfg=None, obj=None) -> dict:
     if acfg is not None:
         plan.update({f"aux_{k}": v for k, v in learner(acfg, rows, prompt + new, mb, chunk).items()})
     obj = obj if obj is not None else objectives.make_config(config.objective)
-    if "ref_logp" in objectives.required_passes(obj):
-        plan["reference"] = 4 * mcfg.num_params
+    if "ref_logp" in objectives.required_passes(obj):  # LoRA: the adapters, disabled
+        plan["reference"] = 4 * (lora.num_params(mcfg) if mcfg.lora_rank else mcfg.num_params)
     aux = objectives.get(obj.name).aux
-    rollout = acfg if acfg is not None and aux is not None and aux.samples else mcfg
+    rollout = acfg if acfg is not None and aux is not None and aux.samples else mcfg.without_lora()
     # Sampler weight copies: simulated keeps a window of versions; async samples from one while
     # the learner publishes the next; the others hand over between steps.
     keep = r.max_staleness + 1 if r.mode == "simulated" else 2 if r.mode == "async" else 1

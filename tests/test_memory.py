@@ -29,6 +29,26 @@ def test_bench_scale_runs_and_its_plan_matches_the_compiled_programs():
     assert out["learner_plan"]["params"] * memory.GB == 4 * n and out["learner_plan"]["optimizer"] * memory.GB == 8 * n
 
 
+def test_lora_plan_matches_the_compiled_step_and_publishes_the_adapters_only():
+    """LoRA through `bench_scale.run_learner(lora=True)`: master, moments and gradients are the
+    adapters' (counted from the tree), the base is held once in the compute dtype, and the
+    compiled step's peak is within the plan's tolerance (the benchmark compares it with the
+    full-weight step's at 0.5B shapes)."""
+    from jaxrl_llm.models import decoder, lora
+
+    a = argparse.Namespace(tiny=True, remat="full", dtype="bfloat16", cache_dtype="bfloat16", rows=4, seq_len=128,
+                           minibatches=2, sample_rows=8, prompt_len=16, new_tokens=32, lora_rank=8)
+    low = bench_scale.run_learner(a, lora=True)
+    cfg = bench_scale._cfg(a, lora=True)
+    adapters = jax.eval_shape(lambda: lora.split(decoder.init_params(cfg, jax.random.key(0)))[1])
+    n = sum(x.size for x in jax.tree.leaves(adapters))
+    plan = {k: v * memory.GB for k, v in low["lora_learner_plan"].items()}
+    assert n == lora.num_params(cfg) and plan["params"] == 4 * n and plan["optimizer"] == 8 * n
+    assert plan["base"] == 2 * cfg.num_params  # bfloat16, one copy
+    assert low["lora_publish_bytes"] == 4 * n < 0.5 * low["lora_full_publish_bytes"]
+    assert 0.5 < low["lora_learner_peak_gb"] / low["lora_learner_budget_gb"] < 2.0
+
+
 def test_kv_cache_term_is_the_sampler_cache():
     """The plan's cache term is twice (a window grows by copying) the cache the sampler allocates."""
     from jaxrl_llm.models import decoder
