@@ -102,9 +102,6 @@ def validate(config):
     elif lo.init_from and not os.path.isfile(os.path.join(lo.init_from, "adapter_config.json")):
         problems.append(f"model.lora.init_from={lo.init_from!r}: expected a PEFT adapter directory "
                         "(adapter_config.json + adapter_model.safetensors)")
-    if lo.rank and config.runtime.mode == "remote":
-        problems.append("model.lora.rank > 0 with runtime.mode='remote': sampler nodes do not take adapter "
-                        "publications yet; use runtime.mode=async (local samplers) for LoRA runs")
     try:
         sharding.make_mesh(config.mesh, devices(config)[0])
     except ValueError as e:

@@ -89,9 +89,14 @@ class Learner:
         return state.aux.params if self.aux is not None and self.aux.samples else state.params
 
     @property
+    def publishes_adapters(self) -> bool:
+        """LoRA with the policy sampling: each version publishes adapters over `rollout_base`."""
+        return self.layout.lora and not (self.aux is not None and self.aux.samples)
+
+    @property
     def rollout_base(self):
         """With LoRA (and the policy sampling): the frozen base the published adapters complete."""
-        return self.base if self.layout.lora and not (self.aux is not None and self.aux.samples) else None
+        return self.base if self.publishes_adapters else None
 
     def init(self, key, params=None, aux_params=None, adapters=None) -> TrainState:
         """A new state, created in its shardings (given params are copied there). With LoRA,

@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 
 import jaxrl_llm
 from jaxrl_llm import models, tasks
+from jaxrl_llm.models import lora
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 from jaxrl_llm.runtime import wire
 from jaxrl_llm.runtime.client import Client
@@ -102,6 +103,10 @@ class Node:
         self.session = s = {"run_id": hello["run_id"], "node": hello["node"]}
         self.sessions += 1
         self.lost, self.leased, self.busy_s, self.t0 = None, {}, 0.0, time.monotonic()
+        if self.lora:
+            manifest = self.client.call("manifest", part="base", **self.session)
+            self.base = jax.device_put(self.client.fetch_weights(manifest, self.like))
+            log.info("fetched the LoRA base (%.1f MB)", manifest["nbytes"] / 1e6)
         self.version, self.params = self._fetch()
         self.latest = (self.version, self.params)
         log.warning("node %s joined the learner at %s (version %d)", s["node"], self.client.address, self.version)
@@ -126,7 +131,8 @@ class Node:
 
     def _build(self, hello):
         """Task, sampler and producer from the learner's config (kept while it stays the same)."""
-        key = (repr(hello["model"]), repr(hello["sampler"]), repr(hello["task"]), repr(hello["runtime"]))
+        key = (repr(hello["model"]), repr(hello["sampler"]), repr(hello["task"]), repr(hello["runtime"]),
+               repr(hello.get("lora")))
         if self.parts == key:
             return
         self.close()
@@ -138,6 +144,12 @@ class Node:
         self.producer = Producer(sampler, task, ml_collections.ConfigDict(hello["runtime"]),
                                  tasks.scorer(task, task_cfg))
         self.like = jax.eval_shape(lambda: models.init_params(mcfg, jax.random.key(0)))
+        self.lora = hello.get("lora")  # LoRA: the base is fetched once, each version's adapters merged here
+        if self.lora:
+            lcfg = mcfg.replace(lora_rank=self.lora["rank"], lora_alpha=float(self.lora["alpha"]),
+                                lora_targets=tuple(self.lora["targets"]))
+            self.like_adapters = jax.eval_shape(lambda: lora.split(models.init_params(lcfg, jax.random.key(0)))[1])
+            self._merge = jax.jit(lambda b, a: lora.merge(b, a, lcfg.lora_scale, mcfg.dtype))
         self.mid = bool(hello["runtime"].get("refresh_mid_generation"))
         self.parts = key
 
@@ -157,9 +169,13 @@ class Node:
     def _fetch(self):
         manifest = self.client.call("manifest", **self.session)
         t = time.perf_counter()
-        params = self.producer.sampler.place_params(self.client.fetch_weights(manifest, self.like))
-        log.info("fetched version %d (%.1f MB) in %.2f s", manifest["version"], manifest["nbytes"] / 1e6,
-                 time.perf_counter() - t)
+        if self.lora:
+            adapters = self.client.fetch_weights(manifest, self.like_adapters)
+            params = self.producer.sampler.place_params(self._merge(self.base, adapters))
+        else:
+            params = self.producer.sampler.place_params(self.client.fetch_weights(manifest, self.like))
+        log.info("fetched version %d (%.1f MB%s) in %.2f s", manifest["version"], manifest["nbytes"] / 1e6,
+                 ", LoRA adapters" if self.lora else "", time.perf_counter() - t)
         return manifest["version"], params
 
     def _guarded(self, fn):

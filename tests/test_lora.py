@@ -132,6 +132,14 @@ def test_publication_carries_the_adapters_and_samplers_get_merged_weights():
     jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6),
                            sampled, lrn.policy_params(st))
     assert "q_lora_a" not in sampled["layers_0"]["attn"]  # plain decoder params: the base model's decode step
+    # What sampler nodes fetch: the adapters of the version (a private copy: the learner donates
+    # its state to the next step) and, once, the base.
+    expect = jax.device_get(st.params)
+    jax.tree.map(lambda x: x.delete(), st.params)
+    v, published = store.publication()
+    assert v == 1
+    jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(published), expect)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(store.base()), jax.device_get(lrn.base))
 
 
 SMALL = CFG.replace(num_layers=1, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1)

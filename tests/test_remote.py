@@ -299,13 +299,14 @@ def test_learner_and_two_nodes_through_joins_kills_and_a_learner_restart(tmp_pat
 
 def test_two_learner_processes_two_nodes_and_a_node_leaving_by_sigterm(tmp_path):
     """With 2 learner processes, process 0 serves and hands each process its rows; a node sent
-    SIGTERM returns its leases at once (none has to expire) and training goes on with the other."""
+    SIGTERM returns its leases at once (none has to expire) and training goes on with the other.
+    The policy trains LoRA adapters: nodes fetch the base once and each version's adapters only."""
     port, wd = free_port(), str(tmp_path / "run")
     learner = [sys.executable, "-m", "jaxrl_llm.launch", "--processes=2", "--", f"--workdir={wd}",
                "--config.warm_start.steps=0", "--config.runtime.mode=remote", f"--config.runtime.remote.port={port}",
                "--config.runtime.max_staleness=2", "--config.runtime.prompts_per_batch=4", "--config.train.steps=6",
                "--config.train.save_every=100", "--config.train.eval_every=100", "--config.task.eval_size=8",
-               "--config.train.progress=False", "--config.sampler.batching=static"]
+               "--config.train.progress=False", "--config.sampler.batching=static", "--config.model.lora.rank=4"]
     with _Processes(tmp_path, port) as run:
         lrn, a, _ = run.start(learner, "l"), run.node("a"), run.node("b")
         _wait_step(wd, 2, lrn)
@@ -318,6 +319,10 @@ def test_two_learner_processes_two_nodes_and_a_node_leaving_by_sigterm(tmp_path)
     assert "leases returned" in (tmp_path / "a.log").read_text()
     assert records[-1]["remote/leases_expired"] == 0 and records[-1]["remote/b/groups"] > 0
     assert records[-1]["remote/b/staleness"] <= 2  # max_staleness: what is trained is within it
+    m = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)  # configs/default.py
+    per_layer = 4 * (m["hidden_size"] + m["num_heads"] * m["head_dim"]) * 2 + 4 * (
+        m["hidden_size"] + m["num_kv_heads"] * m["head_dim"]) * 2 + 4 * (m["hidden_size"] + m["intermediate_size"]) * 3
+    assert records[-1]["weights/publish_bytes"] == 4 * 2 * per_layer  # float32 adapters of 2 layers
 
 
 def _hub(verify_fraction=1.0):

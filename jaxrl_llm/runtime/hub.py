@@ -31,6 +31,7 @@ from jaxrl_llm.runtime.weights import WeightStore
 
 STREAM = 0  # the data position's stream the nodes share (draws are Producer.draw(STREAM + 1, d))
 MIN_VERIFIED = 5
+BASE = -2  # the artifact version of LoRA's frozen base (`manifest(part="base")`)
 MAX_LEASES = 8  # per lease call
 
 
@@ -114,8 +115,12 @@ class Hub:
         return {"released": len(self._revoke(self.leases.release(n.name)))}
 
     def manifest(self, req: dict) -> dict:
+        """The newest version's artifact (LoRA: its adapters); `part="base"`: LoRA's frozen base,
+        served as version BASE and fetched once per node session."""
         self._node(req)
-        return self._artifact(self.store.latest())[0]
+        if req.get("part") == "base":
+            return self._artifact((BASE, self.store.base()))[0]
+        return self._artifact(self.store.publication())[0]
 
     def chunk(self, req: dict):
         with self._lock:
@@ -206,8 +211,9 @@ class Hub:
         with self._lock:
             if version not in self._artifacts:
                 self._artifacts[version] = wire.pack_params(params, version, self.cfg.remote.chunk_mb << 20)
-                while len(self._artifacts) > 2:  # the newest, and the one nodes may still be fetching
-                    self._artifacts.popitem(last=False)
+                versions = [v for v in self._artifacts if v != BASE]  # the base stays for the run
+                for old in versions[:-2]:  # the newest, and the one nodes may still be fetching
+                    del self._artifacts[old]
             return self._artifacts[version]
 
     def _verify(self, n: NodeStats, prompt, f) -> None:

@@ -133,9 +133,12 @@ class Orchestrator:
         self._delay_rng = np.random.default_rng([c.seed, 10_007])  # simulated delays
         self.node_config = None
         if c.mode == "remote":  # what a node is told (the token and service settings are not)
+            m = learner.model_cfg
             self.node_config = dict(node_config or {}, model=dataclasses.asdict(sampler.model_cfg),
                                     sampler=dataclasses.asdict(sampler.cfg),
-                                    runtime={k: v for k, v in c.to_dict().items() if k != "remote"})
+                                    runtime={k: v for k, v in c.to_dict().items() if k != "remote"},
+                                    lora=dict(rank=m.lora_rank, alpha=m.lora_alpha, targets=list(m.lora_targets))
+                                    if learner.publishes_adapters else None)
         self.mode = self._make_mode(_delay(c))
 
     def _make_mode(self, delay):

@@ -11,7 +11,8 @@ recorded, so samplers can take a version only after a (simulated) network delay.
 LoRA (`models/lora.py`): the learner publishes its adapters only, with the frozen base; the store
 places the base once and keeps, per version, the base merged with that version's adapters
 (W + scale B A, in the compute dtype): the samplers' decode step is the base model's, unchanged.
-`published_bytes` is what a publication carried (the adapters' bytes under LoRA).
+`published_bytes` is what a publication carried (the adapters' bytes under LoRA);
+`publication()` returns it (what sampler nodes fetch) and `base()` the frozen base they fetch once.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ class WeightStore:
         self._cond = threading.Condition()
         cast = lambda x: x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.copy(x)
         self._copy = jax.jit(lambda p: jax.tree_util.tree_map(cast, p))
+        self._own = jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p))
         self._merge = jax.jit(lambda base, adapters: lora.merge(base, adapters, lora_scale, self.dtype))
         self._base_of, self._base, self.published_bytes = None, None, 0
+        self._adapters: dict = {}  # LoRA: version -> the adapters published with it (kept as `_versions`)
 
     def publish(self, version: int, params, base=None) -> None:
         """Every process publishes each version (with many processes the learner's global
@@ -50,8 +53,9 @@ class WeightStore:
         LoRA, the frozen weights that `params` (adapters) complete."""
         params = distributed.to_local(params)
         self.published_bytes = lora.size_bytes(params)
-        if base is not None:
-            params = self._merged(params, base)
+        adapters = None
+        if base is not None:  # a private copy: the learner donates its state to the next step
+            adapters, params = self._own(params), self._merged(params, base)
         if sharding.shares_host_copy(self.placement):
             if any(x.dtype != self.dtype for x in jax.tree_util.tree_leaves(params)):
                 params = self._copy(params)
@@ -63,8 +67,11 @@ class WeightStore:
         with self._cond:
             self._versions[int(version)] = copy
             self._published_at[int(version)] = time.monotonic()
+            if adapters is not None:
+                self._adapters[int(version)] = adapters
             for old in sorted(self._versions)[: -self.keep]:
                 del self._versions[old], self._published_at[old]
+                self._adapters.pop(old, None)
             self._cond.notify_all()
 
     def _merged(self, adapters, base):
@@ -76,6 +83,24 @@ class WeightStore:
             self._base_of, self._base = base, jax.device_put(distributed.to_local(base), device)
             self._device = device
         return self._merge(self._base, jax.device_put(adapters, self._device))
+
+    @property
+    def lora(self) -> bool:
+        """Whether publications are LoRA adapters over a frozen base."""
+        return self._base is not None
+
+    def publication(self):
+        """(version, what it published) of the newest version: the adapters under LoRA, else
+        the samplers' params (what a sampler node fetches per version)."""
+        with self._cond:
+            v, params = self.latest()
+            return v, self._adapters.get(v, params)
+
+    def base(self):
+        """LoRA: the frozen base the publications complete (fetched once by sampler nodes)."""
+        if self._base is None:
+            raise LookupError("this run publishes full weights: there is no separate base")
+        return self._base
 
     @property
     def versions(self) -> list[int]:
