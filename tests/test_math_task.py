@@ -262,3 +262,30 @@ def test_a_plan_beyond_the_memory_available_fails_at_start_up(tokenizer_dir, tmp
     monkeypatch.setattr(memory, "available", lambda: (plan // 2, "host RAM"))
     b = experiment.build(c)  # the escape hatch
     assert b["memory_plan"]["learner_params"] == 4 * b["model_cfg"].num_params
+
+
+def test_lora_on_a_local_hf_checkpoint_references_it_and_resumes_only_on_it(tokenizer_dir, tmp_path):
+    """LoRA in bfloat16 on a checkpoint directory: the workdir names the directory (no copy),
+    resumes on it, and refuses the same path once its weights changed."""
+    import os
+    import shutil
+
+    from jaxrl_llm import experiment, frozen_base, models
+
+    base = str(tmp_path / "base")
+    shutil.copytree(tokenizer_dir, base)
+    c = _hf_config(base, tmp_path)
+    c.model.update(dict(hf_path=base, dtype="bfloat16"))
+    c.model.lora.rank = 4
+    run = str(tmp_path / "run")
+    assert experiment.run(c, run, log=lambda *_: None)["version"] == 2
+    rec = frozen_base.read(run)
+    assert rec["path"] == base and rec["hf_path"] == base and not os.path.exists(os.path.join(run, frozen_base.COPY))
+    c.train.steps = 3
+    assert experiment.run(c, run, log=lambda *_: None)["version"] == 3
+    params, cfg = models.load_params(base)
+    params["final_norm"]["scale"] = params["final_norm"]["scale"] * 1.5
+    models.save_params(base, params, cfg)
+    c.train.steps = 4
+    with pytest.raises(ValueError, match=rf"different LoRA base: .*trained on {base} .*this run's base is {base}"):
+        experiment.run(c, run, log=lambda *_: None)
