@@ -41,7 +41,8 @@ TRAIN = V.Section(
     steps=(300, V.integer(1)), eval_every=(50, V.integer(1)), save_every=(50, V.integer(1)), keep=(2, V.integer(1)),
     tensorboard=(True, V.boolean()), progress=(True, V.boolean()), resume=("auto", V.one_of("auto", "fresh")),
     preempt_grace_s=(30.0, V.positive()),
-    check_memory=(True, V.boolean()))  # refuse a memory plan beyond what is available
+    check_memory=(True, V.boolean()),  # refuse a memory plan beyond what is available
+    allow_changes=(False, V.boolean()))  # resume with settings outside workdir.FREE changed (recorded)
 model_config, aux_model_config, train_config = MODEL.config, AUX_MODEL.config, TRAIN.config
 TOP_RULES = {"seed": V.integer(0), "cpu_devices": V.integer(0, extra=(-1,))}
 

@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm import checkpoint, distributed, frozen_base, learner, memory, models, paths, preemption, sharding, tasks
+from jaxrl_llm import workdir as workdir_lib
 from jaxrl_llm import plan as plan_lib
 from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.metrics import MetricsWriter, Progress
@@ -102,6 +103,31 @@ def run(config, workdir: str, log=None) -> dict:
     `log(line)` receives progress lines; by default they go beside a tqdm bar on a terminal."""
     paths.check(config, workdir)  # before anything is built or written
     os.makedirs(workdir, exist_ok=True)
+    lock = _hold(workdir)
+    try:
+        return _run(config, workdir, log)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _hold(workdir: str):
+    """Process 0 locks the workdir for the run (`workdir.Lock`); if another run holds it, every
+    process stops here, before anything is built."""
+    lock, busy = None, ""
+    if distributed.is_main():
+        try:
+            lock = workdir_lib.Lock(workdir).acquire()
+        except workdir_lib.WorkdirBusy as e:
+            busy = str(e)
+    if distributed.count() > 1 and int(np.max(distributed.agree(1 if busy else 0))):
+        busy = busy or f"{workdir} is held by another run (process 0 found its lock)"
+    if busy:
+        raise workdir_lib.WorkdirBusy(busy)
+    return lock
+
+
+def _run(config, workdir: str, log) -> dict:
     t_start = time.time()
     b = build(config)
     user_config, config = config, b["plan"].config  # from here on the resolved, immutable one
@@ -109,6 +135,7 @@ def run(config, workdir: str, log=None) -> dict:
     ckdir, notes = os.path.join(workdir, "checkpoints"), []
     have, what = memory.available()
     notes.append(f"memory plan (GiB): {memory.describe(b['memory_plan'])}; {what}: {have / memory.GB:.1f} GiB")
+    notes.extend(f"warning: {w}" for w in b["plan"].warnings)
     if config.train.get("resume", "auto") == "fresh" and distributed.is_main():
         aside = checkpoint.move_all_aside(ckdir)
         if aside:
@@ -117,7 +144,10 @@ def run(config, workdir: str, log=None) -> dict:
     ckpt = Checkpointer(ckdir, save_every=config.train.save_every, keep=config.train.keep)
     key = jax.random.key(config.seed)
     lora, mcfg = bool(b["model_cfg"].lora_rank), b["model_cfg"]
-    frozen_base.check_resumable(workdir, mcfg, bool(ckpt.manager.all_steps()))
+    saved = ckpt.manager.all_steps()
+    frozen_base.check_resumable(workdir, mcfg, bool(saved))
+    shape = {k: getattr(mcfg, k) for k in workdir_lib.MODEL_KEYS}
+    changed = workdir_lib.check_resume(workdir, user_config, shape, max(saved)) if saved else []
     restored = ckpt.restore_newest_readable(lrn.abstract_state(), log=notes.append)
     resumed = restored is not None
     loaded, loaded_aux = b.pop("params"), b.pop("aux_params")  # dropped once the learner holds its copy
@@ -143,6 +173,7 @@ def run(config, workdir: str, log=None) -> dict:
     if main:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(user_config.to_json_best_effort(indent=2))  # the config the user ran
+        workdir_lib.record(workdir, user_config, shape, int(state.version), changed if resumed else [])
     # Records past the restored version (or all, starting afresh) belong to a run that died.
     writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=main,
                            resume_at=int(state.version) if resumed else -1)
@@ -153,6 +184,9 @@ def run(config, workdir: str, log=None) -> dict:
         log(note)
     if resumed:
         log(f"resumed from {workdir} at version {int(state.version)}")
+        if changed:  # allowed by train.allow_changes (or free but worth saying), and recorded
+            log("resumed with changes: " + "; ".join(changed))
+            writer.write({"step": int(state.version), "config_changes": changed})
         saved = ckpt.runtime(int(state.version))
         if saved is not None:
             note = orch.load_runtime_state(saved)

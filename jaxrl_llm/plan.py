@@ -32,6 +32,7 @@ class RunPlan:
     learner_devices: tuple
     sampler_devices: tuple
     memory: Mapping[str, int]  # bytes by part (`memory.run_plan`), checked against what is available
+    warnings: tuple = ()  # said once at start-up (e.g. an evaluation set smaller than asked)
 
     @property
     def own_sampler_devices(self) -> bool:
@@ -48,6 +49,10 @@ def resolve(config) -> RunPlan:
     task = tasks.make(config.task, config.model.hf_path)
     mcfg = model_cfg(config.model, task)
     acfg = model_cfg(config.aux_model, task) if config_lib.has_aux_model(config) else None
+    for section, cfg in (("model", mcfg), ("aux_model", acfg)):
+        if cfg is not None and config[section].hf_path:
+            models.check_weights(config[section].hf_path, cfg)
+    check_sampling(config, task, mcfg)
     learner_devices, sampler_devices = config_lib.devices(config)
     parts = memory.run_plan(config, task, mcfg, acfg, objective)
     memory.check_run(config, task, mcfg, acfg, parts)
@@ -55,7 +60,23 @@ def resolve(config) -> RunPlan:
                    objective=objective, passes=frozenset(objectives.required_passes(objective)),
                    sampler=sampler_cfg(config, task), greedy=sampler_cfg(config, task, greedy=True),
                    learner_devices=tuple(learner_devices), sampler_devices=tuple(sampler_devices),
-                   memory=types.MappingProxyType(parts))
+                   memory=types.MappingProxyType(parts), warnings=tuple(getattr(task, "warnings", ())))
+
+
+def check_sampling(config, task, mcfg: models.ModelConfig) -> None:
+    """Sampling options the model and tokenizer can honour, refused before any thread starts."""
+    s, problems = config.sampler, []
+    for key in ("top_k", "capture_topk"):
+        if s[key] > mcfg.vocab_size:
+            problems.append(f"sampler.{key}={s[key]} exceeds the model's vocabulary of {mcfg.vocab_size} tokens")
+    new = s.max_new_tokens or task.max_answer_len
+    prompt = getattr(task, "max_prompt_len", task.prompt_buckets[-1])
+    if config.model.hf_path and prompt + new > mcfg.max_position_embeddings:
+        problems.append(f"the longest prompt ({prompt} tokens) + {new} new tokens (sampler.max_new_tokens, else "
+                        f"task.max_answer_len) exceed the {mcfg.max_position_embeddings} positions of "
+                        f"{config.model.hf_path} (max_position_embeddings)")
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def model_cfg(m, task) -> models.ModelConfig:

@@ -4,4 +4,4 @@ from jaxrl_llm.models import lora  # noqa: F401
 from jaxrl_llm.models.config import ModelConfig  # noqa: F401
 from jaxrl_llm.models.decoder import init_params, logical_axes, unembed_matrix  # noqa: F401
 from jaxrl_llm.models.heads import full_logits, logprob_stats, sequence_logprobs  # noqa: F401
-from jaxrl_llm.models.hf import load_config, load_params, load_tokenizer, save_params  # noqa: F401
+from jaxrl_llm.models.hf import check_weights, load_config, load_params, load_tokenizer, save_params  # noqa: F401

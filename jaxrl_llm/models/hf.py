@@ -15,6 +15,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxrl_llm.models import decoder
 from jaxrl_llm.models.config import ModelConfig
 
 _SINGLE = "model.safetensors"
@@ -81,6 +82,46 @@ def _hf_names(cfg: ModelConfig):
         out.append(((lay, "input_norm", "scale"), f"{pre}input_layernorm.weight", *same))
         out.append(((lay, "post_norm", "scale"), f"{pre}post_attention_layernorm.weight", *same))
     return out
+
+
+def _header(file: str) -> dict:
+    """A safetensors file's header, checked against the file's size (nothing else is read)."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise ValueError(f"{file} is not a complete safetensors file ({size} bytes; its header is cut short)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise ValueError(f"{file} is not a safetensors file (its header is not JSON)") from None
+    end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise ValueError(f"{file} is truncated: its header declares {8 + n + end} bytes, the file holds {size}")
+    return header
+
+
+def check_weights(path: str, cfg: ModelConfig) -> None:
+    """Before anything is loaded: every weight file complete, and each tensor `cfg` needs present
+    with the size `cfg` gives it (a checkpoint of another model is refused by tensor name)."""
+    like = jax.eval_shape(lambda: decoder.init_params(cfg.without_lora(), jax.random.key(0)))
+    found = {}
+    for file in _weight_files(path):
+        for name, t in _header(file).items():
+            if name != "__metadata__":
+                found[name] = (tuple(t["shape"]), file)
+    problems = []
+    for ours, name, _, _ in _hf_names(cfg.without_lora()):
+        if name not in found:
+            continue  # load_params names every missing tensor
+        want = int(np.prod(_get(like, ours).shape))
+        shape, file = found[name]
+        if int(np.prod(shape)) != want:
+            problems.append(f"{name} in {file} has shape {list(shape)}, this model needs {want} values")
+    if problems:
+        raise ValueError(f"the weights in {path} are not those of its config.json's model: "
+                         + "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
 
 
 def _get(tree: dict, path: tuple):

@@ -96,12 +96,40 @@ def load_split(path: str, split: str):
         ext = os.path.splitext(path)[1]
         if ext not in FORMATS:
             raise ValueError(f"unsupported dataset file {path!r}; valid extensions: {', '.join(FORMATS)}")
-        return datasets.load_dataset(FORMATS[ext], data_files={"train": path}, split="train") if split == "train" else None
+        return _load_files(FORMATS[ext], [path], "train") if split == "train" else None
     for ext, fmt in FORMATS.items():
         files = sorted(glob.glob(os.path.join(path, "**", f"{split}*{ext}"), recursive=True))
         if files:
-            return datasets.load_dataset(fmt, data_files={split: files}, split=split)
+            return _load_files(fmt, files, split)
     return None
+
+
+def _load_files(fmt: str, files: list, split: str):
+    """`datasets.load_dataset` over local files; files without a row (which `datasets` answers
+    with a bare StopIteration) are refused by name."""
+    import datasets
+
+    empty = [f for f in files if os.path.getsize(f) == 0 or (fmt == "json" and not _has_text(f))]
+    if empty:
+        raise ValueError(f"task.path: the {split!r} split's file(s) {', '.join(empty)} hold no rows")
+    try:
+        return datasets.load_dataset(fmt, data_files={split: files}, split=split)
+    except StopIteration:
+        raise ValueError(f"task.path: the {split!r} split's files {', '.join(files)} hold no rows") from None
+
+
+def _has_text(path: str) -> bool:
+    with open(path, "rb") as f:
+        return any(line.strip() for line in f)
+
+
+def _check_text(data, column: str, path: str, split: str, key: str) -> None:
+    """Every value of `column` is text: a numeric or nested question would be formatted as its
+    Python repr, silently."""
+    for i, value in enumerate(data[column]):
+        if not isinstance(value, str):
+            raise ValueError(f"task.path={path!r}: column {column!r} ({key}) of the {split!r} split must hold text; "
+                             f"row {i} holds {type(value).__name__} {str(value)[:40]!r}")
 
 
 def _pick(columns: Sequence[str], given: str, candidates: Sequence[str], what: str) -> str:
@@ -129,19 +157,29 @@ class MathDataset:
             raise ValueError("the tokenizer has no chat template; set --config.task.chat_template=False "
                              "for plain 'Question: ... Answer:' prompts")
         self._chat, self._instruction, self._system = chat_template, instruction, system_prompt
+        self.warnings: list[str] = []  # said once at start-up (`experiment.run` logs them)
         train = load_split(path, split)
         if train is None:
             raise ValueError(f"split {split!r} not found under {path!r}")
+        if len(train) == 0:
+            raise ValueError(f"task.path={path!r}: the {split!r} split has no rows")
         q = _pick(train.column_names, question_key, QUESTION_KEYS, "question")
         a = _pick(train.column_names, answer_key, ANSWER_KEYS, "answer")
         held = load_split(path, eval_split) if eval_split else None
         if held is None:  # no eval split: hold out the last eval_size training problems
             n = len(train) - min(eval_size, len(train) // 2)
             train, held = train.select(range(n)), train.select(range(n, len(train)))
+        for data, name in ((train, split), (held, eval_split or split)):
+            _check_text(data, q, path, name, "task.question_key")
         self.train = self._encode(train[q], train[a], max_prompt_len)
-        self.held_out = self._encode(held[q], held[a], max_prompt_len)[:eval_size]
+        self.held_out = self._encode(held[q], held[a], max_prompt_len)
         if not self.train:
-            raise ValueError(f"no training problem fits task.max_prompt_len={max_prompt_len} tokens")
+            raise ValueError(f"task.path={path!r}: none of the {len(train)} {split!r} problems fits "
+                             f"task.max_prompt_len={max_prompt_len} tokens (raise it)")
+        if len(self.held_out) < eval_size:
+            self.warnings.append(f"task.eval_size={eval_size} but the {eval_split or split!r} split holds "
+                                 f"{len(self.held_out)} usable problems: evaluating on all {len(self.held_out)}")
+        self.held_out = self.held_out[:eval_size]
         self._gold = {tuple(ids): (g, gold_int(g)) for ids, g in self.train + self.held_out}
         longest = max(len(ids) for ids, _ in self.train + self.held_out)
         self.prompt_buckets = tuple(b for b in (64, 128, 256, 512, 1024, 2048) if b < longest) + (longest,)
