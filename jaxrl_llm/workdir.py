@@ -9,7 +9,7 @@ NFSv4) arbitrates between hosts. With many processes, process 0 holds it for the
 **Resumes that changed.** Each start appends the config it ran (the user's, flattened) with the
 version it started from to `<workdir>/config_history.jsonl`. A resume compares its config with
 the newest entry: a different model (sizes, architecture, checkpoint) is refused; other changes
-outside `FREE` are refused unless `--config.train.allow_changes=True`, and then recorded.
+outside `FREE` (and `FREE_PREFIXES`) are refused unless `--config.train.allow_changes=True`, and then recorded.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ LOCK, HISTORY = "run.lock", "config_history.jsonl"
 FREE = ("train.steps", "train.eval_every", "train.save_every", "train.keep", "train.tensorboard", "train.progress",
         "train.resume", "train.preempt_grace_s", "train.allow_changes", "train.check_memory",
         "learner.total_steps")  # total_steps follows train.steps in the shipped configs
+# Where and on how many processes / devices it runs: a deployment, not the experiment.
+FREE_PREFIXES = ("distributed.", "mesh.", "cpu_devices", "runtime.sampler_devices", "runtime.remote.host",
+                 "runtime.remote.port", "runtime.remote.tls_")
 # A different model cannot continue from the checkpoint at all, flag or not.
 MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
               "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm")
@@ -101,7 +104,7 @@ def changes(workdir: str, config, model: dict) -> tuple[list, list]:
     now = flat(config)
     keys = sorted(set(now) | set(last["config"]))
     other = [f"{k}: {last['config'].get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}" for k in keys
-             if k not in FREE and last["config"].get(k) != now.get(k)]
+             if k not in FREE and not k.startswith(FREE_PREFIXES) and last["config"].get(k) != now.get(k)]
     return model_diff, other
 
 

@@ -144,7 +144,8 @@ def test_both_processes_killed_after_a_checkpoint_resume_as_an_uninterrupted_run
 
 def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
     """Preemption of one host: the processes agree on the step, each saves it and exits 143,
-    and a resume continues from that step with one record per step."""
+    and a resume continues from that step with one record per step. While it runs, the
+    workdir is locked by process 0."""
     args = [*TINY, "--config.runtime.mode=sync", "--config.train.eval_every=100000", "--config.train.save_every=100000"]
     cmds = launch.commands(2, 1, [*args, f"--workdir={tmp_path}", "--config.train.steps=100000"], launch.free_port())
     procs = [subprocess.Popen(c, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -153,6 +154,13 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
     try:
         while time.monotonic() < deadline and not (path.exists() and '"loss"' in path.read_text()):
             time.sleep(0.1)
+        # The two-process run holds its workdir through process 0: another run is refused, by name.
+        from jaxrl_llm import experiment
+        from jaxrl_llm.workdir import WorkdirBusy
+        from tests.test_experiment import _tiny
+
+        with pytest.raises(WorkdirBusy, match=rf'held by a live run \(.*"pid": {procs[0].pid}'):
+            experiment.run(_tiny(), str(tmp_path), log=lambda *_: None)
         procs[1].send_signal(signal.SIGTERM)
         outs = [p.communicate(timeout=120)[0] for p in procs]
     finally:
