@@ -30,10 +30,8 @@ def run_model(workdir: str) -> tuple[dict, ModelConfig]:
     if rec is None:
         raise ValueError(f"{workdir} has no {frozen_base.RECORD}: not a LoRA run (model.lora.rank > 0), or not "
                          "started yet")
-    m = {k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
-         for k, v in rec["model"].items()}
     lo = rec["lora"]
-    cfg = ModelConfig(**m).replace(lora_rank=lo["rank"], lora_alpha=float(lo["alpha"]),
+    cfg = ModelConfig.from_dict(rec["model"]).replace(lora_rank=lo["rank"], lora_alpha=float(lo["alpha"]),
                                    lora_targets=tuple(lo["targets"]))
     return rec, cfg
 

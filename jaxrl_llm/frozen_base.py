@@ -51,14 +51,10 @@ def read(workdir: str) -> Optional[dict]:
     return rec
 
 
-_SHAPE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-          "head_dim", "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_word_embeddings")
-
-
 def check_resumable(workdir: str, cfg: ModelConfig, has_checkpoints: bool) -> None:
     """Before any restore: a workdir trained with full weights cannot resume as LoRA or back,
-    nor LoRA with another model or other adapters (the saved tree or its meaning differs;
-    orbax would call the checkpoint damaged)."""
+    nor LoRA with other adapters (the saved tree or its meaning differs; orbax would call the
+    checkpoint damaged). Another model is refused for every run (`workdir.check_resume`)."""
     if not has_checkpoints:
         return
     rec, lora = read(workdir), bool(cfg.lora_rank)
@@ -70,13 +66,10 @@ def check_resumable(workdir: str, cfg: ModelConfig, has_checkpoints: bool) -> No
                          f"resume it with --config.model.lora.rank={rec['lora']['rank']}, or use a new --workdir")
     if rec is None:
         return
-    now = dataclasses.asdict(cfg)
-    diff = [f"model.{k}: saved {rec['model'].get(k)!r}, now {now[k]!r}" for k in _SHAPE
-            if k in rec["model"] and rec["model"][k] != now[k]]
-    diff += [f"model.lora.{k}: saved {rec['lora'][k]!r}, now {v!r}" for k, v in (
+    diff = [f"model.lora.{k}: saved {rec['lora'][k]!r}, now {v!r}" for k, v in (
         ("rank", cfg.lora_rank), ("alpha", cfg.lora_alpha), ("targets", list(cfg.lora_targets))) if rec["lora"][k] != v]
     if diff:
-        raise ValueError(f"{workdir} was trained with another model or other adapters; cannot resume: " + "; ".join(diff))
+        raise ValueError(f"{workdir} was trained with other adapters; cannot resume: " + "; ".join(diff))
 
 
 def record(workdir: str, hf_path: str, params, cfg: ModelConfig) -> str:
@@ -87,8 +80,7 @@ def record(workdir: str, hf_path: str, params, cfg: ModelConfig) -> str:
             models.save_params(path, params, cfg.without_lora())
         rec = {"path": path if hf_path else COPY, "hf_path": hf_path, "fingerprint": fingerprint(params),
                "lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": list(cfg.lora_targets)},
-               "model": {k: list(v) if isinstance(v, tuple) else v
-                         for k, v in dataclasses.asdict(cfg.without_lora()).items()}}
+               "model": dataclasses.asdict(cfg.without_lora())}  # `ModelConfig.from_dict` reads it back
         tmp = _record_path(workdir) + ".tmp"
         with open(tmp, "w") as f:
             json.dump(rec, f, indent=2)

@@ -138,7 +138,7 @@ class Node:
         self.close()
         task_cfg = ml_collections.ConfigDict(hello["task"])
         task = tasks.make(task_cfg, hello["hf_path"])
-        mcfg = models.ModelConfig(**_tuples(hello["model"]))
+        mcfg = models.ModelConfig.from_dict(hello["model"])
         sampler = Sampler(mcfg, SamplerConfig(**_tuples(hello["sampler"])),
                           Mesh(np.asarray(jax.local_devices()), ("data",)))
         self.producer = Producer(sampler, task, ml_collections.ConfigDict(hello["runtime"]),

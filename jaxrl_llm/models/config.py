@@ -89,6 +89,15 @@ class ModelConfig:
         """The base model (what the samplers run on merged weights, what HF checkpoints hold)."""
         return dataclasses.replace(self, lora_rank=0, lora_alpha=0.0, lora_targets=())
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """`dataclasses.asdict(cfg)` after a JSON round trip: its lists (e.g. `rope_params`'
+        pairs) back to the tuples a hashable config needs."""
+        def tup(v):
+            return tuple(tup(x) for x in v) if isinstance(v, list) else v
+
+        return cls(**{k: tup(v) for k, v in d.items()})
+
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 

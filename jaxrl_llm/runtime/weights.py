@@ -56,7 +56,9 @@ class WeightStore:
         adapters = None
         if base is not None:  # a private copy: the learner donates its state to the next step
             adapters, params = self._own(params), self._merged(params, base)
-        if sharding.shares_host_copy(self.placement):
+        if base is not None:  # the merge made a private copy in the store's dtype, on `_device`
+            copy = params if self.placement is None else sharding.put(params, self.placement)
+        elif sharding.shares_host_copy(self.placement):
             if any(x.dtype != self.dtype for x in jax.tree_util.tree_leaves(params)):
                 params = self._copy(params)
             copy = sharding.put(params, self.placement)  # already private: one host copy for all devices
@@ -83,11 +85,6 @@ class WeightStore:
             self._base_of, self._base = base, jax.device_put(distributed.to_local(base), device)
             self._device = device
         return self._merge(self._base, jax.device_put(adapters, self._device))
-
-    @property
-    def lora(self) -> bool:
-        """Whether publications are LoRA adapters over a frozen base."""
-        return self._base is not None
 
     def publication(self):
         """(version, what it published) of the newest version: the adapters under LoRA, else
