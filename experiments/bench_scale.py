@@ -40,8 +40,8 @@ import sys
 import tempfile
 import time
 
-QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-                  num_kv_heads=2, head_dim=64, tie_word_embeddings=True, rope_theta=1000000.0)
+from jaxrl_llm.research.cost import QWEN25_05B  # the shapes the A-3PO cost claim is measured at
+
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
             head_dim=16, tie_word_embeddings=True)
 

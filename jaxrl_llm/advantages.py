@@ -24,13 +24,15 @@ def _estimator(name):
 
 
 @_estimator("grpo")
-def grpo(rewards_B, group_ids_B, eps: float = 1e-6, ddof: int = 1):
+def grpo(rewards_B, group_ids_B, eps: float = 1e-6, ddof: int = 1, singleton: str = "zero"):
     """A_i = (r_i - mean_g r) / (std_g r + eps) (Shao et al. 2024; unbiased std by default,
-    as torch.std in TRL/verl). Singleton groups get 0."""
+    as torch.std in TRL/verl/AReaL). A group of one has no baseline: singleton="zero" gives it 0
+    (no signal); "reward" gives r_i / (1 + eps), verl's mean 0 and std 1 for such groups."""
     member = groups.membership(group_ids_B)
     centred = rewards_B - groups.mean(rewards_B, member)
     std = jnp.sqrt(groups.var(rewards_B, member, ddof=ddof))
-    return jnp.where(groups.count(member) > 1, centred / (std + eps), 0.0)
+    alone = 0.0 if singleton == "zero" else rewards_B / (1.0 + eps)
+    return jnp.where(groups.count(member) > 1, centred / (std + eps), alone)
 
 
 @_estimator("dr_grpo")

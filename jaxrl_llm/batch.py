@@ -35,6 +35,7 @@ _BATCH_SPEC = {
     "truncated": (("B",), "b"),
     "input_mask": (("B", "L"), "f"),
     "behav_kept": (("B", "L"), "i"),
+    "token_keep": (("B", "L"), "f"),
 }
 
 _POLICY_SPEC = {
@@ -75,6 +76,10 @@ class TrajectoryBatch:
       behav_kept      i32[B, L]     size of the truncated support (top-k / top-p) each token
                                     was drawn from; 0 on prompt/pad. None: no truncation, or
                                     not recorded (the learner then re-applies the rule).
+      token_keep      f32[B, L]     1 on loss tokens an objective's step-level selection keeps,
+                                    0 on those it drops, computed once over the step's whole
+                                    batch (every minibatch and process; `register(prepare=)`),
+                                    e.g. M2PO's second-moment mask. None: nothing selected.
     """
 
     tokens: Array
@@ -92,6 +97,7 @@ class TrajectoryBatch:
     truncated: Optional[Array] = None
     input_mask: Optional[Array] = None
     behav_kept: Optional[Array] = None
+    token_keep: Optional[Array] = None
 
     @classmethod
     def concat(cls, batches) -> "TrajectoryBatch":

@@ -69,6 +69,7 @@ class Learner:
         self._prox = jax.jit(functools.partial(update.prox_pass, plan=self.plan))
         self._ref = jax.jit(functools.partial(update.ref_pass, plan=self.plan))
         self._step = None  # built by place(): needs the state's shardings
+        self._prepare = None  # the objective's step-level selection (`_keep`), when it has one
         self.base = None  # LoRA: the frozen weights the adapters complete (`hold_base`)
         scale, dtype = model_cfg.lora_scale, model_cfg.dtype
         self._merge = jax.jit(lambda base, adapters: lora.merge(base, adapters, scale, dtype))
@@ -160,7 +161,16 @@ class Learner:
             batch = batch.replace(prox_logp=prox, prox_topk_logp=prox_topk)
         if "ref_logp" in self.plan.needs:
             batch = batch.replace(ref_logp=self._ref(state.ref_params, batch, packed, self.base))
+        if self.plan.objective.prepare is not None:  # a selection over the step's whole batch
+            batch = batch.replace(token_keep=self._keep(batch.loss_mask.sharding)(batch))
         return batch, packed, timings
+
+    def _keep(self, row_sharding):
+        """The objective's `prepare`, jitted once, its [B, L] output laid out as the batch's rows."""
+        if self._prepare is None:
+            self._prepare = jax.jit(lambda b: self.plan.objective.prepare(b, self.plan.obj_cfg),
+                                    out_shardings=row_sharding)
+        return self._prepare
 
     def lower_step(self, state: TrainState, batch: TrajectoryBatch):
         """`train_step`'s program, lowered and not run (its memory analysis, its HLO)."""

@@ -20,6 +20,8 @@ def agg(l, m, mode, norm_len=0):
         return float((l * m).sum() / max(m.sum(), 1.0))
     if mode == "seq_mean_token_sum_norm":
         return float((l * m).sum() / (b * (norm_len or L)))
+    if mode == "token_sum_norm":  # verl's seq-mean-token-sum-norm: sum(seq sums) / L
+        return float((l * m).sum(-1).sum() / (norm_len or L))
     per_seq = []
     for i in range(b):
         n = m[i].sum()
@@ -51,12 +53,12 @@ def F(w, ic):
     return w
 
 
-def finish(tok, x, s, cfg, kl_scale=1.0):
+def finish(tok, x, s, cfg, kl_scale=1.0, mask=None, mode=None):
     bt = s.batch
-    m = f64(bt.loss_mask)
+    m = f64(bt.loss_mask) if mask is None else mask
     if cfg.kl.coef > 0:
         tok = tok + cfg.kl.coef * kl(x, f64(bt.ref_logp), cfg.kl.estimator) * kl_scale
-    return agg(tok, m, cfg.loss_agg, cfg.loss_agg_norm_len)
+    return agg(tok, m, mode or cfg.loss_agg, cfg.loss_agg_norm_len)
 
 
 def ppo(x, xs, s, cfg):
@@ -68,10 +70,15 @@ def ppo(x, xs, s, cfg):
 
 def _decoupled(x, prox, s, cfg):
     bt = s.batch
-    w = F(np.exp(prox - f64(bt.behav_logp)), cfg.is_correction)
+    raw = np.exp(prox - f64(bt.behav_logp))
+    w = F(raw, cfg.is_correction)
     r = np.exp(x - prox)
-    c = cfg.clip
-    return finish(w * clip_loss(r, f64(bt.advantages), 1 - c.eps_low, 1 + c.eps_high, c.dual_clip), x, s, cfg)
+    c, ic = cfg.clip, cfg.is_correction
+    mask = None
+    if cfg.loss_agg_rejected == "drop" and ic.kind == "icepop":  # verl: rejected tokens leave the mask
+        mask = f64(bt.loss_mask) * ((raw >= ic.low) & (raw <= ic.high))
+    return finish(w * clip_loss(r, f64(bt.advantages), 1 - c.eps_low, 1 + c.eps_high, c.dual_clip), x, s, cfg,
+                  mask=mask)
 
 
 def decoupled_ppo(x, xs, s, cfg):
@@ -110,7 +117,7 @@ def gspo(x, xs, s, cfg):
         log_si = _seq_mean(xs - f64(bt.behav_logp), m)
         s_it = np.exp(log_si[:, None] + x - xs)
         tok = clip_loss(s_it, a, lo, hi, cfg.clip.dual_clip)
-    return finish(tok, x, s, cfg)
+    return finish(tok, x, s, cfg, mode=cfg.gspo.loss_agg)
 
 
 def gepo_expectation(q, gid, valid):
@@ -200,6 +207,43 @@ def jackpot(x, xs, s, cfg, u):
     r = np.exp(x - ref)
     tok = accepted * rho * clip_loss(r, f64(s.batch.advantages), 1 - c.eps_low, 1 + c.eps_high, c.dual_clip)
     return finish(tok, x, s, cfg)
+
+
+def m2po_keep(behav, prox, mask, tau):
+    """AReaL's rule, written as a loop: sort the loss tokens' (log prox - log behav)^2 in
+    descending order, drop the first k where k is the first index whose suffix mean is below
+    tau (all but one when none is); 1 on kept loss tokens."""
+    idx = np.argwhere(mask > 0)
+    m2 = np.array([(prox[i, j] - behav[i, j]) ** 2 for i, j in idx])
+    order = np.argsort(-m2, kind="stable")
+    k = len(m2) - 1
+    for i in range(len(m2)):
+        if m2[order[i:]].mean() < tau:
+            k = i
+            break
+    keep = np.zeros(mask.shape)
+    for rank, t in enumerate(order):
+        if rank >= k:
+            keep[tuple(idx[t])] = 1.0
+    return keep
+
+
+def m2po(x, xs, s, cfg):
+    bt = s.batch
+    behav, prox, m = f64(bt.behav_logp), f64(bt.prox_logp), f64(bt.loss_mask)
+    keep = m2po_keep(behav, prox, m, cfg.m2po.tau)
+    w = F(np.exp(prox - behav), cfg.is_correction)
+    r, a = np.exp(x - prox), f64(bt.advantages)
+    c = cfg.clip
+    surr = clip_loss(r, a, 1 - c.eps_low, 1 + c.eps_high, c.dual_clip) if cfg.m2po.clip else -r * a
+    mask = m * keep if cfg.loss_agg_rejected == "drop" else m
+    return finish(w * surr * keep, x, s, cfg, kl_scale=keep, mask=mask)
+
+
+def cispo(x, xs, s, cfg):
+    bt = s.batch
+    w = np.clip(np.exp(xs - f64(bt.behav_logp)), 1 - cfg.cispo.eps_low, 1 + cfg.cispo.eps_high)  # a constant
+    return finish(-w * f64(bt.advantages) * x, x, s, cfg)
 
 
 def fd_grad(fn, x0, h=1e-6):

@@ -54,7 +54,7 @@ def test_final_is_the_mean_of_the_last_three_evaluations_and_every_rule_finds_it
     for claim in C.all_claims():  # synthetic runs for every arm: the rule reads only those
         runs = {a.label: [_run([0.5, 0.6 + 0.01 * s, 0.7], prox_time_s=0.01, step_time_s=0.1) for s in range(3)]
                 for a in claim.arms}
-        verdict = C.judge(claim, C.Results(runs, {"a3po_prox_time_s": [1e-6] * 3}))
+        verdict = C.judge(claim, C.Results(runs, {"a3po_cost": {"prox_pass_s": [2.0] * 3, "a3po_prox_s": [1e-4] * 3}}))
         assert verdict["verdict"] in ("holds", "fails", "inconclusive") and verdict["checks"]
     assert len(C.all_claims()) >= 5 and all(c.paper[1].startswith("arXiv:") for c in C.all_claims())
 
@@ -78,7 +78,8 @@ def test_every_claim_arm_builds_a_valid_config(tmp_path):
 
 
 def test_reproduce_writes_claims_with_seeds_and_verdicts_and_skips_finished_runs(tmp_path, capsys):
-    args = [f"--workdir={tmp_path}", "--seeds=2", "--steps=2", "--claims=a3po_vs_decoupled_ppo,offpolicy_grpo_v10", *TINY]
+    args = [f"--workdir={tmp_path}", "--seeds=2", "--steps=2", "--claims=a3po_vs_decoupled_ppo,offpolicy_grpo_v10",
+            "--cost_shapes=tiny", *TINY]
     rows = reproduce.main(args)
     out = capsys.readouterr().out
     assert "8 runs" in out and out.count("/8] ") == 8
@@ -87,10 +88,13 @@ def test_reproduce_writes_claims_with_seeds_and_verdicts_and_skips_finished_runs
     for r in saved:
         assert r["seeds"] == [0, 1] and r["verdict"] in ("holds", "fails", "inconclusive") and r["arxiv"].startswith("arXiv:")
         assert all(len(a["values"]) == 2 for a in r["arms"].values()) and (tmp_path / r["figure"]).exists()
-    a3po = saved[0]["checks"]
-    assert a3po[1]["values"][0] > 0  # decoupled_ppo's measured prox pass over a3po's interpolation
+    a3po, cost = saved[0]["checks"], saved[0]["a3po_cost"]
+    # the recompute pass over the interpolation, per seed, on the model the cost check names
+    np.testing.assert_allclose(a3po[1]["values"], np.divide(cost["prox_pass_s"], cost["a3po_prox_s"]))
+    assert a3po[1]["values"][0] > 0 and cost["seeds"] == [0, 1] and cost["shape"].startswith("small")
     md = (tmp_path / "claims.md").read_text()
     assert "| a3po_vs_decoupled_ppo | arXiv:2512.06547 |" in md and "## offpolicy_grpo_v10" in md
+    assert "Proximal-policy cost measured at small" in md
     reproduce.main(args)  # every run finished: nothing runs again
     assert "/8]" not in capsys.readouterr().out
     for bad in ("--claims=nope", "--seeds=0", "--seeds=1,1"):  # argparse errors name the flag

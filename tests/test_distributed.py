@@ -33,7 +33,7 @@ def _records(workdir):
     return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
 
 
-@pytest.mark.parametrize("objective", ["decoupled_ppo", "gepo"])  # gepo: group ids distinct across processes
+@pytest.mark.parametrize("objective", ["decoupled_ppo", "gepo", "m2po"])  # gepo: group ids distinct across processes; m2po: a mask over every process's tokens
 def test_two_processes_equal_one_process_on_the_same_global_batch(objective, tmp_path):
     def run(n, devices):
         port = launch.free_port()

@@ -89,7 +89,10 @@ def _stats_fn(lrn, batch, plan):
 
 
 def _objective(name, agg, mb, rng, prox):
-    cfg = objectives.make_config(name=name, loss_agg=agg)
+    over = {"gspo__loss_agg" if name == "gspo" else "loss_agg": agg}
+    if name == "m2po":  # the batch's behaviour log-probs are far from the model's
+        over["m2po__tau"] = 15.0  # (log pi_prox - log pi_behav)^2 is 14 to 17 here: about half are kept
+    cfg = objectives.make_config(name=name, **over)
     fn = objectives.get(name)
 
     def loss(stats):

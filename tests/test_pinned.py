@@ -3,7 +3,8 @@ batch, and two learner steps per objective on a tiny model (Jackpot also with a 
 trained rollout actor), against numbers recorded in `pinned.json` before the core was
 reorganised. Regenerate only for an intended change of behaviour:
 
-    python -m tests.test_pinned          # rewrites tests/pinned.json
+    python -m tests.test_pinned                 # rewrites tests/pinned.json
+    python -m tests.test_pinned objective/gspo  # rewrites the named cases only
 
 Tolerances allow for another CPU kind's float rounding (AVX2 vs AVX-512), not for changes.
 """
@@ -30,14 +31,17 @@ OBJECTIVES = {
     "decoupled_ppo": dict(name="decoupled_ppo", is_correction=dict(kind="tis"), kl=dict(coef=0.1)),
     "a3po": dict(name="a3po", loss_agg="seq_mean_token_mean"),
     "gspo": dict(name="gspo"),
-    "gspo_token": dict(name="gspo", gspo=dict(variant="token"), loss_agg="seq_mean_token_sum"),
+    "gspo_token": dict(name="gspo", gspo=dict(variant="token", loss_agg="seq_mean_token_sum")),
     "gepo": dict(name="gepo", gepo=dict(eps_mode="var")),
     "offpolicy_grpo": dict(name="offpolicy_grpo", offpolicy_grpo=dict(r_prime="prox")),
     "offpolicy_grpo_one": dict(name="offpolicy_grpo"),
     "jackpot": dict(name="jackpot"),
     "jackpot_ref": dict(name="jackpot", jackpot=dict(p_target="ref", lam=1.3)),
+    "m2po": dict(name="m2po", m2po=dict(tau=0.002)),
+    "cispo": dict(name="cispo"),
 }
-LEARNER_CASES = ("ppo", "decoupled_ppo", "a3po", "gepo", "offpolicy_grpo_one", "jackpot", "jackpot_ref")
+LEARNER_CASES = ("ppo", "decoupled_ppo", "a3po", "gepo", "offpolicy_grpo_one", "jackpot", "jackpot_ref", "m2po",
+                 "cispo")
 
 
 def objective_numbers(key):
@@ -101,8 +105,12 @@ def test_learner_steps_unchanged(case, pinned):
             np.testing.assert_allclose(g[k], w[k], rtol=2e-4, atol=2e-6, err_msg=f"{case} {k}")
 
 
-if __name__ == "__main__":
-    data = {name: fn(*args) for name, (fn, args) in _cases().items()}
+if __name__ == "__main__":  # python -m tests.test_pinned [case ...]: rewrite all cases, or only those named
+    import sys
+
+    names = sys.argv[1:] or list(_cases())
+    data = json.load(open(PATH)) if sys.argv[1:] else {}
+    data.update({name: _cases()[name][0](*_cases()[name][1]) for name in names})
     with open(PATH, "w") as f:
         json.dump(data, f, indent=1)
-    print(f"wrote {len(data)} cases to {PATH}")
+    print(f"wrote {len(names)} case(s) to {PATH}")

@@ -6,9 +6,9 @@ from jaxrl_llm import objectives as O
 from jaxrl_llm.objectives import common
 
 
-def test_registry_holds_the_seven_objectives():
+def test_registry_holds_the_nine_objectives():
     assert set(O.BUILTIN) <= set(O.registry())
-    assert len(O.BUILTIN) == 7
+    assert len(O.BUILTIN) == 9
     assert O.get("decoupled_ppo").needs == {"prox_logp"}
     assert O.get("a3po").needs == frozenset()  # no extra forward pass
 
@@ -41,8 +41,8 @@ def test_is_corrections():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(name="grpo_v2"), "unknown objective 'grpo_v2'; valid: a3po, decoupled_ppo, gepo, gspo, jackpot, offpolicy_grpo, ppo"),
-        (dict(loss_agg="mean"), "loss_agg='mean': expected one of 'token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum', 'seq_mean_token_sum_norm'"),
+        (dict(name="grpo_v2"), "unknown objective 'grpo_v2'; valid: a3po, cispo, decoupled_ppo, gepo, gspo, jackpot, m2po, offpolicy_grpo, ppo"),
+        (dict(loss_agg="mean"), "loss_agg='mean': expected one of 'token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum', 'seq_mean_token_sum_norm', 'token_sum_norm'"),
         (dict(kl__estimator="k4"), "kl.estimator='k4': expected one of 'k1', 'k2', 'k3'"),
         (dict(is_correction__kind="clip"), "is_correction.kind='clip': expected one of 'none', 'tis', 'icepop'"),
         (dict(gepo__eps_mode="adaptive"), "gepo.eps_mode='adaptive': expected one of 'const', 'var'"),
@@ -53,6 +53,8 @@ def test_is_corrections():
         (dict(clip__dual_clip=0.5), r"clip.dual_clip=0.5: expected 0 \(off\) or a number > 1"),
         (dict(offpolicy_grpo__zero_var_mask="yes"), "expects bool"),
         (dict(gepo__eps=1.5), r"gepo.eps=1.5: expected a number in \[0, 1\]"),
+        (dict(m2po__tau=0.0), r"m2po.tau=0.0: expected"),
+        (dict(name="cispo", loss_agg_rejected="drop"), "rejects none"),
     ],
 )
 def test_invalid_config_fails_with_clear_message(kwargs, match):

@@ -14,7 +14,8 @@ from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch
 
 sg = jax.lax.stop_gradient
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
+                "token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IS_CORRECTIONS = ("none", "tis", "icepop")
 
@@ -45,15 +46,18 @@ def aggregate(loss_BxL, mask_BxL, mode: str, norm_len: int = 0):
     seq_mean_token_mean     mean_b [ sum_t(l*m) / sum_t(m) ]     (GRPO paper)
     seq_mean_token_sum      mean_b [ sum_t(l*m) ]
     seq_mean_token_sum_norm sum(l*m) / (B * norm_len)           (Dr. GRPO; norm_len=0 -> L)
-    Sequence means run over sequences with at least one loss token.
+    token_sum_norm          sum(l*m) / norm_len                 (verl's "seq-mean-token-sum-norm")
+    Sequence means run over sequences with at least one loss token. The Dr. GRPO paper's
+    constant is per sequence and per token (1/G of the group mean times 1/MAX_TOKENS); verl's
+    mode of that name divides the minibatch's sum by L alone, B times the value.
     """
     check_choice("loss aggregation", mode, AGGREGATIONS)
     masked = loss_BxL * mask_BxL
     if mode == "token_mean":
         return masked_mean(loss_BxL, mask_BxL)
-    if mode == "seq_mean_token_sum_norm":
+    if mode in ("seq_mean_token_sum_norm", "token_sum_norm"):
         n = norm_len or loss_BxL.shape[1]
-        return masked.sum() / (loss_BxL.shape[0] * n)
+        return masked.sum() / (n * (loss_BxL.shape[0] if mode == "seq_mean_token_sum_norm" else 1))
     tokens_B = mask_BxL.sum(-1)
     seq_B = masked.sum(-1)
     if mode == "seq_mean_token_mean":
@@ -75,6 +79,14 @@ def kl_penalty(logp_BxL, ref_logp_BxL, estimator: str, clamp: float):
     if estimator == "k2":
         return 0.5 * jnp.square(log_r)
     return jnp.exp(log_r) - 1.0 - log_r
+
+
+def icepop_kept(weight, kind: str, low: float, high: float):
+    """1 where the behaviour weight F keeps the token (icepop's [low, high]), else 0; all 1 for
+    the other kinds (they reweight, not reject)."""
+    if kind != "icepop":
+        return jnp.ones_like(weight)
+    return ((weight >= low) & (weight <= high)).astype(weight.dtype)
 
 
 def is_correction(weight, kind: str, cap: float, low: float, high: float):
@@ -140,6 +152,7 @@ def finish(
     anchor_logp_BxL,
     kl_weight=1.0,
     extra=None,
+    loss_agg=None,
 ):
     """Add the KL penalty, aggregate, and assemble the stable metric names.
 
@@ -147,6 +160,7 @@ def finish(
     carry multiplicative masks (zero-variance groups, Jackpot rejections) so those tokens
     count in the denominator as zeros, as in the expectations of the papers; `kl_weight`
     (scalar or [B, L]) applies such masks to the KL term too (off-policy GRPO Eq. 7).
+    `loss_agg` overrides `cfg.loss_agg` (an objective with its own aggregation, e.g. GSPO).
     """
     mask = batch.loss_mask if mask_BxL is None else mask_BxL
     mask = mask.astype(jnp.float32)
@@ -160,7 +174,7 @@ def finish(
         kl_BxL = kl_penalty(policy.logp, sg(batch.ref_logp), cfg.kl.estimator, cfg.log_ratio_clamp)
         metrics["kl_ref"] = masked_mean(kl_BxL, mask)
         tok_loss_BxL = tok_loss_BxL + cfg.kl.coef * kl_BxL * kl_weight
-    loss = aggregate(tok_loss_BxL, mask, cfg.loss_agg, cfg.loss_agg_norm_len)
+    loss = aggregate(tok_loss_BxL, mask, loss_agg or cfg.loss_agg, cfg.loss_agg_norm_len)
 
     log_r = sg(policy.logp) - sg(anchor_logp_BxL)
     clipped = clipped_BxL.astype(jnp.float32) * mask

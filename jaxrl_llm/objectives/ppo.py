@@ -49,14 +49,16 @@ def decoupled_loss(policy: PolicyOutput, batch: TrajectoryBatch, cfg, prox_logp_
     behav = sg(batch.behav_logp)
     prox = sg(prox_logp_BxL)  # the anchor is a constant of the update
     ic = cfg.is_correction
-    weight = common.is_correction(
-        common.safe_exp(prox - behav, cfg.log_ratio_clamp), ic.kind, ic.cap, ic.low, ic.high
-    )
+    raw = common.safe_exp(prox - behav, cfg.log_ratio_clamp)
+    weight = common.is_correction(raw, ic.kind, ic.cap, ic.low, ic.high)
     ratio = common.safe_exp(policy.logp - prox, cfg.log_ratio_clamp)
     lo, hi = _bounds(cfg)
     surr, clipped = common.clipped_surrogate(ratio, batch.advantages, lo, hi, cfg.clip.dual_clip)
+    mask = None  # icepop's rejected tokens count as zeros, or leave the denominator (verl)
+    if cfg.loss_agg_rejected == "drop":
+        mask = batch.loss_mask * common.icepop_kept(raw, ic.kind, ic.low, ic.high)
     return common.finish(
-        weight * surr, policy, batch, cfg,
+        weight * surr, policy, batch, cfg, mask_BxL=mask,
         ratio_BxL=ratio, is_weight_BxL=weight, clipped_BxL=clipped, anchor_logp_BxL=prox,
         extra=extra,
     )

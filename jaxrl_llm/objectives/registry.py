@@ -19,14 +19,17 @@ NEEDS = ("prox_logp", "prox_topk_logp", "ref_logp", "logp_at_behav_topk", "topk"
 
 
 def register(name: str, needs: Iterable[str] = (), passes: Optional[Callable] = None,
-             aux: Optional[Auxiliary] = None):
+             aux: Optional[Auxiliary] = None, prepare: Optional[Callable] = None):
     """Decorator: ``@register("my_obj", needs=("prox_logp",))`` adds ``fn`` to the registry.
 
     ``fn(policy: PolicyOutput, batch: TrajectoryBatch, cfg) -> (loss, metrics)`` must be pure
     and jittable with ``cfg`` static. What the learner computes for it is declared here:
     ``needs`` (a subset of NEEDS), or ``passes(cfg) -> needs`` when the options decide; ``aux``
-    an auxiliary model trained jointly (see `objectives.auxiliary`). Re-registering a name
-    raises (use ``unregister`` first).
+    an auxiliary model trained jointly (see `objectives.auxiliary`); ``prepare(batch, cfg) ->
+    f32[B, L]`` a token selection made once per step over the step's whole batch, after the
+    extra passes and before the minibatches (the learner stores it in `batch.token_keep`; a
+    minibatch alone would see only its own tokens). Re-registering a name raises (use
+    ``unregister`` first).
     """
     needs = tuple(needs)
     for n in needs:
@@ -40,6 +43,7 @@ def register(name: str, needs: Iterable[str] = (), passes: Optional[Callable] = 
         fn.needs = frozenset(needs)
         fn.passes = passes
         fn.aux = aux
+        fn.prepare = prepare
         fn.objective_name = name
         _REGISTRY[name] = fn
         return fn
@@ -92,7 +96,10 @@ SECTION = V.Section(
                    dual_clip=(0.0, V.Rule("0 (off) or a number > 1", lambda x: x == 0 or (x > 1 and x < float("inf")),
                                           (0.5, -1.0)))),
     loss_agg=("token_mean", V.one_of(*common.AGGREGATIONS)),
-    loss_agg_norm_len=(0, V.integer(0)),  # seq_mean_token_sum_norm divisor; 0 -> padded length L
+    loss_agg_norm_len=(0, V.integer(0)),  # the *_sum_norm divisor; 0 -> padded length L
+    # Tokens an objective rejects (IcePop's zero weight, M2PO's mask): count (as zeros, the
+    # papers' expectations; AReaL's IcePop) or drop (out of the denominator: verl, AReaL's M2PO).
+    loss_agg_rejected=("count", V.one_of("count", "drop")),
     log_ratio_clamp=(20.0, V.positive()),  # applied to every log-ratio before exp
     kl=V.Section(coef=(0.0, V.non_negative()), estimator=("k3", V.one_of(*common.KL_ESTIMATORS))),
     # Importance-sampling correction F on the behaviour weight (decoupled_ppo, a3po):
@@ -100,8 +107,11 @@ SECTION = V.Section(
     is_correction=V.Section(kind=("none", V.one_of(*common.IS_CORRECTIONS)), cap=(2.0, V.positive()),
                             low=(0.5, V.non_negative()), high=(2.0, V.positive())),
     # GSPO: sequence ratio exp(mean_t log(pi/pi_behav)); tiny clip range as in the GSPO paper.
+    # loss_agg: GSPO's own (the paper's 1/G sum_i over sequences; AReaL's length weighting is
+    # token_mean); the shared loss_agg does not apply to it.
     gspo=V.Section(variant=("seq", V.one_of("seq", "token")), eps_low=(3e-4, V.non_negative()),
-                   eps_high=(4e-4, V.non_negative())),
+                   eps_high=(4e-4, V.non_negative()),
+                   loss_agg=("seq_mean_token_mean", V.one_of(*common.AGGREGATIONS))),
     # GEPO Eq. 15 defensive denominator eps*sg(p) + (1-eps)*E_q[q]:
     # eps_mode const -> eps; var -> clip(eps_var_coef * Var_group(q), 0, eps_max).
     gepo=V.Section(eps_mode=("const", V.one_of("const", "var")), eps=(0.0, V.unit()),
@@ -114,6 +124,11 @@ SECTION = V.Section(
     # Jackpot (OBRS): lam = lambda, caps c1 (OBRS weight) and c2 (p_ref/p_target);
     # distill_coef = lambda_distill of the jointly trained rollout actor (Eq. 8), when there is one;
     # correction: obrs (Jackpot), tis (min(p_ref/p_inf, c1)) or none (the paper's baselines).
+    # M2PO: tau = tau_M2, the bound on the kept tokens' mean (log pi_prox - log pi_behav)^2
+    # (AReaL's m2_threshold, 0.04 in its example); clip: PPO's clip on pi_theta/pi_prox as well.
+    m2po=V.Section(tau=(0.04, V.positive()), clip=(False, V.boolean())),
+    # CISPO: the IS weight's clip; eps_low = 1 is no lower bound (the paper tunes eps_high only).
+    cispo=V.Section(eps_low=(1.0, V.unit()), eps_high=(0.28, V.non_negative())),
     jackpot=V.Section(lam=(1.0, V.positive()), c1=(2.0, V.positive()), c2=(2.0, V.positive()),
                       p_target=("new", V.one_of("new", "ref")), p_ref=("prox", V.one_of("prox", "current")),
                       distill_coef=(1.0, V.non_negative()), correction=("obrs", V.one_of("obrs", "tis", "none"))),
@@ -126,7 +141,7 @@ def default_config(name: str = "ppo") -> ml_collections.ConfigDict:
     return SECTION.config(name=name)
 
 
-_IS_USERS = ("decoupled_ppo", "a3po")
+_IS_USERS = ("decoupled_ppo", "a3po", "m2po")
 
 
 _RESOLVED: set = set()  # configs `make_config` produced (equal configs are equally valid)
@@ -190,3 +205,13 @@ def _validate(c) -> None:
         )
     if c.is_correction.kind == "icepop" and not c.is_correction.low < c.is_correction.high:
         raise ValueError("is_correction.low must be < is_correction.high for icepop")
+    rejects = c.name == "m2po" or (c.name in _IS_USERS and c.is_correction.kind == "icepop")
+    if c.loss_agg_rejected != "count" and not rejects:
+        raise ValueError(
+            f"loss_agg_rejected={c.loss_agg_rejected!r} applies to tokens an objective rejects: m2po's mask, "
+            f"or is_correction.kind='icepop' with {', '.join(_IS_USERS)}; objective {c.name!r} "
+            f"(is_correction.kind={c.is_correction.kind!r}) rejects none")
+    if c.name == "gspo" and c.loss_agg != "token_mean":
+        raise ValueError(
+            f"gspo aggregates with gspo.loss_agg (default seq_mean_token_mean, the paper's mean over "
+            f"sequences), not the shared loss_agg; set --config.objective.gspo.loss_agg={c.loss_agg} instead")

@@ -27,7 +27,10 @@ def gspo(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
 
     (GEPO Listing 1 "gspo" branch). variant="token" is GSPO-token: s_{i,t} = sg(s_i) *
     pi_theta(y_t) / sg(pi_theta(y_t)) with per-token advantages; same value, per-token gradient.
-    Clip range from cfg.gspo (the paper uses 3e-4 / 4e-4).
+    Clip range from cfg.gspo (the paper uses 3e-4 / 4e-4). E_i is the paper's mean over the
+    group's sequences, (1/G) sum_i (its Eq. 5; for GSPO-token (1/G) sum_i (1/|y_i|) sum_t):
+    `gspo.loss_agg` = seq_mean_token_mean. token_mean weights each sequence by its length, as
+    AReaL does; verl follows its own global aggregation.
     """
     mask = batch.loss_mask
     behav = sg(batch.behav_logp)
@@ -45,7 +48,7 @@ def gspo(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
         ratio = common.safe_exp(log_s, cfg.log_ratio_clamp)
         tok_loss, clipped = common.clipped_surrogate(ratio, batch.advantages, lo, hi, cfg.clip.dual_clip)
     return common.finish(
-        tok_loss, policy, batch, cfg,
+        tok_loss, policy, batch, cfg, loss_agg=cfg.gspo.loss_agg,
         ratio_BxL=ratio, is_weight_BxL=ratio, clipped_BxL=clipped, anchor_logp_BxL=behav,
     )
 

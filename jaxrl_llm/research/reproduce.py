@@ -1,6 +1,6 @@
 """Run the papers' headline claims in miniature on the embedded task and judge them.
 
-    python -m jaxrl_llm.research.reproduce --workdir=runs/claims             # 3 seeds, 1,000 steps per run
+    python -m jaxrl_llm.research.reproduce --workdir=runs/claims             # 5 seeds, 1,000 steps per run
     python -m jaxrl_llm.research.reproduce --workdir=runs/claims_quick --quick   # 300 steps per run
     python -m jaxrl_llm.research.reproduce --workdir=W --seeds=5 --claims=gepo_high_staleness,staleness_sweep
 
@@ -25,7 +25,7 @@ import numpy as np
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import experiment
 from jaxrl_llm.research import claims as C
-from jaxrl_llm.research import report, stats, sweep
+from jaxrl_llm.research import cost, report, stats, sweep
 
 QUICK_STEPS, FULL_STEPS = 300, 1000
 
@@ -127,17 +127,26 @@ def run_seconds(runs, workdir: str) -> float:
     return total
 
 
-def a3po_prox_time(config, seed: int, calls: int = 200) -> float:
-    """Median seconds per call of A-3PO's proximal interpolation on a batch of the run's shape:
-    rows x (prompt + answer length)."""
-    from jaxrl_llm import tasks, testing
-    from jaxrl_llm.objectives.ppo import time_a3po_prox
+def a3po_cost(workdir: str, seeds, shapes: str = "qwen2.5-0.5b") -> dict:
+    """A-3PO's proximal-policy cost at model size (`research.cost`), measured once per workdir
+    and seed set (W/a3po_cost.json); `shapes="tiny"` measures a small model instead (tests)."""
+    path = os.path.join(workdir, "a3po_cost.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("seeds") == list(seeds) and saved.get("shapes") == shapes:
+            return saved
+    except (FileNotFoundError, json.JSONDecodeError):
+        pass
+    kw = {} if shapes == "qwen2.5-0.5b" else dict(shapes=TINY_SHAPES, rows=2, seq_len=64, repeats=5)
+    out = dict(cost.prox_costs(seeds, **kw), seeds=list(seeds), shapes=shapes)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    return out
 
-    task = tasks.make(config.task)
-    s = testing.random_batch(seed, num_prompts=config.runtime.prompts_per_batch,
-                             group_size=config.sampler.num_samples,
-                             length=task.max_prompt_len + task.max_answer_len, vocab=8)
-    return float(np.median(time_a3po_prox(s.policy, s.batch, calls)))
+
+TINY_SHAPES = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8)
 
 
 def _load(workdir: str, name: str) -> dict:
@@ -186,6 +195,11 @@ def markdown(rows: list[dict], header: str) -> str:
             ci = f" ± {c['ci95']:.2g}" if np.isfinite(c["ci95"]) else ""
             out.append(f"| {c['check']} | {', '.join(f'{v:.4g}' for v in c['values'])} | "
                        f"{c['mean']:.4g}{ci} | {c['verdict']} |")
+        if "a3po_cost" in r:
+            c = r["a3po_cost"]
+            out += ["", f"Proximal-policy cost measured at {c['shape']}: recompute pass "
+                        f"{np.mean(c['prox_pass_s']):.2f} s, interpolation {np.mean(c['a3po_prox_s']) * 1e6:.0f} µs "
+                        "(means over seeds)."]
         if r["claim"] == "staleness_sweep":
             out += ["", sweep_table(r)]
         out += ["", f"![{r['claim']}]({r['figure']})"]
@@ -204,11 +218,13 @@ def sweep_table(row: dict) -> str:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", required=True)
-    ap.add_argument("--seeds", default="3", help="a count N (seeds 0..N-1) or a comma-separated list")
+    ap.add_argument("--seeds", default="5", help="a count N (seeds 0..N-1) or a comma-separated list")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps per run instead of {FULL_STEPS}")
     ap.add_argument("--steps", type=int, default=0, help="steps per run (overrides --quick)")
     ap.add_argument("--claims", default="", help="comma-separated claim keys (default: all)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="override every run's config")
+    ap.add_argument("--cost_shapes", default="qwen2.5-0.5b", choices=("qwen2.5-0.5b", "tiny"),
+                    help="model of the A-3PO cost check (tiny: a small one, for tests)")
     args = ap.parse_args(argv)
     known = {c.key: c for c in C.all_claims()}
     wanted = [k.strip() for k in args.claims.split(",") if k.strip()] or list(known)
@@ -227,9 +243,8 @@ def main(argv=None) -> list[dict]:
     t0, measured = time.time(), {}
     with experiment.compilation_cache(os.path.join(args.workdir, "jax_cache")):
         run_all(runs, args.workdir)
-        if any(c.key == "a3po_vs_decoupled_ppo" for c in selected):
-            configs = dict(runs)
-            measured["a3po_prox_time_s"] = [a3po_prox_time(configs[names["a3po_s4"][s]], s) for s in seeds]
+    if any(c.key == "a3po_vs_decoupled_ppo" for c in selected):
+        measured["a3po_cost"] = a3po_cost(args.workdir, seeds, args.cost_shapes)
     rows = judge_all(selected, seeds, names, args.workdir, measured)
     with open(os.path.join(args.workdir, "claims.json"), "w") as f:
         json.dump(rows, f, indent=1, default=float)

@@ -84,6 +84,7 @@ class Producer:
         self.sampler, self.task, self.scorer = sampler, task, scorer or Scorer(task)
         self.prompts_per_batch, self.group_size = cfg.prompts_per_batch, sampler.cfg.num_samples
         self.advantage, self.mask_zero_variance, self.seed = cfg.advantage, cfg.mask_zero_variance, cfg.seed
+        self.advantage_kw = dict(eps=cfg.advantage_eps, singleton=cfg.singleton_groups) if cfg.advantage == "grpo" else {}
         self._key = jax.random.key(cfg.seed)
 
     @property
@@ -114,7 +115,7 @@ class Producer:
     def with_rewards(self, batch: TrajectoryBatch, rewards: np.ndarray) -> TrajectoryBatch:
         """The batch with its rewards and their advantages (within each group)."""
         adv = advantages.compute(self.advantage, rewards, batch.group_ids, batch.loss_mask,
-                                 mask_zero_variance=self.mask_zero_variance)
+                                 mask_zero_variance=self.mask_zero_variance, **self.advantage_kw)
         return batch.replace(rewards=jnp.asarray(rewards), advantages=adv)
 
     def generate(self, params, version: int, worker: int, counter: int, refresh=None) -> Pending:
