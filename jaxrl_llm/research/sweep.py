@@ -26,7 +26,7 @@ from jaxrl_llm.runtime import delay as delay_lib
 
 
 SECTION = V.Section(  # the `sweep` section of a sweep config (configs/staleness_sweep.py)
-    objectives=("ppo,decoupled_ppo,a3po,gepo", V.text()),  # comma-separated; parsed by `cells`
+    objectives=("ppo,decoupled_ppo,a3po,gepo,m2po", V.text()),  # comma-separated; parsed by `cells`
     max_staleness=("0,4,16", V.text()),
     delay=("fixed", V.one_of(*delay_lib.KINDS)),
     seeds=("1", V.text()),  # N (seeds config.seed .. config.seed + N - 1) or a comma-separated list

@@ -23,6 +23,7 @@ import collections
 import functools
 import time
 import types
+from concurrent import futures
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +32,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.rollout import decode
+from jaxrl_llm.rollout import turns as turns_lib
 from jaxrl_llm.rollout.sampling import SamplerConfig
 
 OUTPUTS = ("tokens_BxN", "valid_BxN", "logp_BxN", "kept_BxN", "versions_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK",
-           "eos_B")
+           "eos_B", "obs_BxN")
 
 
 def _empty(slots: int, p: int, mcfg: ModelConfig, scfg: SamplerConfig) -> decode.DecodeState:
@@ -52,13 +54,15 @@ def _empty(slots: int, p: int, mcfg: ModelConfig, scfg: SamplerConfig) -> decode
         tokens_BxN=jnp.full((slots, n), scfg.pad_token_id, jnp.int32), valid_BxN=zeros((slots, n), bool),
         logp_BxN=zeros((slots, n)), kept_BxN=zeros((slots, n), jnp.int32),
         versions_BxN=jnp.full((slots, n), -1, jnp.int32), topk_ids_BxNxK=zeros((slots, n, k), jnp.int32),
-        topk_logp_BxNxK=zeros((slots, n, k)))
+        topk_logp_BxNxK=zeros((slots, n, k)), forced_BxN=jnp.full((slots, n), -1, jnp.int32),
+        obs_BxN=zeros((slots, n), bool))
 
 
 def _insert(st, pool, pool_I, slot_I):
     """Copy prefilled rows `pool_I` of `pool` into slots `slot_I` (an index >= S is padding,
-    dropped). Only the prompt's P cache positions are written; the old occupant's later
-    positions are masked out until the new row overwrites them."""
+    dropped). Only the pool's cache positions are written (a prefill's: the prompt's P; the old
+    occupant's later positions are masked out until the new row overwrites them); a parked
+    multi-turn row (`turns.park`) brings its whole cache and its own step."""
     p = pool.key_valid_BxW.shape[1]
     put = lambda old, x: old.at[slot_I].set(x[pool_I], mode="drop")
     cache = [{"k": old["k"].at[slot_I, :, :, :p].set(c["k"][pool_I], mode="drop"),
@@ -66,11 +70,11 @@ def _insert(st, pool, pool_I, slot_I):
              for old, c in zip(st.cache, pool.cache)]
     rows = {f: put(getattr(st, f), getattr(pool, f)) for f in (
         "logits_BxV", "positions_B", "limit_B", "done_B", "eos_B", "tokens_BxN", "valid_BxN", "logp_BxN", "kept_BxN",
-        "versions_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK")}
-    slots = jnp.zeros_like(slot_I)
+        "versions_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK", "forced_BxN", "obs_BxN")}
+    per_row = lambda x: jnp.broadcast_to(x, pool.done_B.shape)[pool_I]  # noqa: E731  (a parked row's own)
     return st.replace(
-        **rows, cache=cache, step=st.step.at[slot_I].set(slots, mode="drop"),
-        logits_version=st.logits_version.at[slot_I].set(slots + pool.logits_version, mode="drop"),
+        **rows, cache=cache, step=st.step.at[slot_I].set(per_row(pool.step), mode="drop"),
+        logits_version=st.logits_version.at[slot_I].set(per_row(pool.logits_version), mode="drop"),
         uniforms_NxB=st.uniforms_NxB.at[:, slot_I].set(pool.uniforms_NxB[:, pool_I], mode="drop"),
         key_valid_BxW=put(st.key_valid_BxW, jnp.pad(pool.key_valid_BxW, [(0, 0), (0, st.key_valid_BxW.shape[1] - p)])))
 
@@ -141,19 +145,22 @@ class SlotEngine:
         self._insert = jax.jit(insert, donate_argnums=0, out_shardings=shard)
         self._segment = jax.jit(segment, static_argnames=("p", "width"), donate_argnums=1, out_shardings=shard)
         self._keys = jax.jit(lambda key, ids: jax.random.key_data(decode.row_keys(key, ids)))
+        self._park = jax.jit(turns_lib.park)  # multi-turn (one sampler device): a waiting row's state
+        self._resume = jax.jit(turns_lib.resume)
 
     def row_keys(self, key, ids) -> np.ndarray:
         """u32 key data of each row's own key (`decode.row_keys`), for `stream` feeds."""
         return np.asarray(self._keys(key, np.asarray(ids, np.int32)))
 
-    def generate(self, params, prompt_RxP, mask_RxP, limit_R, key, version: int, refresh=None) -> dict:
+    def generate(self, params, prompt_RxP, mask_RxP, limit_R, key, version: int, refresh=None, turns=None) -> dict:
         """Every row of `prompt_RxP` through the slots -> the static sampler's output dict
-        (row order kept; row r's draws from `key` and r, as in a static batch)."""
+        (row order kept; row r's draws from `key` and r, as in a static batch). `turns`:
+        multi-turn rows (`stream`)."""
         r = len(prompt_RxP)
         chunks = [(np.arange(r), prompt_RxP, mask_RxP, limit_R, self.row_keys(key, np.arange(r)))]
         out = {}
         for ids, got in self.stream(params, prompt_RxP.shape[1], version, lambda: chunks.pop() if chunks else None,
-                                    refresh):
+                                    refresh, turns=turns):
             for f, x in got.items():
                 out.setdefault(f, np.zeros((r,) + x.shape[1:], x.dtype))[ids] = x
         return self.outputs(out)
@@ -162,7 +169,7 @@ class SlotEngine:
         """`stream` outputs (DecodeState fields) -> the static sampler's output dict."""
         return decode.outputs(types.SimpleNamespace(**got), self.sampler.cfg)
 
-    def stream(self, params, p: int, version: int, feed, refresh=None, stop=None):
+    def stream(self, params, p: int, version: int, feed, refresh=None, stop=None, turns=None):
         """Decode rows through the slots, yielding `(ids, outputs)` for the rows that finished at
         each segment boundary (outputs: `OUTPUTS` fields, one entry per id).
 
@@ -171,7 +178,8 @@ class SlotEngine:
         None for none ever; it is asked at a boundary whenever fewer rows wait than there are
         slots; while it holds rows back and no slot decodes, `(no ids, {})` is yielded every
         10 ms. `refresh` as in `Sampler.generate`, asked before every segment but the first. `stop()`: end at the
-        next boundary (rows still decoding are dropped). Ends when nothing waits or decodes."""
+        next boundary (rows still decoding are dropped). `turns` (`turns.Turns`): multi-turn
+        rows; a row then finishes when its episode does. Ends when nothing waits or decodes."""
         n, s, g = self.sampler.cfg.max_new_tokens, self.slots, self.groups
         local = s // g
         params = self.sampler.place_params(params)
@@ -180,7 +188,9 @@ class SlotEngine:
         rows = {}  # id -> (prompt, mask, limit, key data): what a (re-)prefill needs
         pools = []  # [pool, {id: index in the pool}]
         row_of = np.full(s, -1)  # the id each slot holds (-1: idle); slot j is on device j // local
+        holding = np.zeros(s, bool)  # multi-turn, hold: the slot's row waits for its reply
         steps = np.zeros(s, np.int64)
+        start = {}  # id -> the step a resumed row re-enters its slot at
         decoded = useful = 0  # decode steps run (summed over segments), tokens generated
         fed_all, first = False, True
         while True:
@@ -190,7 +200,15 @@ class SlotEngine:
                 newer = refresh()
                 if newer is not None and newer[0] > version:
                     version, params = newer[0], self.sampler.place_params(newer[1])
-                    pools = [self._pool(params, waiting, rows, version)] if any(waiting) else []
+                    fresh = [collections.deque(i for i in q if i not in start) for q in waiting]
+                    pools = [pl for pl in pools if start.keys() & pl[1].keys()]  # parked rows keep their cache
+                    if any(fresh):
+                        pools.append(self._pool(params, fresh, rows, version))
+            if turns is not None:  # replies that came: rows go on, or their episodes end
+                st, ended = self._replies(st, turns, rows, row_of, holding, waiting, pools, start)
+                for ids, got in ended:
+                    useful += int(got["valid_BxN"].sum())
+                    yield ids, got
             while not fed_all and sum(map(len, waiting)) < s:
                 new = feed()
                 if new is None:
@@ -205,7 +223,12 @@ class SlotEngine:
                 pools.append(self._pool(params, fresh, rows, version))
                 for d in range(g):
                     waiting[d].extend(fresh[d])
-            if not any(waiting) and (row_of < 0).all():
+            live = (row_of >= 0) & ~holding
+            if not any(waiting) and not live.any():
+                if turns is not None and turns.waiting:  # every row in flight waits for a reply
+                    futures.wait([w.reply for w in turns.waiting.values()], timeout=0.05,
+                                 return_when=futures.FIRST_COMPLETED)
+                    continue
                 if fed_all:
                     break
                 time.sleep(0.01)  # the feed holds rows back for now (e.g. staleness at admission)
@@ -213,23 +236,73 @@ class SlotEngine:
                 yield np.empty(0, np.int64), {}  # idle: the caller may act meanwhile (hand over scored groups)
                 continue
             first = False
-            st = self._fill(st, pools, waiting, row_of, steps, local)
+            st = self._fill(st, pools, waiting, row_of, steps, local, start)
             reach = steps[row_of >= 0].max() + self.seg
             width = int(p + min(n, -(-reach // self.seg) * self.seg))  # a Python int: one static key
             st = self._segment(params, st, version, p=p, width=width)
             before = steps.copy()
             done, steps = (np.array(x) for x in jax.device_get((st.done_B, st.step)))
             decoded += int((steps - before)[row_of >= 0].max(initial=0))
-            finished = np.flatnonzero((row_of >= 0) & done)
+            finished = np.flatnonzero((row_of >= 0) & done & ~holding)
             if finished.size:
                 got = {f: x[finished] for f, x in jax.device_get({f: getattr(st, f) for f in OUTPUTS}).items()}
                 ids = row_of[finished].copy()
+                if turns is not None:  # a turn's end is not the row's: it waits for its reply
+                    paused = turns.ended_turns(ids, got, lambda i: rows[i][2])
+                    st = self._wait(st, turns, ids[paused], finished[paused], got, paused, row_of, holding)
+                    ids, finished, got = ids[~paused], finished[~paused], {f: x[~paused] for f, x in got.items()}
                 row_of[finished] = -1
                 for i in ids:
                     del rows[int(i)]
                 useful += int(got["valid_BxN"].sum())
-                yield ids, got
+                if ids.size:
+                    yield ids, got
         self.occupancy.append(useful / max(1, s * decoded))
+
+    def _wait(self, st, turns, ids, slots, got, paused, row_of, holding):
+        """Rows `ids` (in `slots`) ended a turn: ask their environment, and hold their slots or
+        park them and free the slots."""
+        where = np.flatnonzero(paused)
+        for j, i, slot in zip(where, ids.tolist(), slots.tolist()):
+            k = int(got["valid_BxN"][j].sum())
+            reply = turns.respond(i, got["tokens_BxN"][j][:k].copy(), got["obs_BxN"][j][:k].copy())
+            turns.waiting[i] = turns_lib.Waiting(reply, slot=slot)
+        if not turns.release:
+            holding[slots] = True
+            return st
+        pool = [self._park(st, self._put(slots.astype(np.int32))), {i: j for j, i in enumerate(ids.tolist())}]
+        for i in ids.tolist():
+            turns.waiting[i].pool, turns.waiting[i].slot = pool, -1
+        row_of[slots] = -1
+        return st
+
+    def _replies(self, st, turns, rows, row_of, holding, waiting, pools, start):
+        """Apply the replies that came: a row goes on with its observation forced at its next
+        columns (in its held slot, or queued first to re-enter one with its parked state), or its
+        episode ends (returned as [(ids, outputs)])."""
+        ended = []
+        for i, reply in turns.ready():
+            w = turns.waiting.pop(i)
+            state, at = (st, w.slot) if w.pool is None else (w.pool[0], w.pool[1][i])
+            step = int(jax.device_get(jnp.broadcast_to(state.step, state.done_B.shape)[at]))
+            room = int(rows[i][2]) - step
+            if reply.done or room <= 0 or not len(reply.obs_ids):
+                got = {f: x[at:at + 1] for f, x in jax.device_get({f: getattr(state, f) for f in OUTPUTS}).items()}
+                ended.append((np.asarray([i]), got))
+                if w.pool is None:
+                    row_of[w.slot], holding[w.slot] = -1, False
+                del rows[i]
+                continue
+            obs, lens = turns.obs_arrays([reply], [room])
+            state = self._resume(state, self._put(np.asarray([at], np.int32)), self._put(obs), self._put(lens))
+            if w.pool is None:
+                st, holding[w.slot] = state, False
+            else:
+                w.pool[0] = state
+                pools.append([state, {i: at}])
+                waiting[0].appendleft(i)
+                start[i] = step
+        return st, ended
 
     def _put(self, x):
         x = np.asarray(x)
@@ -245,14 +318,15 @@ class SlotEngine:
                              self._put(keys), version)
         return [pool, {int(i): j for q in per_device for j, i in enumerate(q)}]
 
-    def _fill(self, st, pools, waiting, row_of, steps, local):
+    def _fill(self, st, pools, waiting, row_of, steps, local, start):
         """Move waiting rows into free slots (device d's rows into device d's slots): one
         insert per pool that holds some of them, of a power-of-two count per device."""
         g = len(waiting)
         free = [np.flatnonzero(row_of[d * local:(d + 1) * local] < 0)[:len(waiting[d])] for d in range(g)]
         take = [[waiting[d].popleft() for _ in free[d]] for d in range(g)]
         for d in range(g):
-            row_of[d * local + free[d]], steps[d * local + free[d]] = take[d], 0
+            row_of[d * local + free[d]] = take[d]
+            steps[d * local + free[d]] = [start.pop(i, 0) for i in take[d]]
         for pool, where in pools:
             mine = [[(where[i], f) for i, f in zip(t, fr) if i in where] for t, fr in zip(take, free)]
             if not any(mine):

@@ -48,6 +48,11 @@ class DecodeState:
     versions_BxN: jax.Array  # i32: params version of each token (-1 on padding)
     topk_ids_BxNxK: jax.Array  # i32: top-K of that distribution
     topk_logp_BxNxK: jax.Array  # f32
+    # Multi-turn: a token id to write at a column instead of sampling (an environment's
+    # observation, appended to the row's cache as it stands: never re-tokenised), -1 for none;
+    # and which columns hold such tokens (loss 0, version -1, log-prob 0).
+    forced_BxN: jax.Array  # i32
+    obs_BxN: jax.Array  # bool
 
     @classmethod
     def specs(cls, rows, per_row: bool = False) -> "DecodeState":
@@ -116,7 +121,8 @@ def prefill(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg: Mo
         limit_B=limit_B, done_B=jnp.zeros((b,), bool), eos_B=jnp.zeros((b,), bool),
         tokens_BxN=jnp.full((b, n), scfg.pad_token_id, jnp.int32), valid_BxN=jnp.zeros((b, n), bool), logp_BxN=jnp.zeros((b, n), jnp.float32), kept_BxN=jnp.zeros((b, n), jnp.int32),
         versions_BxN=jnp.full((b, n), -1, jnp.int32), topk_ids_BxNxK=jnp.zeros((b, n, k), jnp.int32),
-        topk_logp_BxNxK=jnp.zeros((b, n, k), jnp.float32),
+        topk_logp_BxNxK=jnp.zeros((b, n, k), jnp.float32), forced_BxN=jnp.full((b, n), -1, jnp.int32),
+        obs_BxN=jnp.zeros((b, n), bool),
     )
 
 
@@ -161,7 +167,9 @@ def decode_step(params, unembed_DxV, st: DecodeState, version, p: int, mcfg: Mod
                 scfg: SamplerConfig) -> DecodeState:
     """One decode step of every row: sample from the carried logits, record the token, run it
     through the model (`unembed_DxV`: `unembed_matrix(params)`). Token t of a row lives at column t of the outputs and at cache position
-    p + t; with per-row steps (decode slots) these are scatters, and finished rows stand still."""
+    p + t; with per-row steps (decode slots) these are scatters, and finished rows stand still.
+    A forced token (an observation) is written instead of the draw; a drawn token in
+    `scfg.turn_stop_ids` ends the row's turn (done, not EOS: the host continues it)."""
     params = _upcast_in_loop(params, st.step)
     i = st.step
     b = st.done_B.shape[0]
@@ -169,12 +177,18 @@ def decode_step(params, unembed_DxV, st: DecodeState, version, p: int, mcfg: Mod
     rows = jnp.arange(b)
     if per_row:
         put, u_B = (lambda x, col, v: x.at[rows, col].set(v, mode="drop")), st.uniforms_NxB[i, rows]
+        forced = st.forced_BxN.at[rows, i].get(mode="fill", fill_value=-1)
     else:
-        put, u_B = (lambda x, col, v: x.at[:, col].set(v)), st.uniforms_NxB[i]
+        put, u_B, forced = (lambda x, col, v: x.at[:, col].set(v)), st.uniforms_NxB[i], st.forced_BxN[:, i]
     tok, logp, kept, top_ids, top_logp = sample(st.logits_BxV, u_B, scfg)
     live = ~st.done_B
-    tok = jnp.where(live, tok, scfg.pad_token_id)
-    eos = live & (tok == scfg.eos_token_id) if scfg.eos_token_id is not None else jnp.zeros_like(live)
+    obs = live & (forced >= 0)
+    drawn = live & ~obs
+    tok = jnp.where(obs, forced, jnp.where(live, tok, scfg.pad_token_id))
+    logp, kept = jnp.where(obs, 0.0, logp), jnp.where(obs, 0, kept)
+    top_ids, top_logp = jnp.where(obs[:, None], 0, top_ids), jnp.where(obs[:, None], 0.0, top_logp)
+    eos = drawn & (tok == scfg.eos_token_id) if scfg.eos_token_id is not None else jnp.zeros_like(live)
+    turn_end = drawn & jnp.isin(tok, jnp.asarray(scfg.turn_stop_ids, jnp.int32)) if scfg.turn_stop_ids else eos
     key_valid = put(st.key_valid_BxW, p + i, live)
     # Cache slots past p + i are not yet valid, so the key mask alone is causal.
     h, cache = decoder.Decoder(mcfg).apply({"params": params}, tok[:, None], st.positions_B[:, None],
@@ -183,13 +197,16 @@ def decode_step(params, unembed_DxV, st: DecodeState, version, p: int, mcfg: Mod
     return st.replace(
         step=taken, cache=cache, logits_BxV=h[:, 0].astype(jnp.float32) @ unembed_DxV,
         logits_version=jnp.full_like(st.logits_version, version), key_valid_BxW=key_valid,
-        positions_B=st.positions_B + 1, done_B=st.done_B | eos | (taken >= st.limit_B), eos_B=st.eos_B | eos,
+        # a row that waits (a turn's end) must resume at the next position: only live rows move
+        positions_B=st.positions_B + live, done_B=st.done_B | eos | turn_end | (taken >= st.limit_B),
+        eos_B=st.eos_B | eos,
         tokens_BxN=put(st.tokens_BxN, i, tok), valid_BxN=put(st.valid_BxN, i, live),
         logp_BxN=put(st.logp_BxN, i, jnp.where(live, logp, 0.0)),
         kept_BxN=put(st.kept_BxN, i, jnp.where(live, kept, 0)),
-        versions_BxN=put(st.versions_BxN, i, jnp.where(live, st.logits_version, -1)),
+        versions_BxN=put(st.versions_BxN, i, jnp.where(drawn, st.logits_version, -1)),
         topk_ids_BxNxK=put(st.topk_ids_BxNxK, i, jnp.where(live[:, None], top_ids, 0)),
         topk_logp_BxNxK=put(st.topk_logp_BxNxK, i, jnp.where(live[:, None], top_logp, 0.0)),
+        obs_BxN=put(st.obs_BxN, i, obs),
     )
 
 
@@ -203,7 +220,7 @@ def generate(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg: M
 
 def outputs(st: DecodeState, scfg: SamplerConfig) -> dict:
     out = dict(tokens=st.tokens_BxN, valid=st.valid_BxN, logp=st.logp_BxN, versions=st.versions_BxN,
-               topk_ids=st.topk_ids_BxNxK, topk_logp=st.topk_logp_BxNxK, done=st.eos_B)
+               topk_ids=st.topk_ids_BxNxK, topk_logp=st.topk_logp_BxNxK, done=st.eos_B, obs=st.obs_BxN)
     if scfg.dist.truncated:  # the learner restricts pi_theta to supports of these sizes
         out["kept"] = st.kept_BxN
     return out

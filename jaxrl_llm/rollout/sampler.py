@@ -36,6 +36,7 @@ class Sampler:
     def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Optional[Mesh] = None):
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
         self._slots = None
+        self._static_slots = {}  # multi-turn static batches: one slot engine per batch size
         rows = mesh and tuple(mesh.axis_names)
         local = functools.partial(decode.per_device, mesh)
         r, rep = PartitionSpec(rows), PartitionSpec()
@@ -79,18 +80,30 @@ class Sampler:
             mask[i, p - len(x):] = 1
         return np.repeat(toks, g, 0), np.repeat(mask, g, 0), np.repeat(np.arange(len(prompts), dtype=np.int32), g)
 
-    def generate(self, params, prompts, key, version: int = 0, refresh=None, limits=None) -> TrajectoryBatch:
+    def generate(self, params, prompts, key, version: int = 0, refresh=None, limits=None, turns=None) -> TrajectoryBatch:
         """`refresh`: optional `() -> (version, params) | None`, asked between decode segments
         (every `decode_segment` tokens); when it returns newer weights, the rest of the batch is
         decoded with them (the KV cache of earlier tokens is kept, as in-flight weight updates
         do) and each token's `versions` entry names the params it was sampled from.
         `limits`: optional per-row budgets of new tokens (<= max_new_tokens; rows as in
-        `pad_prompts`); a row that uses its budget ends truncated."""
+        `pad_prompts`); a row that uses its budget ends truncated. `turns` (`turns.Turns`):
+        multi-turn episodes, run in decode slots (static batching: one slot per row, held
+        while the row waits for its environment; see `turns`)."""
         toks, mask, group_ids = self.pad_prompts(prompts)
         limit = row_limits(limits, len(toks), self.cfg.max_new_tokens)
+        if turns is not None and self.mesh is not None and self.mesh.size > 1:
+            raise ValueError("multi-turn episodes run on one sampler device for now (sampler mesh of "
+                             f"{self.mesh.size}); set --config.runtime.sampler_devices to 0 or 1")
+        if turns is not None and self.cfg.batching == "static":
+            turns.release = False  # a static batch keeps every row in its slot until the batch ends
+            if len(toks) not in self._static_slots:
+                self._static_slots[len(toks)] = continuous.SlotEngine(self, len(toks))
+            engine = self._static_slots[len(toks)]
+            return to_batch(toks, mask, group_ids, engine.generate(params, toks, mask, limit, key, version, refresh,
+                                                                   turns=turns))
         if self.cfg.batching == "continuous":
             return to_batch(toks, mask, group_ids, self.slots(len(toks)).generate(
-                params, toks, mask, limit, key, version, refresh))
+                params, toks, mask, limit, key, version, refresh, turns=turns))
         (toks_j, mask_j, limit_j), params = self._place((toks, mask, limit), params)
         if refresh is None:
             out = self._generate(params, toks_j, mask_j, limit_j, key, version, mcfg=self.model_cfg, scfg=self.cfg)
@@ -156,11 +169,12 @@ def to_batch(prompt_BxP, prompt_mask_BxP, group_ids_B, out) -> TrajectoryBatch:
     out = {k: v[:b] for k, v in out.items()}  # rows padded for a device mesh
     valid = out["valid"]
     k = out["topk_ids"].shape[-1]
-    gen_mask = valid.astype(np.float32)
+    gen_mask = valid.astype(np.float32)  # every real token after the prompt: drawn, or an observation
+    drawn = valid & ~out["obs"] if "obs" in out else valid  # observations are never trained on
     prompt = lambda x, dtype=np.float32, *tail: xp.concatenate([xp.zeros((b, p) + tail, dtype), x], 1)
     return TrajectoryBatch(
         tokens=xp.concatenate([xp.asarray(prompt_BxP), out["tokens"]], 1),
-        loss_mask=prompt(gen_mask),
+        loss_mask=prompt(drawn.astype(np.float32)),
         behav_logp=prompt(out["logp"]),
         versions=xp.concatenate([xp.full((b, p), -1, np.int32), out["versions"]], 1),
         topk_ids=prompt(out["topk_ids"], np.int32, k),

@@ -52,6 +52,7 @@ class SamplerConfig:
     decode_segment: int = _DEFAULT["decode_segment"]  # decode steps per attention-window growth / slot refill
     batching: str = _DEFAULT["batching"]  # static: a batch decodes until its longest row ends | continuous: slots
     slots: int = _DEFAULT["slots"]  # continuous: decode slots (0: one per row of the batch)
+    turn_stop_ids: tuple = ()  # multi-turn: drawn tokens that end a turn (the environment answers)
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.capture_topk < 0:

@@ -27,18 +27,21 @@ class WorkerPool:
     """`submit(fn, items) -> Future[list[(value, error)]]`, `error` in {None, "timeout",
     "<ExcType>: msg"}; a failed item's value is `default`. `fn` must be picklable (a
     module-level function); `preload` modules are imported, and `warmup` = (fn, args) called,
-    in each fresh worker before its clock starts (a checker's first call may build parsers).
+    in each fresh worker before its clock starts (a checker's first call may build parsers);
+    `setup` = (fn, args) is called first of all, before any import (`sandbox.isolate`: no
+    network, a scratch directory); a worker whose setup raises does not start.
     Thread-safe. Workers start at once, in the background (importing a checker such as sympy
     takes seconds, better spent before the first batch is sampled); `close()` stops them."""
 
     def __init__(self, workers: int, timeout: float = 5.0, default: Any = 0.0, preload: Sequence[str] = (),
-                 warmup: Optional[tuple] = None):
+                 warmup: Optional[tuple] = None, setup: Optional[tuple] = None):
         if workers < 1:
             raise ValueError(f"a worker pool needs at least 1 worker; got {workers}")
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds; got {timeout}")
         self.workers, self.timeout, self.default, self.preload = workers, timeout, default, tuple(preload)
         self.warmup = warmup  # (fn, args): one call each fresh worker makes before its clock starts
+        self.setup = setup  # (fn, args): what a fresh worker calls before anything else
         self.timeouts = self.errors = 0
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
@@ -76,7 +79,7 @@ class WorkerPool:
         proc = None
         try:
             try:
-                proc = _Process(self.preload, self.warmup)
+                proc = _Process(self.preload, self.warmup, self.setup)
             except Exception:  # tried again, and reported, with the first job
                 proc = None
             while True:
@@ -99,7 +102,7 @@ class WorkerPool:
         out, i = [], 0
         while i < len(items):
             if proc is None:
-                proc = _Process(self.preload, self.warmup)
+                proc = _Process(self.preload, self.warmup, self.setup)
             proc.load(fn)
             proc.send(("items", items[i:]))
             while i < len(items):
@@ -136,10 +139,10 @@ class WorkerPool:
 class _Process:
     """One spawned worker and its pipe."""
 
-    def __init__(self, preload: tuple, warmup: Optional[tuple] = None):
+    def __init__(self, preload: tuple, warmup: Optional[tuple] = None, setup: Optional[tuple] = None):
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds JAX/XLA threads
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, preload, warmup), daemon=True)
+        self.proc = ctx.Process(target=_worker, args=(child, preload, warmup, setup), daemon=True)
         self.proc.start()
         child.close()
         self.fn = None
@@ -183,9 +186,15 @@ def _kill(proc):
     return None
 
 
-def _worker(conn, preload: tuple, warmup: Optional[tuple]) -> None:
+def _worker(conn, preload: tuple, warmup: Optional[tuple], setup: Optional[tuple] = None) -> None:
     import importlib
 
+    if setup is not None:
+        try:
+            setup[0](*setup[1])
+        except Exception as e:  # the pool reports it: a worker that cannot be set up never runs an item
+            conn.send(("setup", f"{type(e).__name__}: {e}"))
+            return
     for m in preload:
         importlib.import_module(m)
     logging.disable(logging.WARNING)  # math-verify warns on every call that timeouts are ours

@@ -41,15 +41,16 @@ RULES = SECTION.rules
 
 
 def pack(pairs, length: int, pad: int = 0):
-    """(prompt, answer) id lists -> tokens, loss mask on answer tokens, input mask [N, length]."""
+    """(prompt, answer[, answer loss mask]) id lists -> tokens, loss mask on answer tokens (those
+    the mask keeps: a multi-turn trace's observations carry none), input mask [N, length]."""
     tokens = np.full((len(pairs), length), pad, np.int32)
     loss = np.zeros((len(pairs), length), np.float32)
     real = np.zeros((len(pairs), length), np.float32)
-    for i, (p, a) in enumerate(pairs):
+    for i, (p, a, *keep) in enumerate(pairs):
         seq = (list(p) + list(a))[:length]
         tokens[i, : len(seq)] = seq
         real[i, : len(seq)] = 1.0
-        loss[i, len(p): len(seq)] = 1.0
+        loss[i, len(p): len(seq)] = (keep[0] if keep else np.ones(len(a)))[:len(seq) - len(p)]
     return jnp.asarray(tokens), jnp.asarray(loss), jnp.asarray(real)
 
 

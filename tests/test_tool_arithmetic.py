@@ -1,0 +1,107 @@
+"""The embedded calculator task (`tasks.tool_arithmetic`), its environment through the sandbox,
+the episode bookkeeping (`tasks.envs`) and multi-turn generation (`runtime.episodes`)."""
+
+from concurrent.futures import Future
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_llm.models import decoder
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.rollout import Sampler, SamplerConfig
+from jaxrl_llm.runtime import episodes
+from jaxrl_llm.tasks import envs, sandbox, warmstart
+from jaxrl_llm.tasks import tool_arithmetic as T
+from jaxrl_llm.tasks.arithmetic import EOS, encode
+from tests import checkers
+
+TASK = T.ToolArithmetic()
+
+
+@pytest.fixture(scope="module")
+def runner():
+    r = sandbox.ToolRunner(workers=1, timeout=1.0)
+    yield r
+    r.close()
+
+
+def test_traces_call_the_tool_and_observations_carry_no_loss():
+    traces = TASK.supervised(np.random.default_rng(0), 16)
+    tokens, loss, real = (np.asarray(x) for x in warmstart.pack(traces, TASK.max_prompt_len + TASK.max_answer_len))
+    for (prompt, episode, keep), row_loss in zip(traces, loss):
+        assert len(episode) <= TASK.max_answer_len and episode.count(T.CALL) == 2 and episode[-1] == EOS
+        obs = [not k for k in keep]
+        assert TASK.final_answer(episode[:-1], obs[:-1]) == TASK.answer(prompt)  # the trace's answer is right
+        np.testing.assert_array_equal(row_loss[len(prompt):len(prompt) + len(episode)], keep)
+    assert envs.make("calculator", TASK, None).stop_ids == (T.END,)
+    with pytest.raises(ValueError, match="unknown environment 'abacus'; valid: calculator"):
+        envs.make("abacus")
+
+
+def test_the_calculator_answers_in_the_sandbox_and_errors_are_observations(runner):
+    env = T.Calculator(TASK, runner)
+    prompt = [1] + encode("37*48*91=")
+    turn = [T.CALL] + encode("37*48") + [T.END]
+    reply = env.reply(prompt, turn, [False] * len(turn)).result(timeout=30)
+    assert reply.obs_ids == tuple(encode("1776")) and reply.tool_calls == 1 and not reply.done
+    # the second turn reads only what follows the observation
+    episode = turn + list(reply.obs_ids) + [T.CALL] + encode("1776*91") + [T.END]
+    obs = [False] * len(turn) + [True] * 4 + [False] * 9
+    second = env.reply(prompt, episode, obs).result(timeout=30).obs_ids
+    assert second == tuple(encode(str(1776 * 91)))
+    assert env.reply(prompt, [T.END], [False]).result(timeout=30).obs_ids == (T.ERR,)  # a tag with no call
+    bad = [T.CALL] + encode("3**") + [T.END]
+    r = env.reply(prompt, bad, [False] * len(bad)).result(timeout=30)
+    assert r.obs_ids == (T.ERR,) and r.tool_errors == 1
+    answer, obs = episode + list(second) + encode(str(37 * 48 * 91)), obs + [True] * 6 + [False] * 6
+    assert env.final(prompt, answer, obs) == 1.0 and env.final(prompt, answer[:-1], obs[:-1]) == 0.0
+
+
+def test_a_hanging_tool_times_out_into_an_observation_and_the_episode_goes_on(runner):
+    env = T.Calculator(TASK, runner, tool=checkers.hang)
+    eps = envs.Episodes(env, lambda row: [1] + encode("1*2*3="), max_turns=4)
+    turn = [T.CALL] + encode("1*2") + [T.END]
+    reply = eps.respond(0, turn, [False] * len(turn)).result(timeout=30)
+    assert reply.obs_ids == (T.ERR,) and not reply.done
+    assert eps.stats["tool_timeouts"] == 1 and eps.stats["tool_calls"] == 1
+
+
+class _Loud:
+    stop_ids = (T.END,)
+
+    def reply(self, prompt, episode, obs):
+        f = Future()
+        f.set_result(envs.Reply(obs_ids=tuple([5] * 500), reward=0.25))
+        return f
+
+    def final(self, prompt, episode, obs):
+        return 1.0
+
+
+@pytest.mark.parametrize("how,want", [("sum", 1.5), ("last", 1.0)])
+def test_observations_are_cut_turns_are_limited_and_turn_rewards_combine(how, want):
+    eps = envs.Episodes(_Loud(), lambda row: [1], max_turns=3, turn_reward=how, max_obs_tokens=16)
+    assert len(eps.respond(0, [T.END], [False]).result().obs_ids) == 16 and eps.stats["obs_cut"] == 1
+    assert not eps.respond(0, [T.END], [False]).result().done
+    assert eps.respond(0, [T.END], [False]).result().done and 0 in eps.truncated  # the third call: the limit
+    eps.finish(0, [EOS], [False])
+    assert eps.rewards([0])[0] == pytest.approx(want)
+    assert eps.metrics([0])["episode/turns"] == 4 and eps.metrics([0])["episode/truncated"] == 1.0
+
+
+def test_multi_turn_generation_scores_each_episode(runner):
+    cfg = ModelConfig(vocab_size=T.VOCAB_SIZE, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                      intermediate_size=64, head_dim=16)
+    scfg = SamplerConfig(max_new_tokens=TASK.max_answer_len, temperature=1.0, capture_topk=0, num_samples=4,
+                         prompt_buckets=(TASK.max_prompt_len,), decode_segment=8, eos_token_id=EOS,
+                         turn_stop_ids=(T.END,))
+    params = decoder.init_params(cfg, jax.random.key(0))  # random: it draws </calc> now and then, calls or not
+    prompts = TASK.prompts(np.random.default_rng(0), 3)
+    batch, metrics = episodes.generate(Sampler(cfg, scfg), T.Calculator(TASK, runner), params, prompts,
+                                       jax.random.key(1), max_turns=3)
+    assert batch.rewards.shape == (12,) and set(np.asarray(batch.rewards).tolist()) <= {0.0, 1.0}
+    real, loss = np.asarray(batch.input_mask) > 0, np.asarray(batch.loss_mask) > 0
+    assert metrics["episode/turns"] > 1 and metrics["episode/obs_tokens"] > 0 and (loss <= real).all()
+    tokens = np.asarray(batch.tokens)
+    assert ((tokens == T.ERR) & real & ~loss).any()  # a turn that closed no call was answered with <err>

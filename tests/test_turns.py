@@ -1,0 +1,138 @@
+"""Multi-turn rows in the sampler (`rollout.turns`): an environment's observation is forced into
+the row's KV cache as token ids; hold (static batching) and release (continuous, parked caches)
+give the same episodes; the learner's forward over the episode reproduces every sampled log-prob
+(token in, token out); observations carry no loss, no version, no gradient."""
+
+import dataclasses
+import functools
+from concurrent.futures import Future
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import forward, objectives
+from jaxrl_llm.batch import PolicyOutput
+from jaxrl_llm.models import decoder
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.policy_dist import PolicyDist
+from jaxrl_llm.rollout import Sampler, SamplerConfig
+from jaxrl_llm.rollout.turns import Turns
+
+CFG = ModelConfig(vocab_size=24, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                  head_dim=8)
+EOS, STOP = 2, 3  # STOP ends a turn: the environment answers
+PROMPTS = [np.random.default_rng(i).integers(4, 24, 2 + (3 * i) % 7).tolist() for i in range(5)]
+
+
+@dataclasses.dataclass
+class Reply:
+    obs_ids: tuple
+    done: bool = False
+
+
+class Echo:
+    """An environment that answers each turn with [20, (turn length) + 4, 21] and ends an
+    episode at its third turn: replies depend on what was sampled, as a tool's do."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, row, tokens, obs):
+        self.calls.append((row, tokens.tolist(), obs.tolist()))
+        turns = int((np.asarray(tokens) == STOP).sum())
+        last = len(tokens) - 1 - (np.flatnonzero(obs)[-1] if obs.any() else -1)
+        f = Future()
+        f.set_result(Reply((20, min(last, 15) + 4, 21), done=turns >= 3))
+        return f
+
+
+@pytest.fixture(scope="module")
+def params():
+    return decoder.init_params(CFG, jax.random.key(0)), decoder.init_params(CFG, jax.random.key(1))
+
+
+def _cfg(**kw):
+    return SamplerConfig(**{**dict(max_new_tokens=40, temperature=1.0, capture_topk=2, num_samples=2,
+                                   prompt_buckets=(8,), decode_segment=4, eos_token_id=EOS, turn_stop_ids=(STOP,)),
+                            **kw})
+
+
+@functools.cache
+def _sampler(batching="static", slots=0):
+    return Sampler(CFG, _cfg(batching=batching, slots=slots))
+
+
+def _episodes(params, batching="static", slots=0, refresh=None, key=7):
+    env = Echo()
+    batch = _sampler(batching, slots).generate(params, PROMPTS, jax.random.key(key), version=0, refresh=refresh,
+                                               turns=Turns(env))
+    return jax.tree.map(np.asarray, batch), env
+
+
+def test_observations_follow_each_turn_as_forced_tokens(params):
+    b, env = _episodes(params[0])
+    p = 8
+    obs = (b.input_mask > 0) & (b.loss_mask == 0)
+    obs[:, :p] = False
+    assert obs.any() and len(env.calls) >= 3
+    for r in range(len(b.tokens)):
+        toks = b.tokens[r, p:]
+        stops = [t for t in np.flatnonzero(toks == STOP) if b.loss_mask[r, p + t] > 0]
+        for t in stops:  # the reply's three ids follow every drawn STOP that had room
+            if t + 3 < int(b.input_mask[r, p:].sum()):
+                assert toks[t + 1] == 20 and toks[t + 3] == 21 and obs[r, p + t + 1:p + t + 4].all()
+        assert (b.versions[r][obs[r]] == -1).all() and (b.behav_logp[r][obs[r]] == 0).all()
+        assert (b.versions[r][b.loss_mask[r] > 0] == 0).all()
+    assert len([c for c in env.calls]) == sum(int(((b.tokens[:, p:] == STOP) & (b.loss_mask[:, p:] > 0))[r].sum())
+                                              for r in range(len(b.tokens))) - _stops_without_room(b, p)
+
+
+def _stops_without_room(b, p):
+    """Rows whose last token is a drawn STOP at the budget: no reply is asked for those."""
+    n = (b.input_mask[:, p:] > 0).sum(1)
+    last = b.tokens[np.arange(len(n)), p + n - 1]
+    return int(((last == STOP) & (n >= 40)).sum())
+
+
+def test_hold_and_release_give_the_same_episodes(params):
+    held, _ = _episodes(params[0])
+    for slots in (3, 1):
+        released, _ = _episodes(params[0], "continuous", slots)
+        for f in ("tokens", "loss_mask", "input_mask", "versions", "topk_ids", "truncated"):
+            np.testing.assert_array_equal(getattr(released, f), getattr(held, f), err_msg=f"{f} slots={slots}")
+        np.testing.assert_allclose(released.behav_logp, held.behav_logp, atol=1e-5)
+
+
+def test_the_learner_recomputes_every_sampled_log_prob_over_the_episode(params):
+    """Token in, token out: the learner's forward over the episode's ids, observations included,
+    gives the log-prob each drawn token was sampled with; observation positions get no gradient."""
+    b, _ = _episodes(params[0])
+    fwd = forward.Forward(CFG, PolicyDist(1.0), 16, None)
+    batch = jax.tree.map(jnp.asarray, b)
+    stats = forward.batch_stats(fwd, params[0], batch, None, gather=False)
+    drawn = b.loss_mask > 0
+    np.testing.assert_allclose(np.asarray(stats["logp"])[drawn], b.behav_logp[drawn], atol=2e-4)
+    cfg = objectives.make_config(name="ppo")
+    batch = batch.replace(advantages=batch.loss_mask * jnp.linspace(-1.0, 1.0, len(b.tokens))[:, None])
+    grad = jax.grad(lambda lp: objectives.get("ppo")(PolicyOutput(logp=lp, version=jnp.int32(0)), batch, cfg)[0])(
+        stats["logp"])
+    obs = (b.input_mask > 0) & ~drawn
+    assert obs.any() and np.all(np.asarray(grad)[obs] == 0.0) and np.abs(np.asarray(grad)[drawn]).sum() > 0
+
+
+def test_a_weight_update_between_turns_shows_in_the_versions(params):
+    calls = []
+
+    def refresh():
+        calls.append(1)
+        return (1, params[1]) if len(calls) == 2 else None
+
+    b, _ = _episodes(params[0], "continuous", 3, refresh=refresh)
+    drawn = b.loss_mask > 0
+    v = b.versions
+    assert set(np.unique(v[drawn])) == {0, 1}
+    for r in range(len(v)):  # per row, versions never go back
+        seen = v[r][drawn[r]]
+        assert (np.diff(seen) >= 0).all()
