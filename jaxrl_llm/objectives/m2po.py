@@ -38,7 +38,7 @@ def second_moment_mask(behav_BxL, prox_BxL, mask_BxL, tau: float):
     Sort m2 = (log pi_prox - log pi_behav)^2 of the n loss tokens in descending order; drop the
     first k, k the smallest count whose remaining mean is < tau (k <= n - 1: never all). The
     mean of a descending suffix only falls as it shortens, so k = #{i < n: mean(m2[i:]) >= tau}.
-    Static shapes: non-loss tokens sort last with m2 = -inf and count for nothing.
+    Static shapes: non-loss tokens sort last and count for nothing.
     """
     on = mask_BxL.reshape(-1) > 0
     m2 = jnp.square(prox_BxL - behav_BxL).reshape(-1).astype(jnp.float32)
@@ -64,7 +64,8 @@ def m2po(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
 
         L = -(1 / sum_t m_t) sum_t M_t F(pi_prox / pi_behav) (pi_theta / pi_prox) A_t,
 
-    m the loss mask (M with `loss_agg_rejected="drop"`), F the shared `is_correction`; `m2po.clip` swaps the ratio term for PPO's clipped surrogate.
+    m the loss mask (M with `loss_agg_rejected="drop"`), F the shared `is_correction`;
+    `m2po.clip` swaps the ratio term for PPO's clipped surrogate.
     The learner computes the mask over the whole step (`batch.token_keep`); called on a batch
     alone, the mask is computed over that batch."""
     if batch.prox_logp is None:
