@@ -98,7 +98,7 @@ def _stops_without_room(b, p):
 
 def test_hold_and_release_give_the_same_episodes(params):
     held, _ = _episodes(params[0])
-    for slots in (3, 1):
+    for slots in (2,):  # fewer slots than rows: waiting rows are parked and re-enter other slots
         released, _ = _episodes(params[0], "continuous", slots)
         for f in ("tokens", "loss_mask", "input_mask", "versions", "topk_ids", "truncated"):
             np.testing.assert_array_equal(getattr(released, f), getattr(held, f), err_msg=f"{f} slots={slots}")
@@ -129,7 +129,7 @@ def test_a_weight_update_between_turns_shows_in_the_versions(params):
         calls.append(1)
         return (1, params[1]) if len(calls) == 2 else None
 
-    b, _ = _episodes(params[0], "continuous", 3, refresh=refresh)
+    b, _ = _episodes(params[0], "continuous", 2, refresh=refresh)
     drawn = b.loss_mask > 0
     v = b.versions
     assert set(np.unique(v[drawn])) == {0, 1}
