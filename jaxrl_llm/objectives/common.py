@@ -96,7 +96,7 @@ def is_correction(weight, kind: str, cap: float, low: float, high: float):
     if kind == "tis":
         return jnp.minimum(weight, cap)
     if kind == "icepop":
-        return jnp.where((weight >= low) & (weight <= high), weight, 0.0)
+        return weight * icepop_kept(weight, kind, low, high)
     return weight
 
 

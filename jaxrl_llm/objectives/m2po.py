@@ -82,9 +82,9 @@ def m2po(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
                                                  1.0 + cfg.clip.eps_high, cfg.clip.dual_clip)
     else:
         surr, clipped = -batch.advantages * ratio, jnp.zeros(ratio.shape, bool)
+    m2 = jnp.square(prox - behav)
     extra = {"m2po/masked_frac": 1.0 - common.masked_mean(keep, loss_mask),
-             "m2po/m2_kept": common.masked_mean(jnp.square(prox - behav), kept),
-             "m2po/m2_all": common.masked_mean(jnp.square(prox - behav), loss_mask)}
+             "m2po/m2_kept": common.masked_mean(m2, kept), "m2po/m2_all": common.masked_mean(m2, loss_mask)}
     drop = cfg.loss_agg_rejected == "drop"
     return common.finish(weight * surr * keep, policy, batch, cfg, mask_BxL=kept if drop else loss_mask,
                          ratio_BxL=ratio, is_weight_BxL=weight, clipped_BxL=clipped, anchor_logp_BxL=prox,

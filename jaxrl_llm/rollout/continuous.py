@@ -287,7 +287,7 @@ class SlotEngine:
             step = int(jax.device_get(jnp.broadcast_to(state.step, state.done_B.shape)[at]))
             room = int(rows[i][2]) - step
             if reply.done or room <= 0 or not len(reply.obs_ids):
-                got = {f: x[at:at + 1] for f, x in jax.device_get({f: getattr(state, f) for f in OUTPUTS}).items()}
+                got = jax.device_get({f: getattr(state, f)[at:at + 1] for f in OUTPUTS})  # this row only
                 ended.append((np.asarray([i]), got))
                 if w.pool is None:
                     row_of[w.slot], holding[w.slot] = -1, False
