@@ -24,13 +24,26 @@ continuous batching through 32 slots refilled every `decode_segment` = 32 steps.
 second, median and range over repeats that take turns, and the slot occupancy of both (useful
 tokens / slot-steps run). The same with 128 rows (`..._128rows`): the last rows' drain, when
 few slots are still busy, weighs more in a short run.
+
+Multi-turn (`--cases multiturn`): 128 episodes of up to 3 model turns on one device. A turn ends
+when the model draws one of 8 stop ids (1/64 of the random model's vocabulary: geometric turn
+lengths, mean ~64); a tool then answers with 4 observation tokens after a latency drawn
+log-normal (median 0.3 s, sigma 1: a sandboxed code run or a search call; fixed per row and
+turn), and the third answer ends the episode (budget 384 tokens). Static batching runs batches of 32 rows, a waiting row holding its
+slot; continuous batching runs every row through 32 slots, a waiting row parked and its slot
+refilled. Reported: `multiturn_continuous_vs_static` (drawn tokens/s ratio, median over
+repeats), both rates, and both slot occupancies (drawn tokens / slot-steps run); the same with
+a 50 ms median (`..._50ms`), shorter than one decode segment here, so both wait for a segment
+boundary anyway and the gain is the refill of slots whose rows still wait.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
+from concurrent.futures import Future
 
 import jax
 import numpy as np
@@ -38,11 +51,14 @@ from jax.sharding import Mesh
 
 from jaxrl_llm import models
 from jaxrl_llm.rollout import Sampler, SamplerConfig
+from jaxrl_llm.rollout.turns import Turns
+from jaxrl_llm.tasks.envs import Reply
 
 from common import across_isas, cpu_kind, flops_per_token, hf_model, matmul_peak_flops, parse_args, report  # noqa: E402  (experiments/ is on sys.path when run as a script)
 
 B, PROMPT, NEW, K = 64, 32, 96, 8
 SLOTS, HEAVY_MAX, SEG = 32, 512, 32
+TURN_STOPS, TURNS, EPISODE_MAX, LATENCY_S = tuple(range(1, 9)), 3, 384, 0.3
 
 
 def ours(params, cfg, topk: int, devices=None):
@@ -127,11 +143,74 @@ def heavy_tail(params, cfg, repeats: int, rows: int) -> dict:
                 heavy_tail_mean_length=float(lengths.mean()), heavy_tail_max_length=int(lengths.max()))
 
 
+class ToolLatency:
+    """An environment whose every answer (4 tokens) comes after a log-normal latency, fixed per
+    (row, turn); the `TURNS`-th answer ends the episode."""
+
+    def __init__(self, seed: int = 0, latency_s: float = LATENCY_S):
+        self.seed, self.latency_s, self.calls = seed, latency_s, 0
+
+    def respond(self, row, tokens, obs) -> Future:
+        turn = 1 + int(np.sum(np.diff(np.concatenate([[0], np.asarray(obs, np.int8)])) == 1))
+        latency = float(np.random.default_rng([self.seed, int(row), turn]).lognormal(np.log(self.latency_s), 1.0))
+        f: Future = Future()
+        timer = threading.Timer(latency, f.set_result, [Reply(obs_ids=(20, 21, 22, 23), done=turn >= TURNS)])
+        timer.daemon = True
+        timer.start()
+        self.calls += 1
+        return f
+
+
+def multiturn(params, cfg, repeats: int, rows: int = 128, latency_s: float = LATENCY_S) -> dict:
+    """Static (a waiting row holds its slot) vs continuous (it frees it) on tool-latency episodes."""
+    prompts = np.random.default_rng(1).integers(30, cfg.vocab_size, (rows, PROMPT)).tolist()
+    make = lambda batching: Sampler(cfg, SamplerConfig(
+        max_new_tokens=EPISODE_MAX, temperature=1.0, capture_topk=K, prompt_buckets=(PROMPT,), decode_segment=SEG,
+        batching=batching, slots=SLOTS, num_samples=1, turn_stop_ids=TURN_STOPS))
+    static, continuous = make("static"), make("continuous")
+
+    def drawn(batch):
+        return int(np.asarray(batch.loss_mask).sum())
+
+    def run_static():
+        return sum(drawn(static.generate(params, prompts[i:i + SLOTS], jax.random.key(i),
+                                         turns=Turns(ToolLatency(i, latency_s).respond))) for i in range(0, rows, SLOTS))
+
+    def run_continuous():
+        return drawn(continuous.generate(params, prompts, jax.random.key(0),
+                                         turns=Turns(ToolLatency(0, latency_s).respond)))
+
+    runs = {"static": run_static, "continuous": run_continuous}
+    for _ in range(2):  # compile: slot fills and attention widths vary from run to run at first
+        for run in runs.values():
+            run()
+    rates = {name: [] for name in runs}
+    occupancy = {"static": [], "continuous": []}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            engines = [continuous.slots(SLOTS)] if name == "continuous" else list(static._static_slots.values())
+            before = [len(e.occupancy) for e in engines]
+            t = time.perf_counter()
+            tokens = run()
+            rates[name].append(tokens / (time.perf_counter() - t))
+            occupancy[name].append(np.mean([o for e, b in zip(engines, before) for o in e.occupancy[b:]]))
+    ratios = np.array(rates["continuous"]) / np.array(rates["static"])
+    return dict(multiturn_continuous_vs_static=float(np.median(ratios)),
+                multiturn_continuous_vs_static_min=float(ratios.min()),
+                multiturn_continuous_vs_static_max=float(ratios.max()),
+                multiturn_static_tokens_per_s=float(np.median(rates["static"])),
+                multiturn_continuous_tokens_per_s=float(np.median(rates["continuous"])),
+                multiturn_static_occupancy=float(np.median(occupancy["static"])),
+                multiturn_continuous_occupancy=float(np.median(occupancy["continuous"])),
+                multiturn_tool_latency_median_s=latency_s)
+
+
 def main():
     args = parse_args(__doc__, extra=lambda ap: (
         ap.add_argument("--devices", type=int, default=os.cpu_count(),
                         help="CPU devices JAX exposes (one per core by default)"),
-        ap.add_argument("--cases", default="even,v32k,heavy", help="comma-separated subset of even,v32k,heavy")))
+        ap.add_argument("--cases", default="even,v32k,heavy,multiturn",
+                        help="comma-separated subset of even,v32k,heavy,multiturn")))
     if across_isas(args):  # each ISA in its own processes
         return
     cases = set(args.cases.split(","))
@@ -146,6 +225,12 @@ def main():
             res.update(heavy_tail(params, cfg, args.repeats, 512))
             res.update({f"{k}_128rows": v for k, v in heavy_tail(params, cfg, args.repeats, 128).items()
                         if k.startswith("continuous_vs") or k.endswith("occupancy")})
+    if "multiturn" in cases:
+        with tempfile.TemporaryDirectory() as d:
+            hf_model(512, d)
+            params, cfg = models.load_params(d)
+            res.update(multiturn(params, cfg, args.repeats))
+            res.update({f"{k}_50ms": v for k, v in multiturn(params, cfg, args.repeats, latency_s=0.05).items()})
     if "even" in cases:
         with tempfile.TemporaryDirectory() as d:
             model = hf_model(512, d)

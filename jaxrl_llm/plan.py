@@ -101,9 +101,10 @@ def sampler_cfg(config, task, greedy: bool = False) -> SamplerConfig:
     s = config.sampler
     kw = dict(max_new_tokens=s.max_new_tokens or task.max_answer_len, eos_token_id=task.eos_id,
               pad_token_id=task.pad_id, prompt_buckets=tuple(task.prompt_buckets),
-              cache_dtype=s.cache_dtype if s.cache_dtype != "auto" else config.model.dtype)
+              cache_dtype=s.cache_dtype if s.cache_dtype != "auto" else config.model.dtype,
+              turn_stop_ids=tuple(getattr(task, "turn_stop_ids", ())))
     if greedy:
         return SamplerConfig(temperature=0.0, num_samples=1, capture_topk=0, **kw)
     return SamplerConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, capture_topk=s.capture_topk,
                          num_samples=s.num_samples, batching=s.batching, slots=s.slots,
-                         decode_segment=s.decode_segment, **kw)
+                         decode_segment=s.decode_segment, turn_cache=s.turn_cache, **kw)

@@ -48,3 +48,14 @@ def oldest_version(versions_BxL, loss_mask_BxL) -> int:
     -1 for a batch without loss tokens."""
     v = np.asarray(versions_BxL)[np.asarray(loss_mask_BxL) > 0]
     return int(v.min()) if v.size else -1
+
+
+def by_turn(learner_version: int, versions_BxL, loss_mask_BxL, turns: int) -> np.ndarray:
+    """[2, turns]: the sum of d and the token count of each model turn of multi-turn rows (a turn
+    is a run of loss tokens; observations between turns carry none), turns past the last bin
+    counted in it. Sums, so processes can add theirs before the mean."""
+    keep = np.asarray(loss_mask_BxL) > 0
+    starts = keep & ~np.pad(keep, ((0, 0), (1, 0)))[:, :-1]
+    turn = np.minimum(np.cumsum(starts, 1) - 1, turns - 1)[keep]
+    d = staleness(int(learner_version), np.asarray(versions_BxL))[keep]
+    return np.stack([np.bincount(turn, d, minlength=turns), np.bincount(turn, minlength=turns)]).astype(np.float64)

@@ -145,16 +145,19 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def make_tokenizer(path: str, corpus=("What is 12 + 60? The answer is \\boxed{72}.",), vocab_size: int = 300):
-    """A byte-level BPE tokenizer with ChatML-style special tokens and a chat template, trained
-    on `corpus` and saved to `path` (what AutoTokenizer reads from a real checkpoint)."""
+def make_tokenizer(path: str, corpus=("What is 12 + 60? The answer is \\boxed{72}.",), vocab_size: int = 300,
+                   special=()):
+    """A byte-level BPE tokenizer with ChatML-style special tokens (and `special`, e.g. tool-call
+    tags) and a chat template, trained on `corpus` and saved to `path` (what AutoTokenizer reads
+    from a real checkpoint)."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(list(corpus), trainer)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",

@@ -13,7 +13,8 @@ from jaxrl_llm.research import sweep
 from tests.test_experiment import shrink
 
 CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob("configs/*.py") if not p.endswith("__init__.py"))
-RUN_CONFIGS = [n for n in CONFIGS if n not in ("objectives", "staleness_sweep")]
+# tool_arithmetic runs (on one sampler device) in tests/test_multiturn.py
+RUN_CONFIGS = [n for n in CONFIGS if n not in ("objectives", "staleness_sweep", "tool_arithmetic")]
 
 
 def _shrink(c, steps=3):

@@ -94,7 +94,9 @@ def test_batch_scheduling_is_for_cpu_runs_only(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("mode,extra", [  # sync: the resume and kill tests; offpolicy takes iterative's path here
     ("iterative", ["--config.runtime.reuse=2"]), ("simulated", []), ("async", []),
-    ("async", ["--config.sampler.batching=continuous", "--config.sampler.slots=3"]),
+    # continuous batching with multi-turn episodes: rows wait on the sandboxed calculator in their slots
+    ("async", ["--config.sampler.batching=continuous", "--config.sampler.slots=3", "--config.task.name=tool_arithmetic",
+               "--config.task.ops=*", "--config.task.terms=3", "--config.task.max_turns=3"]),
 ])
 def test_every_mode_runs_on_two_processes(mode, extra, tmp_path):
     r = _launch([*TINY, f"--workdir={tmp_path}", "--config.train.steps=3", "--config.train.eval_every=3",
@@ -107,6 +109,9 @@ def test_every_mode_runs_on_two_processes(mode, extra, tmp_path):
     assert "[0] " in r.stdout and "[1] " not in r.stdout.replace("[1] [Gloo]", "")  # only process 0 prints
     # the final version is saved with each process's own data position (async: one draw per step)
     saved = [json.load(open(tmp_path / "checkpoints" / "3.runtime" / f"process_{i}.json")) for i in range(2)]
+    if "--config.task.name=tool_arithmetic" in extra:  # episodes of both processes, counted once each
+        assert steps[-1]["episode/count"] >= 3 * 2 * 8 and steps[-1]["episode/turns"] >= 1
+        assert len(steps[-1]["staleness/turn"]) == 3
     if mode == "async" and not extra:
         assert [s["position"]["workers"]["0"] for s in saved] == [{"next": 3, "partial": {}}] * 2
 

@@ -60,13 +60,13 @@ def _cfg(**kw):
 
 
 @functools.cache
-def _sampler(batching="static", slots=0):
-    return Sampler(CFG, _cfg(batching=batching, slots=slots))
+def _sampler(batching="static", slots=0, turn_cache="keep"):
+    return Sampler(CFG, _cfg(batching=batching, slots=slots, turn_cache=turn_cache))
 
 
-def _episodes(params, batching="static", slots=0, refresh=None, key=7):
-    env = Echo()
-    batch = _sampler(batching, slots).generate(params, PROMPTS, jax.random.key(key), version=0, refresh=refresh,
+def _episodes(params, batching="static", slots=0, refresh=None, key=7, turn_cache="keep", env=None):
+    env = env or Echo()
+    batch = _sampler(batching, slots, turn_cache).generate(params, PROMPTS, jax.random.key(key), version=0, refresh=refresh,
                                                turns=Turns(env))
     return jax.tree.map(np.asarray, batch), env
 
@@ -136,3 +136,28 @@ def test_a_weight_update_between_turns_shows_in_the_versions(params):
     for r in range(len(v)):  # per row, versions never go back
         seen = v[r][drawn[r]]
         assert (np.diff(seen) >= 0).all()
+
+
+def test_a_recomputed_cache_gives_the_same_episodes_and_logs_its_log_prob_gap(params):
+    """turn_cache="recompute": a parked row's cache is rebuilt from its tokens in one pass when it
+    resumes. Same weights: the same episodes, and the logged gap to the recorded behaviour
+    log-probs is float32 noise; a weight update while rows wait shows up in the gap."""
+    held, _ = _episodes(params[0])
+    engine = _sampler("continuous", 2, "recompute")
+    again, _ = _episodes(params[0], "continuous", 2, turn_cache="recompute")
+    for f in ("tokens", "loss_mask", "input_mask", "versions"):
+        np.testing.assert_array_equal(getattr(again, f), getattr(held, f), err_msg=f)
+    np.testing.assert_allclose(again.behav_logp, held.behav_logp, atol=1e-5)
+    r = dict(engine.reprefill)
+    assert r["rows"] >= 5 and r["tokens"] > r["rows"] and r["abs_max"] < 1e-4
+    env, swapped = Echo(), []
+
+    def refresh():  # new weights once a row waits: it is rebuilt under them
+        if env.calls and not swapped:
+            swapped.append(1)
+            return 1, params[1]
+        return None
+
+    b, _ = _episodes(params[0], "continuous", 2, turn_cache="recompute", env=env, refresh=refresh)
+    assert set(np.unique(b.versions[b.loss_mask > 0])) == {0, 1}
+    assert engine.reprefill["abs_max"] > 0.01  # its tokens drawn under the old weights score differently

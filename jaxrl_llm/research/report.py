@@ -199,6 +199,9 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
                 ax.plot(x, y, color=colors[i % len(colors)], label=run["name"])
         save(fig, ax, name, "learner step", label)
 
+    if any("episode/turns" in r for run in runs for r in run["steps"]):
+        paths.append(plot_episodes(runs, out, colors))
+
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(len(runs), 1)
     for i, run in enumerate(runs):
@@ -211,6 +214,44 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
     save(fig, ax, "staleness_hist", "staleness (learner steps between sampling and training)",
          "fraction of trained tokens", "staleness histogram", axis="y")
     return paths
+
+
+def plot_episodes(runs: Sequence[dict], out: str, colors) -> str:
+    """Multi-turn runs: turns and tool calls per episode, tool errors and timeouts, observation
+    tokens (run totals so far, by step), and staleness by model turn (mean over the run)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    panels = ((axes[0, 0], (("episode/turns", "-"), ("tools/calls_per_episode", "--")), "per episode",
+               "turns (solid), tool calls (dashed)"),
+              (axes[0, 1], (("tools/error_frac", "-"), ("tools/timeout_frac", "--")), "fraction of tool calls",
+               "tool errors (solid), timeouts (dashed)"),
+              (axes[1, 0], (("episode/obs_tokens", "-"),), "tokens per episode", "observation tokens"))
+    for ax, keys, ylabel, title in panels:
+        for i, run in enumerate(runs):
+            for key, style in keys:
+                x, y = series(run["steps"], key)
+                if x is not None:
+                    ax.plot(x, y, style, color=colors[i % len(colors)], label=f"{run['name']} {key.split('/')[1]}")
+        ax.set(xlabel="learner step", ylabel=ylabel, title=title)
+        ax.grid(alpha=0.3)
+    ax = axes[1, 1]
+    width = 0.8 / max(len(runs), 1)
+    for i, run in enumerate(runs):
+        per = [r["staleness/turn"] for r in run["steps"] if r.get("staleness/turn")]
+        if per:
+            m = np.nanmean(np.array([[np.nan if v is None else v for v in p] for p in per], float), 0)
+            ax.bar(np.arange(len(m)) + i * width - 0.4 + width / 2, np.nan_to_num(m), width,
+                   color=colors[i % len(colors)], label=run["name"])
+            ax.set_xticks(range(len(m)))
+    ax.set(xlabel="model turn (0: first)", ylabel="mean staleness (steps)", title="staleness by turn")
+    ax.grid(alpha=0.3, axis="y")
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out, "episodes.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_bands(runs: Sequence[dict], out: str) -> str:

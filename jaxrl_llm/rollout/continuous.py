@@ -146,7 +146,10 @@ class SlotEngine:
         self._segment = jax.jit(segment, static_argnames=("p", "width"), donate_argnums=1, out_shardings=shard)
         self._keys = jax.jit(lambda key, ids: jax.random.key_data(decode.row_keys(key, ids)))
         self._park = jax.jit(turns_lib.park)  # multi-turn (one sampler device): a waiting row's state
+        self._park_bare = jax.jit(lambda st, slots: turns_lib.park(st.replace(cache=None), slots))
         self._resume = jax.jit(turns_lib.resume)
+        self._reprefill = jax.jit(functools.partial(turns_lib.reprefill, mcfg=mcfg, scfg=scfg))
+        self.reprefill = sampler.reprefill  # turn_cache="recompute": the gaps it logs
 
     def row_keys(self, key, ids) -> np.ndarray:
         """u32 key data of each row's own key (`decode.row_keys`), for `stream` feeds."""
@@ -205,7 +208,7 @@ class SlotEngine:
                     if any(fresh):
                         pools.append(self._pool(params, fresh, rows, version))
             if turns is not None:  # replies that came: rows go on, or their episodes end
-                st, ended = self._replies(st, turns, rows, row_of, holding, waiting, pools, start)
+                st, ended = self._replies(params, st, turns, rows, row_of, holding, waiting, pools, start)
                 for ids, got in ended:
                     useful += int(got["valid_BxN"].sum())
                     yield ids, got
@@ -270,16 +273,18 @@ class SlotEngine:
         if not turns.release:
             holding[slots] = True
             return st
-        pool = [self._park(st, self._put(slots.astype(np.int32))), {i: j for j, i in enumerate(ids.tolist())}]
+        park = self._park_bare if self.sampler.cfg.turn_cache == "recompute" else self._park
+        pool = [park(st, self._put(slots.astype(np.int32))), {i: j for j, i in enumerate(ids.tolist())}]
         for i in ids.tolist():
             turns.waiting[i].pool, turns.waiting[i].slot = pool, -1
         row_of[slots] = -1
         return st
 
-    def _replies(self, st, turns, rows, row_of, holding, waiting, pools, start):
+    def _replies(self, params, st, turns, rows, row_of, holding, waiting, pools, start):
         """Apply the replies that came: a row goes on with its observation forced at its next
-        columns (in its held slot, or queued first to re-enter one with its parked state), or its
-        episode ends (returned as [(ids, outputs)])."""
+        columns (in its held slot, or queued first to re-enter one with its parked state, its
+        cache rebuilt first under turn_cache="recompute"), or its episode ends (returned as
+        [(ids, outputs)])."""
         ended = []
         for i, reply in turns.ready():
             w = turns.waiting.pop(i)
@@ -299,10 +304,25 @@ class SlotEngine:
                 st, holding[w.slot] = state, False
             else:
                 w.pool[0] = state
-                pools.append([state, {i: at}])
+                if state.cache is None:  # turn_cache="recompute"
+                    pools.append([self._rebuilt(params, state, at, rows[i]), {i: 0}])
+                else:
+                    pools.append([state, {i: at}])
                 waiting[0].appendleft(i)
                 start[i] = step
         return st, ended
+
+    def _rebuilt(self, params, pool, at: int, row):
+        """Row `at` of a cache-less parked pool with its cache rebuilt (`turns.reprefill`), its
+        drawn tokens' log-prob gap to the recorded ones counted in `reprefill`: a one-row pool."""
+        one = self._park(pool, self._put(np.asarray([at], np.int32)))
+        one, logp = self._reprefill(params, one, self._put(row[0][None]), self._put(row[1][None]))
+        drawn, gap = jax.device_get((one.valid_BxN & ~one.obs_BxN, jnp.abs(logp - one.logp_BxN)))
+        gap = gap[drawn]
+        r = self.reprefill
+        r["rows"], r["tokens"], r["abs_sum"] = r["rows"] + 1, r["tokens"] + gap.size, r["abs_sum"] + float(gap.sum())
+        r["abs_max"] = max(r["abs_max"], float(gap.max(initial=0.0)))
+        return one
 
     def _put(self, x):
         x = np.asarray(x)

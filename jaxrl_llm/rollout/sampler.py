@@ -37,6 +37,9 @@ class Sampler:
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
         self._slots = None
         self._static_slots = {}  # multi-turn static batches: one slot engine per batch size
+        # turn_cache="recompute", over every engine: rows resumed, drawn tokens re-scored, sum and
+        # max |log-prob gap| to the recorded behaviour log-probs (`continuous.SlotEngine._rebuilt`)
+        self.reprefill = dict(rows=0, tokens=0, abs_sum=0.0, abs_max=0.0)
         rows = mesh and tuple(mesh.axis_names)
         local = functools.partial(decode.per_device, mesh)
         r, rep = PartitionSpec(rows), PartitionSpec()

@@ -17,6 +17,7 @@ from jaxrl_llm.models.policy_dist import PolicyDist, top_k  # noqa: F401  (top_k
 
 
 BATCHING = ("static", "continuous")
+TURN_CACHE = ("keep", "recompute")
 
 
 SECTION = V.Section(  # the experiment's `sampler` section (the plan turns it into a SamplerConfig)
@@ -27,6 +28,10 @@ SECTION = V.Section(  # the experiment's `sampler` section (the plan turns it in
     slots=(0, V.integer(0)),  # continuous: decode slots per sampler (0: one per row of a batch)
     decode_segment=(32, V.integer(0)),  # decode steps between weight refreshes / slot refills
     cache_dtype=("auto", V.one_of("auto", "float32", "bfloat16")),  # auto: the model's compute dtype
+    # multi-turn, continuous: a row waiting on its environment keeps its KV cache parked (keep), or
+    # drops it and has it rebuilt from its tokens when it resumes (recompute: less memory, one
+    # forward per resume, its behaviour log-prob mismatch logged)
+    turn_cache=("keep", V.one_of(*TURN_CACHE)),
 )
 default_config = SECTION.config
 RULES = SECTION.rules
@@ -53,6 +58,7 @@ class SamplerConfig:
     batching: str = _DEFAULT["batching"]  # static: a batch decodes until its longest row ends | continuous: slots
     slots: int = _DEFAULT["slots"]  # continuous: decode slots (0: one per row of the batch)
     turn_stop_ids: tuple = ()  # multi-turn: drawn tokens that end a turn (the environment answers)
+    turn_cache: str = _DEFAULT["turn_cache"]  # multi-turn, continuous: keep | recompute a waiting row's cache
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.capture_topk < 0:
@@ -62,6 +68,8 @@ class SamplerConfig:
         if self.batching not in BATCHING or self.slots < 0:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)} and slots >= 0; got {self.batching!r}, "
                              f"{self.slots}")
+        if self.turn_cache not in TURN_CACHE:
+            raise ValueError(f"unknown turn_cache {self.turn_cache!r}; valid: {', '.join(TURN_CACHE)}")
 
     @property
     def dist(self) -> PolicyDist:

@@ -10,6 +10,12 @@ idles) or is freed for other rows (`release`): the row's state, its KV cache inc
 in a pool and copied back into whichever slot frees up when the reply arrives. A row draws its
 t-th token from uniform t of its own key, so hold and release give the same episodes.
 
+With `SamplerConfig.turn_cache="recompute"` a parked row keeps no cache: when it resumes, one
+forward pass over its prompt and every token so far rebuilds it (`reprefill`, with the newest
+weights, as a recompute after a weight update does). That forward also gives the drawn tokens'
+log-probs, so the engine logs how far they are from the recorded behaviour log-probs: the same
+tokens through a batched pass instead of step by step (and, after an update, other weights).
+
 The environment side is duck-typed: `respond(row_id, tokens, obs_mask) -> Future` of a reply
 with `obs_ids` (token ids to append) and `done` (the episode ends here).
 """
@@ -24,7 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.rollout.decode import DecodeState
+from jaxrl_llm.models import decoder
+from jaxrl_llm.rollout.decode import DecodeState, unembed_matrix
+from jaxrl_llm.rollout.sampling import sampling_logprobs
 
 
 def park(st: DecodeState, slot_I) -> DecodeState:
@@ -42,6 +50,26 @@ def resume(st: DecodeState, row_I, obs_IxM, len_I) -> DecodeState:
     rows = jnp.where(jnp.arange(m)[None, :] < len_I[:, None], row_I[:, None], st.done_B.shape[0])
     forced = st.forced_BxN.at[rows, cols].set(obs_IxM, mode="drop")
     return st.replace(forced_BxN=forced, done_B=st.done_B.at[row_I].set(False, mode="drop"))
+
+
+def reprefill(params, st: DecodeState, prompt_BxP, prompt_mask_BxP, mcfg, scfg):
+    """Parked rows `st` (no cache) with their cache rebuilt from their tokens: the prompt, then
+    every token so far (drawn and observed) at its own position, in one forward pass. Returns
+    (state, log-prob of each drawn token under that pass and the sampling distribution, 0 elsewhere)."""
+    b, p = prompt_BxP.shape
+    n = st.tokens_BxN.shape[1]
+    seq = jnp.concatenate([prompt_BxP, st.tokens_BxN], 1)
+    real = jnp.concatenate([prompt_mask_BxP > 0, st.valid_BxN], 1)
+    cache = [{"k": jnp.zeros((b, mcfg.num_kv_heads, mcfg.head_dim, p + n), scfg.cache_dtype),
+              "v": jnp.zeros((b, mcfg.num_kv_heads, p + n, mcfg.head_dim), scfg.cache_dtype)}
+             for _ in range(mcfg.num_layers)]
+    causal = jnp.arange(p + n)[None, :] <= jnp.arange(p + n)[:, None]
+    hidden, cache = decoder.Decoder(mcfg).apply({"params": params}, seq, decoder.padding_positions(real),
+                                                causal[None] & real[:, None, :], cache, 0)
+    logits = hidden[:, p - 1:p + n - 1].astype(jnp.float32) @ unembed_matrix(params, mcfg)  # token t's prefix
+    logp = sampling_logprobs(logits.reshape(b * n, -1), scfg)[0].reshape(b, n, -1)
+    logp = jnp.take_along_axis(logp, st.tokens_BxN[..., None], -1)[..., 0]
+    return st.replace(cache=cache, key_valid_BxW=real), jnp.where(st.valid_BxN & ~st.obs_BxN, logp, 0.0)
 
 
 @dataclasses.dataclass

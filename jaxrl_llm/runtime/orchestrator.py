@@ -43,6 +43,7 @@ from jaxrl_llm.runtime.lengths import LengthCounts
 from jaxrl_llm.runtime.position import DataPosition
 from jaxrl_llm.runtime.producer import Producer, Rollout
 from jaxrl_llm.runtime.weights import WeightStore
+from jaxrl_llm.tasks import envs
 
 MODES = ("sync", "iterative", "offpolicy", "simulated", "async", "remote")
 
@@ -179,20 +180,23 @@ class Orchestrator:
         this one would have (JSON-able, per process): the async data position, the simulated
         mode's delay stream, and run-long counters."""
         return {"position": self.position.state(), "delay_rng": self._delay_rng.bit_generator.state,
-                "over_stale": self.over_stale, "dropped": self.dropped, "lengths": self.lengths.state()}
+                "over_stale": self.over_stale, "dropped": self.dropped, "lengths": self.lengths.state(),
+                "episodes": self.producer.episode_totals().tolist()}
 
     def load_runtime_state(self, s: dict) -> Optional[str]:
         """Continue from `runtime_state()`; returns a note where it cannot be exact."""
         self._delay_rng.bit_generator.state = s["delay_rng"]
         self.over_stale, self.dropped = s["over_stale"], s["dropped"]
         self.lengths.load(s["lengths"])
+        self.producer.load_episode_totals(s.get("episodes"))
         return self.position.load(s["position"])
 
     def train(self, state, batch):
         """One learner step on `batch` (with many processes: this process's rows of the global
         batch), then publish the new version. Host-side metrics are over every process.
         Returns (state, metrics)."""
-        d = staleness.of_batch(int(state.version), batch.versions, batch.loss_mask)
+        batch_version = int(state.version)
+        d = staleness.of_batch(batch_version, batch.versions, batch.loss_mask)
         hist = np.bincount(d, minlength=1)
         rewards = np.asarray(batch.rewards, np.float64)
         # One gather for every process's scalars: [max staleness, reward sum, rows, failures,
@@ -211,7 +215,28 @@ class Orchestrator:
         m["runtime/dropped"] = float(totals[3])
         m["runtime/over_stale"] = float(self.over_stale)
         m["processes"] = distributed.count()
+        if self.producer.multi_turn:
+            m.update(self._episode_metrics(int(batch_version), batch))
         return state, m
+
+    def _episode_metrics(self, version: int, batch) -> dict:
+        """A multi-turn run's episode and tool counters so far (`envs.summary`), this batch's
+        staleness by turn (a weight update mid-episode makes later turns fresher) and, with
+        sampler.turn_cache="recompute", the rebuilt caches' log-prob gap to the recorded one."""
+        turns = self.producer.task.turn.max_turns
+        per_turn = staleness.by_turn(version, batch.versions, batch.loss_mask, turns)
+        r = self.producer.sampler.reprefill
+        g = distributed.gather(np.concatenate([self.producer.episode_totals(), per_turn.ravel(),
+                                               [r["rows"], r["tokens"], r["abs_sum"], r["abs_max"]]]))
+        both = g.sum(0)
+        m = envs.summary(both[:len(envs.TOTALS)])
+        sums, counts = both[len(envs.TOTALS):-4].reshape(2, turns)
+        m["staleness/turn"] = [float(s / c) if c else None for s, c in zip(sums, counts)]
+        if self.producer.sampler.cfg.turn_cache == "recompute":
+            m["sampler/reprefill_rows"] = float(both[-4])
+            m["sampler/reprefill_logp_gap_mean"] = float(both[-2] / max(both[-3], 1.0))
+            m["sampler/reprefill_logp_gap_max"] = float(g[:, -1].max())
+        return m
 
     def publish(self, state) -> None:
         """The samplers' weights of `state` to the store (LoRA: the adapters, with the base)."""

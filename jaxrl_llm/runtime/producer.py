@@ -7,6 +7,10 @@ Scoring is a stage of its own (`tasks.scoring.Scorer`): `generate` hands the sam
 scorer and returns a `Pending` at once, so a sampler decodes its next draw while the last one is
 checked; `stream` hands each finished group over the same way and yields it once scored.
 
+A multi-turn task's rows are episodes (`tasks.multiturn`): the environment answers each turn as
+it ends, so an episode's reward is settled when its row ends, and `episode_totals` counts turns,
+tool calls and observation tokens for the metrics.
+
 Draw `d` of worker `w` is seeded by both (`draw`), so it is the same prompts and sampling keys
 whenever it is drawn again: what was lost at a stop is regenerated exactly from its origin.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 from typing import Callable, Iterable, Iterator, NamedTuple, Optional
 
 import jax
@@ -24,6 +29,7 @@ import numpy as np
 from jaxrl_llm import advantages, distributed
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.rollout.sampler import to_batch
+from jaxrl_llm.tasks import envs, multiturn
 from jaxrl_llm.tasks.scoring import Scored, Scorer
 
 INFLIGHT_GROUPS_PER_WORKER = 4  # streamed groups being scored before the sampler waits for the oldest
@@ -86,6 +92,24 @@ class Producer:
         self.advantage, self.mask_zero_variance, self.seed = cfg.advantage, cfg.mask_zero_variance, cfg.seed
         self.advantage_kw = dict(eps=cfg.advantage_eps, singleton=cfg.singleton_groups) if cfg.advantage == "grpo" else {}
         self._key = jax.random.key(cfg.seed)
+        self.multi_turn = multiturn.is_multi_turn(task)
+        self._totals, self._totals_lock = np.zeros(len(envs.TOTALS)), threading.Lock()
+
+    def episode_totals(self) -> np.ndarray:
+        """`envs.TOTALS` summed over every episode this producer settled (multi-turn tasks)."""
+        with self._totals_lock:
+            return self._totals.copy()
+
+    def load_episode_totals(self, totals) -> None:
+        """Continue `episode_totals` from a checkpoint (None: one written without them)."""
+        if totals is not None and len(totals) == len(envs.TOTALS):
+            with self._totals_lock:
+                self._totals = np.asarray(totals, np.float64)
+
+    def _settled(self, batch: TrajectoryBatch, totals) -> Pending:
+        with self._totals_lock:
+            self._totals += totals
+        return Pending(self, batch, Scored.given(np.asarray(batch.rewards)))
 
     @property
     def streams(self) -> bool:
@@ -122,6 +146,8 @@ class Producer:
         """Prompts -> completions (policy `version`; `refresh` may swap weights mid-generation,
         see `Sampler.generate`), handed to the scorer: returns while they are scored."""
         prompts, key = self.draw(worker, counter)
+        if self.multi_turn:
+            return self._settled(*multiturn.generate(self.sampler, self.task, params, prompts, key, version, refresh))
         return self.score(self.sampler.generate(params, prompts, key, version, refresh=refresh), prompts)
 
     def stream(self, worker: int, params, version: int, todo: Iterable, refresh: Callable, stop: Callable,
@@ -143,6 +169,10 @@ class Producer:
         drawn: dict[int, _Draw] = {}
         parts: dict[int, dict] = {}  # group -> {row id: outputs}
         at = [version]  # the params version the slots decode with now
+        eps = turns = None
+        if self.multi_turn:  # row id r is row r % per_draw of draw r // per_draw
+            eps = multiturn.episodes(self.task, lambda r: drawn[r // per_draw].prompts[r % per_draw // g])
+            turns = multiturn.turns(eps, release=True, max_obs=self.task.turn.max_obs_tokens)
 
         def feed():
             if upcoming[0] is None:
@@ -170,12 +200,12 @@ class Producer:
 
         scoring = collections.deque()  # (groups handed over together, Pending), oldest first
         limit = INFLIGHT_GROUPS_PER_WORKER * max(1, getattr(self.scorer.pool, "workers", 1))
-        for ids, got in engine.stream(params, p, version, feed, refresh=swap, stop=stop):
+        for ids, got in engine.stream(params, p, version, feed, refresh=swap, stop=stop, turns=turns):
             for i, row in enumerate(ids.tolist()):
                 parts.setdefault(row // g, {})[row] = {f: x[i] for f, x in got.items()}
             complete = [k for k, v in parts.items() if len(v) == g]
             if complete:
-                scoring.append(self._hand_over(complete, drawn, parts, engine))
+                scoring.append(self._hand_over(complete, drawn, parts, engine, eps))
             while scoring and (scoring[0][1].done() or sum(len(s[0]) for s in scoring) > limit):
                 sel, pending = scoring.popleft()
                 yield from self._yield_groups(worker, sel, *pending.result(), pending.score_s)
@@ -183,9 +213,10 @@ class Producer:
             sel, pending = scoring.popleft()
             yield from self._yield_groups(worker, sel, *pending.result(), pending.score_s)
 
-    def _hand_over(self, complete, drawn, parts, engine):
+    def _hand_over(self, complete, drawn, parts, engine, eps=None):
         """Hand the groups that completed together to the scorer as one batch (advantages stay
-        within each group): ([(draw, prompt in draw, admitted version)], Pending)."""
+        within each group), or settle their episodes (`eps`: multi-turn): ([(draw, prompt in
+        draw, admitted version)], Pending)."""
         g = self.group_size
         prompts, sel = [], []
         for group in complete:
@@ -193,12 +224,15 @@ class Producer:
             prompts.append(drawn[draw].prompts[prompt])
             sel.append((draw, prompt, prompt * g + np.arange(g)))
             drawn[draw].pending -= 1
-        rows = [r for group in complete for _, r in sorted(parts.pop(group).items())]
-        out = {f: np.stack([r[f] for r in rows]) for f in rows[0]}
+        items = [kv for group in complete for kv in sorted(parts.pop(group).items())]
+        out = {f: np.stack([r[f] for _, r in items]) for f in items[0][1]}
         toks = np.concatenate([drawn[d].tokens[r] for d, _, r in sel])
         mask = np.concatenate([drawn[d].mask[r] for d, _, r in sel])
-        pending = self.score(to_batch(toks, mask, np.repeat(np.arange(len(complete)), g), engine.outputs(out)),
-                             prompts)
+        batch = to_batch(toks, mask, np.repeat(np.arange(len(complete)), g), engine.outputs(out))
+        if eps is not None:
+            pending = self._settled(*multiturn.settle(eps, batch, [i for i, _ in items], toks.shape[1]))
+        else:
+            pending = self.score(batch, prompts)
         sel = [(d, prompt, drawn[d].version) for d, prompt, _ in sel]
         for draw in {d for d, _, _ in sel if drawn[d].pending == 0}:
             del drawn[draw]

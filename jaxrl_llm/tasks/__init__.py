@@ -3,8 +3,9 @@
 A task has `prompts(rng, n)`, `eval_prompts()`, `reward(prompt_ids, completion_ids)`, and
 `eos_id`, `pad_id`, `vocab_size`, `prompt_buckets`, `max_answer_len`; tasks with
 `supervised(rng, n)` can warm-start a tiny model; `close()`, if present, is called at the end.
-Embedded: `arithmetic` (no download). From a local dataset: `math` (GSM8K / MATH style,
-math-verify reward).
+Embedded: `arithmetic` (no download) and `tool_arithmetic` (multi-turn: a calculator tool, see
+`multiturn`). From a local dataset: `math` (GSM8K / MATH style, math-verify reward) and
+`math_tools` (the same, multi-turn with a sandboxed Python tool in the chat template's format).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 from jaxrl_llm import validation as V
 from jaxrl_llm.tasks.scoring import Scorer, default_workers
 
-NAMES = ("arithmetic", "math")
+NAMES = ("arithmetic", "math", "tool_arithmetic", "math_tools")
+MULTI_TURN = ("tool_arithmetic", "math_tools")
+DEFAULT_ENV = {"tool_arithmetic": "calculator", "math_tools": "python"}
 
 
 SECTION = V.Section(  # every task's fields, so any of them can be set from the command line
@@ -28,6 +31,11 @@ SECTION = V.Section(  # every task's fields, so any of them can be set from the 
     instruction=("Please reason step by step, and put your final answer within \\boxed{}.", V.text()),
     # rewards checked in worker processes (math): how many, and each check's hard time limit
     reward_workers=(default_workers(), V.integer(0)), reward_timeout=(5.0, V.positive()),
+    # multi-turn tasks (tool_arithmetic, math_tools): the environment (empty: the task's own), model
+    # turns per episode, how turn rewards combine, tokens per observation, the sandboxed tools'
+    # time limit and processes
+    env=("", V.text()), max_turns=(4, V.integer(1)), turn_reward=("last", V.one_of("sum", "last")),
+    max_obs_tokens=(64, V.integer(1)), tool_timeout=(5.0, V.positive()), tool_workers=(1, V.integer(1)),
 )
 default_config = SECTION.config
 RULES = SECTION.rules
@@ -36,15 +44,20 @@ RULES = SECTION.rules
 def validate(c, hf_path: str = "") -> None:
     if c.name not in NAMES:
         raise ValueError(f"unknown task {c.name!r}; valid: {', '.join(NAMES)}")
-    if c.name == "math":
+    if c.name in MULTI_TURN:
+        from jaxrl_llm.tasks import envs, math_tools, tool_arithmetic  # noqa: F401  (they register theirs)
+
+        if c.env and c.env not in envs.names():
+            raise ValueError(f"unknown task.env {c.env!r}; valid: {', '.join(envs.names())}")
+    if c.name in ("math", "math_tools"):
         if not c.path:
-            raise ValueError("task 'math' reads a local dataset: set --config.task.path")
+            raise ValueError(f"task {c.name!r} reads a local dataset: set --config.task.path")
         if not (c.tokenizer or hf_path):
-            raise ValueError("task 'math' needs a tokenizer: set --config.model.hf_path (or --config.task.tokenizer)")
+            raise ValueError(f"task {c.name!r} needs a tokenizer: set --config.model.hf_path (or --config.task.tokenizer)")
         if c.reward_timeout <= 0:
             raise ValueError("task.reward_timeout must be > 0 seconds")
         if c.reward_workers < 1:
-            raise ValueError("task 'math' checks rewards in worker processes, whose timeout keeps a hung check "
+            raise ValueError(f"task {c.name!r} checks rewards in worker processes, whose timeout keeps a hung check "
                              f"from stopping the run: set --config.task.reward_workers >= 1 (got {c.reward_workers})")
 
 
@@ -55,19 +68,36 @@ def make(c, hf_path: str = ""):
 
         return Arithmetic(digits=c.digits, ops=c.ops, eval_size=c.eval_size, reward_kind=c.reward, terms=c.terms,
                           scratchpad=c.scratchpad)
+    turn = None
+    if c.name in MULTI_TURN:
+        from jaxrl_llm.tasks.multiturn import TurnConfig
+
+        turn = TurnConfig(env=c.env or DEFAULT_ENV[c.name], max_turns=c.max_turns, turn_reward=c.turn_reward,
+                          max_obs_tokens=c.max_obs_tokens, tool_timeout=c.tool_timeout, tool_workers=c.tool_workers)
+    if c.name == "tool_arithmetic":
+        from jaxrl_llm.tasks import tool_arithmetic
+
+        return tool_arithmetic.ToolArithmetic(digits=c.digits, ops=c.ops, eval_size=c.eval_size, terms=c.terms,
+                                              turn=turn)
     from jaxrl_llm.models import load_tokenizer
     from jaxrl_llm.tasks.math_dataset import MathDataset
+    from jaxrl_llm.tasks.math_tools import MathTools
 
-    return MathDataset(c.path, load_tokenizer(c.tokenizer or hf_path), split=c.split, eval_split=c.eval_split,
-                       question_key=c.question_key, answer_key=c.answer_key, eval_size=c.eval_size,
-                       max_prompt_len=c.max_prompt_len, max_answer_len=c.max_answer_len,
-                       instruction=c.instruction, system_prompt=c.system_prompt,
-                       chat_template=c.chat_template)
+    kw = dict(split=c.split, eval_split=c.eval_split, question_key=c.question_key, answer_key=c.answer_key,
+              eval_size=c.eval_size, max_prompt_len=c.max_prompt_len, max_answer_len=c.max_answer_len,
+              system_prompt=c.system_prompt, chat_template=c.chat_template)
+    tokenizer = load_tokenizer(c.tokenizer or hf_path)
+    if c.name == "math_tools":  # the instruction names the tool (unless set on the command line)
+        instruction = c.instruction if c.instruction != SECTION.fields["instruction"][0] else None
+        return MathTools(c.path, tokenizer, turn=turn, reward_workers=max(1, c.reward_workers),
+                         reward_timeout=c.reward_timeout, **kw, **({"instruction": instruction} if instruction else {}))
+    return MathDataset(c.path, tokenizer, instruction=c.instruction, **kw)
 
 
 def scorer(task, c) -> Scorer:
-    """The scoring stage of `task` under its config section `c` (reward_workers, reward_timeout)."""
-    return Scorer(task, c.reward_workers, c.reward_timeout)
+    """The scoring stage of `task` under its config section `c` (reward_workers, reward_timeout).
+    A multi-turn task scores its episodes through its environment: no checker processes here."""
+    return Scorer(task, 0 if c.name in MULTI_TURN else c.reward_workers, c.reward_timeout)
 
 
 def score(task, prompts, tokens, mask, num_samples: int):

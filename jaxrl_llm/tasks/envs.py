@@ -30,8 +30,8 @@ class Reply:
     obs_ids: tuple = ()  # token ids appended to the row after the model's turn
     reward: float = 0.0  # this turn's reward
     done: bool = False  # the episode ends with this turn
-    tool_calls: int = 0
-    tool_errors: int = 0
+    tool_calls: int = 0  # calls attempted (a malformed one included)
+    tool_errors: int = 0  # of those, calls that failed (malformed, raised, or the sandbox failed)
     tool_timeouts: int = 0
     tool_seconds: float = 0.0
 
@@ -82,10 +82,25 @@ def done(reward: float = 0.0) -> Future:
     return f
 
 
+COUNTERS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_seconds", "obs_tokens", "obs_cut")
+TOTALS = ("episodes", "turns", "truncated") + COUNTERS  # `Episodes.take`'s sums, in this order
+
+
+@dataclasses.dataclass
+class _Row:
+    turns: int = 0  # turns the environment answered
+    rewards: list = dataclasses.field(default_factory=list)
+    truncated: bool = False
+    limit: bool = False  # its last turn hit the turn limit
+    ended: bool = False  # the environment ended it (a done reply carries the last turn's reward)
+    counts: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+
+
 class Episodes:
-    """One generation's episodes: `respond(row, tokens, obs)` for the sampler (`rollout.turns`);
-    `finish(row, tokens, obs)` once a row's episode is over; then `rewards(rows)` and `metrics()`.
-    `prompt_of(row)` gives a row's prompt ids. Thread-safe (replies complete in tool threads)."""
+    """Episodes in flight: `respond(row, tokens, obs)` for the sampler (`rollout.turns`);
+    `finish(row, tokens, obs)` once a row's episode is over; then `take(rows)` hands over their
+    rewards and counters and forgets them (a stream's rows come and go). `prompt_of(row)` gives
+    a row's prompt ids. Thread-safe (replies complete in tool threads)."""
 
     def __init__(self, env: Environment, prompt_of: Callable, max_turns: int, turn_reward: str = "last",
                  max_obs_tokens: int = 64):
@@ -94,20 +109,19 @@ class Episodes:
         self.env, self.prompt_of, self.max_turns = env, prompt_of, max_turns
         self.turn_reward, self.max_obs = turn_reward, max_obs_tokens
         self._lock = threading.Lock()
-        self.turn_rewards: dict[int, list] = {}
-        self.turns: dict[int, int] = {}
-        self.truncated: set = set()
-        self.stats = dict(tool_calls=0, tool_errors=0, tool_timeouts=0, tool_seconds=0.0, obs_tokens=0,
-                          obs_cut=0)
+        self._rows: dict[int, _Row] = {}
+
+    def _row(self, row: int) -> _Row:
+        return self._rows.setdefault(row, _Row())
 
     def respond(self, row: int, tokens, obs) -> Future:
         with self._lock:
-            self.turns[row] = self.turns.get(row, 0) + 1
-            over = self.turns[row] >= self.max_turns
-        if over:  # the turn limit: the episode ends here, flagged
-            with self._lock:
-                self.truncated.add(row)
-            return done()
+            r = self._row(row)
+            r.turns += 1
+            r.truncated |= r.turns >= self.max_turns
+            r.limit = r.truncated
+            if r.limit:  # the turn limit: the episode ends here, flagged
+                return done()
         out: Future = Future()
         self.env.reply(self.prompt_of(row), list(tokens), list(obs)).add_done_callback(
             lambda f: self._record(row, f, out))
@@ -118,34 +132,64 @@ class Episodes:
             reply = reply_future.result()
         except Exception:  # an environment that breaks ends its episode, counted; the run goes on
             with self._lock:
-                self.stats["tool_errors"] += 1
-                self.truncated.add(row)
+                self._row(row).counts["tool_errors"] += 1
+                self._row(row).truncated = self._row(row).ended = True
             out.set_result(Reply(done=True))
             return
         ids = tuple(reply.obs_ids)
         with self._lock:
-            self.turn_rewards.setdefault(row, []).append(float(reply.reward))
+            r = self._row(row)
+            r.rewards.append(float(reply.reward))
+            r.ended = bool(reply.done)
             for k in ("tool_calls", "tool_errors", "tool_timeouts", "tool_seconds"):
-                self.stats[k] += getattr(reply, k)
-            self.stats["obs_tokens"] += min(len(ids), self.max_obs)
-            self.stats["obs_cut"] += len(ids) > self.max_obs
+                r.counts[k] += getattr(reply, k)
+            r.counts["obs_tokens"] += min(len(ids), self.max_obs)
+            r.counts["obs_cut"] += len(ids) > self.max_obs
         out.set_result(dataclasses.replace(reply, obs_ids=ids[:self.max_obs]))
 
     def finish(self, row: int, tokens, obs) -> None:
-        """The turn that ended the episode (EOS, the budget, or the turn limit): its reward."""
+        """The row's episode is over (EOS, the budget, the turn limit or the environment): the
+        reward of its last turn, unless the environment's reply ending it carried one."""
+        with self._lock:
+            if self._row(row).ended:
+                return
         reward = float(self.env.final(self.prompt_of(row), list(tokens), list(obs)))
         with self._lock:
-            self.turn_rewards.setdefault(row, []).append(reward)
+            self._row(row).rewards.append(reward)
+
+    @property
+    def truncated(self) -> set:
+        with self._lock:
+            return {i for i, r in self._rows.items() if r.truncated}
+
+    @property
+    def stats(self) -> dict:
+        """The counters summed over the rows held."""
+        with self._lock:
+            return {k: sum(r.counts[k] for r in self._rows.values()) for k in COUNTERS}
 
     def rewards(self, rows: Sequence[int]) -> np.ndarray:
         with self._lock:
-            return np.asarray([combine(self.turn_rewards.get(r, []), self.turn_reward) for r in rows], np.float32)
+            return np.asarray([combine(self._row(r).rewards, self.turn_reward) for r in rows], np.float32)
 
-    def metrics(self, rows: Sequence[int]) -> dict:
-        """Per-episode means over `rows` and the tool counters of this generation."""
+    def take(self, rows: Sequence[int]):
+        """The finished episodes of `rows`, forgotten here: (rewards, truncated by the turn limit or
+        a broken environment, their `TOTALS` as an array: sums over the rows)."""
+        rewards = self.rewards(rows)
         with self._lock:
-            turns = [self.turns.get(r, 0) + 1 for r in rows]  # + the turn that ended it
-            out = {"episode/turns": float(np.mean(turns)) if rows else 0.0,
-                   "episode/truncated": float(np.mean([r in self.truncated for r in rows])) if rows else 0.0}
-            out.update({f"tools/{k}": float(v) for k, v in self.stats.items()})
-        return out
+            got = [self._rows.pop(r, _Row()) for r in rows]
+        totals = [len(got), sum(r.turns + (not (r.limit or r.ended)) for r in got), sum(r.truncated for r in got)]
+        totals += [sum(r.counts[k] for r in got) for k in COUNTERS]
+        return rewards, np.asarray([r.truncated for r in got], bool), np.asarray(totals, np.float64)
+
+
+def summary(totals) -> dict:
+    """Per-episode and per-call means of `TOTALS` sums (one generation's, or a run's so far)."""
+    t = dict(zip(TOTALS, np.asarray(totals, np.float64)))
+    n, calls = max(t["episodes"], 1.0), max(t["tool_calls"], 1.0)
+    return {"episode/turns": t["turns"] / n, "episode/truncated": t["truncated"] / n,
+            "episode/obs_tokens": t["obs_tokens"] / n, "episode/obs_cut": t["obs_cut"] / n,
+            "tools/calls_per_episode": t["tool_calls"] / n, "tools/error_frac": t["tool_errors"] / calls,
+            "tools/timeout_frac": t["tool_timeouts"] / calls, "tools/seconds_per_call": t["tool_seconds"] / calls,
+            "tools/calls": t["tool_calls"], "tools/errors": t["tool_errors"], "tools/timeouts": t["tool_timeouts"],
+            "episode/count": t["episodes"]}

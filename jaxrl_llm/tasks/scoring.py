@@ -45,6 +45,13 @@ class Scored:
         self._started: Optional[Future] = None  # the scorer thread's pass over the rows
         self.seconds = 0.0
 
+    @classmethod
+    def given(cls, rewards) -> "Scored":
+        """Rewards known already (a multi-turn episode's, settled as it ended)."""
+        out = cls(len(rewards))
+        out._rewards[:] = rewards
+        return out
+
     def done(self) -> bool:
         return (self._started is None or self._started.done()) and all(f.done() for f, _ in self._parts)
 

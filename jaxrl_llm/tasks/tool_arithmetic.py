@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxrl_llm.tasks import arithmetic, envs, tools
+from jaxrl_llm.tasks import arithmetic, envs, multiturn, tools
 from jaxrl_llm.tasks.arithmetic import BOS, EOS, encode
 
 CALL, END, ERR = arithmetic.VOCAB_SIZE, arithmetic.VOCAB_SIZE + 1, arithmetic.VOCAB_SIZE + 2
@@ -42,7 +42,19 @@ class ToolArithmetic(arithmetic.Arithmetic):
     digits: int = 2
     ops: str = "*"
     terms: int = 3
+    turn: multiturn.TurnConfig = dataclasses.field(default_factory=multiturn.TurnConfig)
     vocab_size = VOCAB_SIZE
+    turn_stop_ids = (END,)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._envs = multiturn.Environments(self, self.turn)
+
+    def environment(self) -> envs.Environment:
+        return self._envs.get()
+
+    def close(self) -> None:
+        self._envs.close()
 
     @property
     def max_answer_len(self) -> int:
@@ -103,7 +115,7 @@ class Calculator:
         start = max((i for i, t in enumerate(turn) if t == CALL), default=None)
         out: Future = Future()
         if start is None:  # a closing tag with no call: nothing to run
-            out.set_result(envs.Reply(obs_ids=(ERR,), tool_errors=1))
+            out.set_result(envs.Reply(obs_ids=(ERR,), tool_calls=1, tool_errors=1))  # a call, if a broken one
             return out
         expr = arithmetic.decode([t for t in turn[start + 1:-1] if t not in _TEXT])
 

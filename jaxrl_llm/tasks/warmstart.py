@@ -23,7 +23,7 @@ import optax
 
 from jaxrl_llm import validation as V
 from jaxrl_llm.models import heads
-from jaxrl_llm.tasks import score
+from jaxrl_llm.tasks import multiturn, score
 
 
 VALIDATION_SEED = 54321  # the warm start's validation draw; the held-out eval set has its own
@@ -83,8 +83,13 @@ def warm_start(params, cfg, task, steps: int, batch_size: int = 64, lr: float = 
 
 def accuracy(params, sampler, task, prompts, key=None, scorer=None) -> float:
     """Mean task reward of the sampler's completions (use a greedy SamplerConfig for eval);
-    `scorer`: the task's scoring stage (default: `task.reward` in this thread)."""
-    batch = sampler.generate(params, prompts, key if key is not None else jax.random.key(0))
+    `scorer`: the task's scoring stage (default: `task.reward` in this thread). A multi-turn
+    task's episodes are played out with its environment."""
+    key = key if key is not None else jax.random.key(0)
+    if multiturn.is_multi_turn(task):
+        batch, _ = multiturn.generate(sampler, task, params, prompts, key)
+        return float(np.mean(batch.rewards))
+    batch = sampler.generate(params, prompts, key)
     args = (prompts, np.asarray(batch.tokens), np.asarray(batch.loss_mask) > 0, sampler.cfg.num_samples)
     rewards, _ = scorer.score(*args) if scorer is not None else score(task, *args)
     return float(rewards.mean())

@@ -1,0 +1,97 @@
+"""Multi-turn tasks: the settings they share (`TurnConfig`), their environment built on first use
+(`Environments`: its tool workers start then), and generation of episodes with a sampler.
+
+A task is multi-turn when it has `turn` (a `TurnConfig`), `turn_stop_ids` (tokens that end a
+model turn) and `environment()`. Everything downstream reads the episode as one row exactly as
+sampled (`rollout.turns`): observation tokens carry loss mask 0 and version -1, so the learner,
+every objective and every staleness policy see a single-turn batch whose masked spans sit inside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import jax
+import numpy as np
+
+from jaxrl_llm.batch import TrajectoryBatch
+from jaxrl_llm.rollout.turns import Turns
+from jaxrl_llm.tasks import envs
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnConfig:
+    env: str = "calculator"  # the registered environment (`envs.names()`)
+    max_turns: int = 4  # model turns per episode; the last one allowed ends it (flagged truncated)
+    turn_reward: str = "last"  # sum | last: how the turns' rewards make the episode's
+    max_obs_tokens: int = 16  # tokens an observation may append (longer ones are cut, counted)
+    tool_timeout: float = 2.0  # seconds a tool call may run before it is killed
+    tool_workers: int = 1  # sandboxed tool processes
+
+
+def is_multi_turn(task) -> bool:
+    return getattr(task, "turn", None) is not None
+
+
+class Environments:
+    """A task's environment, made on first use (`get`) with a sandboxed `ToolRunner` of its
+    own, closed with the task."""
+
+    def __init__(self, task, cfg: TurnConfig):
+        self.task, self.cfg, self._env, self._runner = task, cfg, None, None
+        self._lock = threading.Lock()
+
+    def get(self) -> envs.Environment:
+        from jaxrl_llm.tasks.sandbox import ToolRunner
+
+        with self._lock:
+            if self._env is None:
+                self._runner = ToolRunner(self.cfg.tool_workers, self.cfg.tool_timeout)
+                self._env = envs.make(self.cfg.env, self.task, self._runner)
+            return self._env
+
+    def close(self) -> None:
+        with self._lock:
+            if self._env is not None and hasattr(self._env, "close"):
+                self._env.close()
+            if self._runner is not None:
+                self._runner.close()
+            self._env = self._runner = None
+
+
+def episodes(task, prompt_of) -> envs.Episodes:
+    """Bookkeeping for a generation or a stream of `task`'s episodes (`prompt_of(row)`: prompt ids)."""
+    c = task.turn
+    return envs.Episodes(task.environment(), prompt_of, c.max_turns, c.turn_reward, c.max_obs_tokens)
+
+
+def turns(eps: envs.Episodes, release: bool, max_obs: int) -> Turns:
+    return Turns(eps.respond, release=release, max_obs=max_obs)
+
+
+def settle(eps: envs.Episodes, batch: TrajectoryBatch, rows, prompt_width: int):
+    """Rows `rows` of `batch` (host arrays; `rows[i]` is batch row i's id in `eps`) have ended:
+    their final turns are scored and their episodes handed over. Returns (the batch with rewards
+    and truncation flags, `envs.TOTALS` sums)."""
+    tokens, real = np.asarray(batch.tokens), np.asarray(batch.input_mask) > 0
+    obs = real & (np.asarray(batch.loss_mask) == 0)
+    for i, row in enumerate(rows):
+        keep = real[i, prompt_width:]
+        eps.finish(row, tokens[i, prompt_width:][keep], obs[i, prompt_width:][keep])
+    rewards, cut, totals = eps.take(rows)
+    truncated = np.asarray(batch.truncated) | cut
+    return batch.replace(rewards=rewards, truncated=truncated), totals
+
+
+def generate(sampler, task, params, prompts, key, version: int = 0, refresh=None):
+    """Episodes of `prompts` (G rows each) -> (batch with each episode's reward, `envs.TOTALS`
+    sums). Static batching holds a waiting row's slot; continuous batching frees it and parks
+    the row's cache (`rollout.turns`)."""
+    g = sampler.cfg.num_samples
+    eps = episodes(task, lambda row: prompts[row // g])
+    t = turns(eps, sampler.cfg.batching == "continuous", task.turn.max_obs_tokens)
+    batch = jax.tree.map(np.asarray, sampler.generate(params, prompts, key, version, refresh, turns=t))
+    p = batch.tokens.shape[1] - sampler.cfg.max_new_tokens
+    return settle(eps, batch, list(range(len(batch.tokens))), p)
+
