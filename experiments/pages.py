@@ -79,6 +79,9 @@ def write_index(directory: str = RESULTS) -> str:
     if os.path.exists(os.path.join(directory, "claims", "claims.md")):
         rows.append("| [claims](claims/claims.md) | written by `python -m jaxrl_llm.research.reproduce` | "
                     "the papers' claims in miniature, with verdicts |")
+    if os.path.exists(os.path.join(directory, "multiturn", "README.md")):
+        rows.append("| [multiturn](multiturn/README.md) | written by `experiments/multiturn.py` | the embedded "
+                    "multi-turn task's held-out reward before and after RL, 3 seeds, with its rule and verdict |")
     out = os.path.join(directory, "README.md")
     with open(out, "w") as f:
         f.write("\n".join(rows) + "\n")

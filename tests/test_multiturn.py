@@ -96,10 +96,12 @@ def _tiny(mode="async", batching="static", turn_cache="keep"):
     return c
 
 
-@pytest.mark.parametrize("mode,batching,turn_cache", [("async", "static", "keep"),
-                                                      ("sync", "continuous", "recompute")])
-def test_a_run_trains_multi_turn_episodes_and_reports_them(mode, batching, turn_cache, tmp_path):
-    summary = experiment.run(_tiny(mode, batching, turn_cache), str(tmp_path), log=lambda *_: None)
+@pytest.mark.parametrize("mode,batching,turn_cache,lora", [("async", "static", "keep", 0),
+                                                           ("sync", "continuous", "recompute", 4)])
+def test_a_run_trains_multi_turn_episodes_and_reports_them(mode, batching, turn_cache, lora, tmp_path):
+    c = _tiny(mode, batching, turn_cache)
+    c.model.lora.rank = lora  # LoRA: the sampler decodes with the merged adapters
+    summary = experiment.run(c, str(tmp_path), log=lambda *_: None)
     assert summary["version"] == 3 and summary["reward_failures"] == 0
     steps = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r]
     last = steps[-1]

@@ -329,7 +329,7 @@ def test_two_learner_processes_two_nodes_and_a_node_leaving_by_sigterm(tmp_path)
     assert records[-1]["weights/publish_bytes"] == 4 * 2 * per_layer  # float32 adapters of 2 layers
 
 
-def _hub(verify_fraction=1.0):
+def _hub(verify_fraction=1.0, task=None, max_new_tokens=4):
     import jax
 
     from jaxrl_llm import models
@@ -341,13 +341,13 @@ def _hub(verify_fraction=1.0):
     from jaxrl_llm.runtime.weights import WeightStore
     from jaxrl_llm.tasks.arithmetic import Arithmetic
 
-    task = Arithmetic()
+    task = task or Arithmetic()
     mcfg = models.ModelConfig(vocab_size=task.vocab_size, hidden_size=16, intermediate_size=32, num_layers=1,
                               num_heads=2, num_kv_heads=1, head_dim=8, eos_token_id=task.eos_id)
     cfg = orchestrator.default_config()
     cfg.prompts_per_batch, cfg.remote.verify_fraction = 2, verify_fraction
-    producer = Producer(Sampler(mcfg, SamplerConfig(max_new_tokens=4, num_samples=2, capture_topk=0, eos_token_id=task.eos_id)),
-                        task, cfg)
+    producer = Producer(Sampler(mcfg, SamplerConfig(max_new_tokens=max_new_tokens, num_samples=2, capture_topk=0,
+                                                     eos_token_id=task.eos_id)), task, cfg)
     store = WeightStore()
     store.publish(3, models.init_params(mcfg, jax.random.key(0)))
     queue = VersionedQueue(100)
@@ -392,6 +392,44 @@ def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
     with pytest.raises(PermissionError, match="'n' was refused earlier in this run"):
         hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "n"})
     assert hub.rejected == MIN_VERIFIED and len(hub.queue) == 0 and hub.leases.pending_groups() == 0
+
+
+def test_hub_plays_a_multi_turn_group_again_and_refuses_a_forged_observation():
+    from jaxrl_llm.tasks import arithmetic
+    from jaxrl_llm.tasks.tool_arithmetic import ToolArithmetic
+
+    task = ToolArithmetic()
+    hub, _ = _hub(task=task, max_new_tokens=task.max_answer_len)
+    try:
+        me = hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "n"})
+        s = {"run_id": me["run_id"], "node": me["node"]}
+
+        def put(forge):
+            lease = hub.lease({**s, "version": 3})["leases"][0]
+            prompt = hub.producer.draw(1, lease["draw"])[0][0]
+            # the warm start's trace of this prompt: two calls, their values as observations, the answer
+            _, episode, keep = task.trace(arithmetic.decode(prompt))
+            n, p = task.max_answer_len, task.max_prompt_len
+            f = _group(rows=2, p=p, new=n, k=0, prompt=prompt, vocab=task.vocab_size)
+            f["tokens"][:, p:] = 0
+            f["tokens"][:, p:p + len(episode)] = episode
+            f["loss_mask"][:] = 0
+            f["loss_mask"][:, p:p + len(episode)] = keep
+            f["input_mask"] = (f["tokens"] > 0).astype(np.float32)
+            f["versions"] = np.where(f["loss_mask"] > 0, 3, -1).astype(np.int32)
+            f["rewards"] = np.ones(2, np.float32)
+            if forge:  # the first observation's first digit, changed
+                at = p + keep.index(0.0)
+                f["tokens"][1, at] = 3 + (f["tokens"][1, at] - 2) % 10
+            return hub.put_group({**s, "lease": lease["id"], "group": 0,
+                                  "table": wire.encode_group(wire.group_batch(f))})
+
+        assert put(forge=False) == {"accepted": True}
+        with pytest.raises(wire.Rejected, match="episode replay: the observation at token .* is not the environment's"):
+            put(forge=True)
+        assert hub.rejected == 1
+    finally:
+        task.close()
 
 
 def test_remote_options_fail_at_start_up(tmp_path, monkeypatch):

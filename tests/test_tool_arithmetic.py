@@ -111,3 +111,37 @@ def test_multi_turn_generation_scores_each_episode():
     assert metrics["episode/turns"] > 1 and metrics["episode/obs_tokens"] > 0 and (loss <= real).all()
     tokens = np.asarray(batch.tokens)
     assert ((tokens == T.ERR) & real & ~loss).any()  # a turn that closed no call was answered with <err>
+    # a sampler node's episodes are played again on the learner: the same rewards, row by row
+    p = tokens.shape[1] - scfg.max_new_tokens
+    task = T.ToolArithmetic(turn=multiturn.TurnConfig(max_turns=3, max_obs_tokens=64))
+    try:
+        for r in range(len(tokens)):
+            keep = real[r, p:]
+            got = multiturn.replay(task, prompts[r // 4], tokens[r, p:][keep], (real & ~loss)[r, p:][keep],
+                                   scfg.max_new_tokens)
+            assert got == (float(batch.rewards[r]), None), r
+    finally:
+        task.close()
+
+
+def test_replay_refuses_observations_the_environment_did_not_give():
+    task = T.ToolArithmetic(turn=multiturn.TurnConfig(max_turns=3))
+    try:
+        prompt, episode, keep = TASK.supervised(np.random.default_rng(1), 1)[0]
+        obs = [k == 0 for k in keep]
+        budget = TASK.max_answer_len
+        assert multiturn.replay(task, prompt, episode, obs, budget) == (1.0, None)
+        first = obs.index(True)
+        forged = list(episode)
+        forged[first] = encode("9")[0] if episode[first] != encode("9")[0] else encode("8")[0]
+        assert "not the environment's answer" in multiturn.replay(task, prompt, forged, obs, budget)[1]
+        no_call = [False] * (first - 1) + [True] + obs[first:]  # an observation right after a digit
+        assert "follows no tool call" in multiturn.replay(task, prompt, episode, no_call, budget)[1]
+        short = multiturn.TurnConfig(max_turns=2)
+        with_limit = T.ToolArithmetic(turn=short)
+        try:  # two calls and an answer: the second call is the last turn allowed
+            assert "past task.max_turns=2" in multiturn.replay(with_limit, prompt, episode, obs, budget)[1]
+        finally:
+            with_limit.close()
+    finally:
+        task.close()

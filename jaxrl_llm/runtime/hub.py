@@ -5,7 +5,9 @@ the checks every incoming group passes before it joins the learner's queue.
 A group is accepted only if its node is known to this learner run (a node of a run that died
 says hello again), it holds the group's lease, the group decodes to the declared fields
 (`wire.decode_group`) and passes `wire.check_group`; with `verify_fraction`, the learner scores
-that share of groups itself and refuses the rewards that differ; a node whose mismatch rate
+that share of groups itself and refuses the rewards that differ (a multi-turn task's episodes are
+played again against the learner's environment: every observation must be its answer,
+`multiturn.replay`); a node whose mismatch rate
 exceeds `max_mismatch` (after `MIN_VERIFIED` checks) is refused from then on. Advantages are
 the learner's own, from the rewards. Everything refused is counted, nothing refused is trained.
 """
@@ -28,6 +30,7 @@ from jaxrl_llm.runtime.leases import Leases
 from jaxrl_llm.runtime.producer import Origin, Producer, Rollout
 from jaxrl_llm.runtime.queue import VersionedQueue
 from jaxrl_llm.runtime.weights import WeightStore
+from jaxrl_llm.tasks import multiturn
 
 STREAM = 0  # the data position's stream the nodes share (draws are Producer.draw(STREAM + 1, d))
 MIN_VERIFIED = 5
@@ -217,16 +220,34 @@ class Hub:
             return self._artifacts[version]
 
     def _verify(self, n: NodeStats, prompt, f) -> None:
-        mine, _ = self.producer.scorer.submit([prompt], f["tokens"], f["loss_mask"] > 0, len(f["tokens"])).result()
+        if self.producer.multi_turn:
+            mine, problem = self._replay(prompt, f)
+        else:
+            mine, _ = self.producer.scorer.submit([prompt], f["tokens"], f["loss_mask"] > 0, len(f["tokens"])).result()
+            problem = None
         n.verified += 1
-        if not np.allclose(mine, f["rewards"], atol=1e-5):
+        if problem or not np.allclose(mine, f["rewards"], atol=1e-5):
             n.mismatched += 1
             if n.verified >= MIN_VERIFIED and n.mismatched > self.cfg.remote.max_mismatch * n.verified:
                 n.refused = True
                 self._refused[n.asked] = f"{n.mismatched} of {n.verified} verified groups had differing rewards"
                 self._revoke(self.leases.release(n.name))
-            raise wire.Rejected(f"rewards {np.round(f['rewards'], 4).tolist()} differ from the learner's "
+            raise wire.Rejected(problem or f"rewards {np.round(f['rewards'], 4).tolist()} differ from the learner's "
                                 f"{np.round(mine, 4).tolist()}")
+
+    def _replay(self, prompt, f):
+        """A multi-turn group's episodes played again against this learner's environment
+        (`multiturn.replay`): (rewards, the first difference or None)."""
+        n = self.producer.sampler.cfg.max_new_tokens
+        p = f["tokens"].shape[1] - n
+        rewards = []
+        for toks, real, loss in zip(f["tokens"], f["input_mask"] > 0, f["loss_mask"] > 0):
+            keep = real[p:]
+            reward, problem = multiturn.replay(self.producer.task, prompt, toks[p:][keep], (real & ~loss)[p:][keep], n)
+            if problem:
+                return None, f"episode replay: {problem}"
+            rewards.append(reward)
+        return np.asarray(rewards, np.float32), None
 
     def metrics(self) -> dict:
         m = {"remote/nodes": float(self.live()), "remote/rejected": float(self.rejected),

@@ -95,3 +95,40 @@ def generate(sampler, task, params, prompts, key, version: int = 0, refresh=None
     p = batch.tokens.shape[1] - sampler.cfg.max_new_tokens
     return settle(eps, batch, list(range(len(batch.tokens))), p)
 
+
+
+def replay(task, prompt, episode, obs, budget: int, timeout: float = 60.0):
+    """Play a claimed episode (from a sampler node) against the task's environment again: every
+    model turn that called a tool is answered anew, and the answer must be the observation the
+    row holds (cut only where the row's `budget` of new tokens ran out), the episode must end
+    where the environment or the turn limit ends it, and its reward is recomputed. Returns
+    (reward, None), or (nan, what differs)."""
+    env, c = task.environment(), task.turn
+    episode, obs = [int(t) for t in episode], [bool(o) for o in obs]
+    n, i, turn, rewards = len(episode), 0, 0, []
+    while i < n:
+        j = next((k for k in range(i, n) if obs[k]), n)  # the model turn is [i, j)
+        called = j > i and episode[j - 1] in env.stop_ids
+        if j < n and not called:
+            return float("nan"), f"an observation at token {j} follows no tool call"
+        if not called or j >= budget:  # EOS or the budget ended the episode
+            break
+        turn += 1
+        if turn >= c.max_turns:  # the turn limit: the episode ends with this turn
+            if j < n:
+                return float("nan"), f"the episode goes on past task.max_turns={c.max_turns}"
+            break
+        reply = env.reply(prompt, episode[:j], obs[:j]).result(timeout=timeout)
+        want = tuple(reply.obs_ids)[:min(c.max_obs_tokens, budget - j)]
+        k = next((m for m in range(j, n) if not obs[m]), n)
+        if reply.done or not want:
+            if j < n:
+                return float("nan"), f"the episode goes on after the environment ended it at token {j}"
+            if reply.done:
+                return envs.combine(rewards + [reply.reward], c.turn_reward), None
+            break
+        if tuple(episode[j:k]) != want:
+            return float("nan"), f"the observation at token {j} is not the environment's answer"
+        rewards.append(float(reply.reward))
+        i = k
+    return envs.combine(rewards + [float(env.final(prompt, episode, obs))], c.turn_reward), None

@@ -70,20 +70,20 @@ class ToolArithmetic(arithmetic.Arithmetic):
     def supervised(self, rng: np.random.Generator, n: int):
         """(prompt ids, episode ids, loss mask) traces: one calculator call per operator, the
         observation (no loss), then the answer and <eos>."""
-        out = []
-        for _ in range(n):
-            q, _ = self.problem(rng)
-            nums, ops = _operands(q)
-            ids, loss, acc = [], [], nums[0]
-            for op, b in zip(ops, nums[1:]):
-                call = [CALL] + encode(f"{acc}{op}{b}") + [END]
-                acc = arithmetic.OPS[op](acc, b)
-                obs = encode(str(acc))
-                ids += call + obs
-                loss += [1.0] * len(call) + [0.0] * len(obs)
-            answer = encode(str(acc)) + [EOS]
-            out.append(([BOS] + encode(q), ids + answer, loss + [1.0] * len(answer)))
-        return out
+        return [self.trace(self.problem(rng)[0]) for _ in range(n)]
+
+    def trace(self, question: str):
+        """The warm start's trace of one problem ("37*48*91=")."""
+        nums, ops = _operands(question)
+        ids, loss, acc = [], [], nums[0]
+        for op, b in zip(ops, nums[1:]):
+            call = [CALL] + encode(f"{acc}{op}{b}") + [END]
+            acc = arithmetic.OPS[op](acc, b)
+            obs = encode(str(acc))
+            ids += call + obs
+            loss += [1.0] * len(call) + [0.0] * len(obs)
+        answer = encode(str(acc)) + [EOS]
+        return [BOS] + encode(question), ids + answer, loss + [1.0] * len(answer)
 
     def final_answer(self, episode: Sequence[int], obs: Sequence[bool]) -> str:
         """The text after the last observation (or the whole episode), tags dropped."""
