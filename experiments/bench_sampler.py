@@ -34,7 +34,10 @@ slot; continuous batching runs every row through 32 slots, a waiting row parked 
 refilled. Reported: `multiturn_continuous_vs_static` (drawn tokens/s ratio, median over
 repeats), both rates, and both slot occupancies (drawn tokens / slot-steps run); the same with
 a 50 ms median (`..._50ms`), shorter than one decode segment here, so both wait for a segment
-boundary anyway and the gain is the refill of slots whose rows still wait.
+boundary anyway and the gain is the refill of slots whose rows still wait. At 0.3 s also
+`sampler.turn_cache="recompute"` (parked caches dropped, rebuilt on resume):
+`multiturn_recompute_vs_keep` (its tokens/s over keeping them), the rebuilt log-probs' gap to the
+recorded ones, and the cache bytes a parked row would otherwise hold.
 """
 
 from __future__ import annotations
@@ -161,13 +164,14 @@ class ToolLatency:
         return f
 
 
-def multiturn(params, cfg, repeats: int, rows: int = 128, latency_s: float = LATENCY_S) -> dict:
-    """Static (a waiting row holds its slot) vs continuous (it frees it) on tool-latency episodes."""
+def multiturn(params, cfg, repeats: int, rows: int = 128, latency_s: float = LATENCY_S, recompute: bool = False) -> dict:
+    """Static (a waiting row holds its slot) vs continuous (it frees it) on tool-latency episodes;
+    with `recompute`, also continuous with parked caches dropped and rebuilt on resume."""
     prompts = np.random.default_rng(1).integers(30, cfg.vocab_size, (rows, PROMPT)).tolist()
-    make = lambda batching: Sampler(cfg, SamplerConfig(
+    make = lambda batching, cache="keep": Sampler(cfg, SamplerConfig(
         max_new_tokens=EPISODE_MAX, temperature=1.0, capture_topk=K, prompt_buckets=(PROMPT,), decode_segment=SEG,
-        batching=batching, slots=SLOTS, num_samples=1, turn_stop_ids=TURN_STOPS))
-    static, continuous = make("static"), make("continuous")
+        batching=batching, slots=SLOTS, num_samples=1, turn_stop_ids=TURN_STOPS, turn_cache=cache))
+    static, continuous, rebuilt = make("static"), make("continuous"), make("continuous", "recompute")
 
     def drawn(batch):
         return int(np.asarray(batch.loss_mask).sum())
@@ -180,22 +184,37 @@ def multiturn(params, cfg, repeats: int, rows: int = 128, latency_s: float = LAT
         return drawn(continuous.generate(params, prompts, jax.random.key(0),
                                          turns=Turns(ToolLatency(0, latency_s).respond)))
 
-    runs = {"static": run_static, "continuous": run_continuous}
+    def run_recompute():
+        return drawn(rebuilt.generate(params, prompts, jax.random.key(0),
+                                      turns=Turns(ToolLatency(0, latency_s).respond)))
+
+    runs = {"static": run_static, "continuous": run_continuous, **({"recompute": run_recompute} if recompute else {})}
     for _ in range(2):  # compile: slot fills and attention widths vary from run to run at first
         for run in runs.values():
             run()
     rates = {name: [] for name in runs}
-    occupancy = {"static": [], "continuous": []}
+    occupancy = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
-            engines = [continuous.slots(SLOTS)] if name == "continuous" else list(static._static_slots.values())
+            engines = {"continuous": [continuous.slots(SLOTS)], "recompute": [rebuilt.slots(SLOTS)]}.get(
+                name, list(static._static_slots.values()))
             before = [len(e.occupancy) for e in engines]
             t = time.perf_counter()
             tokens = run()
             rates[name].append(tokens / (time.perf_counter() - t))
             occupancy[name].append(np.mean([o for e, b in zip(engines, before) for o in e.occupancy[b:]]))
     ratios = np.array(rates["continuous"]) / np.array(rates["static"])
-    return dict(multiturn_continuous_vs_static=float(np.median(ratios)),
+    extra = {}
+    if recompute:  # the cost of rebuilding against keeping a parked row's cache, and its log-prob gap
+        r = rebuilt.reprefill
+        cache_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (PROMPT + EPISODE_MAX) * 4
+        extra = dict(multiturn_recompute_vs_keep=float(np.median(np.array(rates["recompute"])
+                                                                 / np.array(rates["continuous"]))),
+                     multiturn_recompute_tokens_per_s=float(np.median(rates["recompute"])),
+                     multiturn_recompute_logp_gap_mean=r["abs_sum"] / max(r["tokens"], 1),
+                     multiturn_recompute_logp_gap_max=r["abs_max"],
+                     multiturn_parked_cache_bytes_per_row=cache_bytes)
+    return dict(**extra,multiturn_continuous_vs_static=float(np.median(ratios)),
                 multiturn_continuous_vs_static_min=float(ratios.min()),
                 multiturn_continuous_vs_static_max=float(ratios.max()),
                 multiturn_static_tokens_per_s=float(np.median(rates["static"])),
@@ -229,7 +248,7 @@ def main():
         with tempfile.TemporaryDirectory() as d:
             hf_model(512, d)
             params, cfg = models.load_params(d)
-            res.update(multiturn(params, cfg, args.repeats))
+            res.update(multiturn(params, cfg, args.repeats, recompute=True))
             res.update({f"{k}_50ms": v for k, v in multiturn(params, cfg, args.repeats, latency_s=0.05).items()})
     if "even" in cases:
         with tempfile.TemporaryDirectory() as d:

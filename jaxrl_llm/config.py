@@ -104,12 +104,7 @@ def validate(config):
         problems.append(f"model.lora.init_from={lo.init_from!r}: expected a PEFT adapter directory "
                         "(adapter_config.json + adapter_model.safetensors)")
     try:
-        learner_devices, sampler_devices = devices(config)
-        sharding.make_mesh(config.mesh, learner_devices)
-        if config.task.name in tasks.MULTI_TURN and len(sampler_devices) > 1:
-            problems.append(f"task {config.task.name!r} is multi-turn, whose episodes run on one sampler device for "
-                            f"now; this process's samplers have {len(sampler_devices)}: set --config.cpu_devices=1 "
-                            "or --config.runtime.sampler_devices=1")
+        sharding.make_mesh(config.mesh, devices(config)[0])
     except ValueError as e:
         problems.append(f"mesh / runtime.sampler_devices: {e}")
     collect(paths.check, config)

@@ -54,13 +54,18 @@ def resolve(config) -> RunPlan:
             models.check_weights(config[section].hf_path, cfg)
     check_sampling(config, task, mcfg)
     learner_devices, sampler_devices = config_lib.devices(config)
+    warnings = tuple(getattr(task, "warnings", ()))
+    if config.task.name in tasks.MULTI_TURN and len(sampler_devices) > 1:
+        warnings += (f"task {config.task.name!r} is multi-turn, whose episodes decode on one device for now: the "
+                     f"samplers use 1 of this process's {len(sampler_devices)} sampler devices",)
+        sampler_devices = sampler_devices[:1]
     parts = memory.run_plan(config, task, mcfg, acfg, objective)
     memory.check_run(config, task, mcfg, acfg, parts)
     return RunPlan(config=ml_collections.FrozenConfigDict(config), task=task, model=mcfg, aux_model=acfg,
                    objective=objective, passes=frozenset(objectives.required_passes(objective)),
                    sampler=sampler_cfg(config, task), greedy=sampler_cfg(config, task, greedy=True),
                    learner_devices=tuple(learner_devices), sampler_devices=tuple(sampler_devices),
-                   memory=types.MappingProxyType(parts), warnings=tuple(getattr(task, "warnings", ())))
+                   memory=types.MappingProxyType(parts), warnings=warnings)
 
 
 def check_sampling(config, task, mcfg: models.ModelConfig) -> None:

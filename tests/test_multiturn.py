@@ -1,6 +1,6 @@
 """Multi-turn tasks end to end (`tasks.multiturn`): observation spans are invisible to every
 objective, the producer trains episodes in async mode, staleness is reported by turn, and
-incompatible options fail at start-up."""
+bad options fail at start-up."""
 
 import json
 
@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from configs.tool_arithmetic import get_config
-from jaxrl_llm import config as config_lib
 from jaxrl_llm import experiment, plan, staleness, testing
 from jaxrl_llm import objectives as O
 from tests.test_experiment import shrink
@@ -87,30 +86,29 @@ def test_staleness_by_turn_against_a_loop():
     np.testing.assert_array_equal(got, want)
 
 
-def _tiny(mode="async", batching="static", turn_cache="keep"):
+def _tiny(mode="sync", batching="continuous", turn_cache="keep"):
     c = shrink(get_config(), steps=3, eval_every=3)
     c.runtime.mode, c.sampler.batching, c.sampler.slots, c.sampler.turn_cache = mode, batching, 3, turn_cache
     c.task.max_turns = 3
-    # multi-turn episodes run on one sampler device: of the suite's 8 fake ones, 7 learn (7 | 28 rows)
-    c.runtime.sampler_devices, c.runtime.prompts_per_batch = 1, 7
     return c
 
 
-@pytest.mark.parametrize("mode,batching,turn_cache,lora", [("async", "static", "keep", 0),
-                                                           ("sync", "continuous", "recompute", 4)])
-def test_a_run_trains_multi_turn_episodes_and_reports_them(mode, batching, turn_cache, lora, tmp_path):
-    c = _tiny(mode, batching, turn_cache)
-    c.model.lora.rank = lora  # LoRA: the sampler decodes with the merged adapters
+def test_a_run_trains_multi_turn_episodes_and_reports_them(tmp_path):
+    """Sync mode (the producer's `generate`, as async static batching calls it), continuous slots
+    parking waiting rows with their caches rebuilt on resume, LoRA (the sampler decodes with the
+    merged adapters); async streams with multi-turn rows run in tests/test_distributed.py."""
+    c = _tiny("sync", "continuous", "recompute")
+    c.model.lora.rank = 4
     summary = experiment.run(c, str(tmp_path), log=lambda *_: None)
     assert summary["version"] == 3 and summary["reward_failures"] == 0
     steps = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r]
     last = steps[-1]
-    assert last["episode/count"] >= 3 * 28 and 1.0 <= last["episode/turns"] <= 3.0
+    assert last["episode/count"] >= 3 * 8 and 1.0 <= last["episode/turns"] <= 3.0
     assert last["tools/calls"] == pytest.approx(last["tools/calls_per_episode"] * last["episode/count"])
     assert len(last["staleness/turn"]) == 3 and last["staleness/turn"][0] is not None
     assert all(np.isfinite(r["loss"]) for r in steps)
-    if turn_cache == "recompute":  # rows that waited in 3 slots had their caches rebuilt: float32 noise
-        assert last["sampler/reprefill_rows"] > 0 and last["sampler/reprefill_logp_gap_max"] < 1e-3
+    # rows that waited while 3 slots decoded had their caches rebuilt: the gap is float32 noise
+    assert last["sampler/reprefill_rows"] > 0 and last["sampler/reprefill_logp_gap_max"] < 1e-3
 
 
 @pytest.mark.parametrize("over,match", [
@@ -124,8 +122,7 @@ def test_bad_multi_turn_options_fail_at_start_up(over, match):
         plan.resolve(c)
 
 
-def test_a_multi_turn_task_on_two_sampler_devices_is_refused_at_start_up(monkeypatch):
-    c = _tiny()
-    monkeypatch.setattr(config_lib, "devices", lambda _: (jax.devices(), jax.devices() * 2))
-    with pytest.raises(ValueError, match="multi-turn, whose episodes run on one sampler device"):
-        config_lib.validate(c)
+def test_a_multi_turn_task_decodes_on_one_of_the_sampler_devices_and_says_so():
+    p = plan.resolve(_tiny())  # the suite fakes 8 CPU devices, shared by the learner and the samplers
+    assert len(jax.devices()) == 8 and p.sampler_devices == (jax.devices()[0],)
+    assert any("decode on one device for now" in w and "1 of this process's 8" in w for w in p.warnings)

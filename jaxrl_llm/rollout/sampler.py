@@ -96,7 +96,7 @@ class Sampler:
         limit = row_limits(limits, len(toks), self.cfg.max_new_tokens)
         if turns is not None and self.mesh is not None and self.mesh.size > 1:
             raise ValueError("multi-turn episodes run on one sampler device for now (sampler mesh of "
-                             f"{self.mesh.size}); set --config.runtime.sampler_devices to 0 or 1")
+                             f"{self.mesh.size}): build this Sampler on one device (a run's plan does)")
         if turns is not None and self.cfg.batching == "static":
             turns.release = False  # a static batch keeps every row in its slot until the batch ends
             if len(toks) not in self._static_slots:

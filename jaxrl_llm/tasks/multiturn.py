@@ -22,11 +22,13 @@ from jaxrl_llm.tasks import envs
 
 @dataclasses.dataclass(frozen=True)
 class TurnConfig:
+    """A multi-turn task's settings (the `task` section's fields of the same names)."""
+
     env: str = "calculator"  # the registered environment (`envs.names()`)
     max_turns: int = 4  # model turns per episode; the last one allowed ends it (flagged truncated)
     turn_reward: str = "last"  # sum | last: how the turns' rewards make the episode's
-    max_obs_tokens: int = 16  # tokens an observation may append (longer ones are cut, counted)
-    tool_timeout: float = 2.0  # seconds a tool call may run before it is killed
+    max_obs_tokens: int = 64  # tokens an observation may append (longer ones are cut, counted)
+    tool_timeout: float = 5.0  # seconds a tool call may run before it is killed
     tool_workers: int = 1  # sandboxed tool processes
 
 
