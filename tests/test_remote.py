@@ -428,6 +428,8 @@ def test_hub_plays_a_multi_turn_group_again_and_refuses_a_forged_observation():
         with pytest.raises(wire.Rejected, match="episode replay: the observation at token .* is not the environment's"):
             put(forge=True)
         assert hub.rejected == 1
+        hub._replay = lambda *a: 1 / 0  # the learner's own environment fails: unverified, not held against the node
+        assert put(forge=True) == {"accepted": True} and hub.replay_failures == 1 and hub.rejected == 1
     finally:
         task.close()
 

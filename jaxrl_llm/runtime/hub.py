@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 import uuid
@@ -31,6 +32,8 @@ from jaxrl_llm.runtime.producer import Origin, Producer, Rollout
 from jaxrl_llm.runtime.queue import VersionedQueue
 from jaxrl_llm.runtime.weights import WeightStore
 from jaxrl_llm.tasks import multiturn
+
+log = logging.getLogger(__name__)
 
 STREAM = 0  # the data position's stream the nodes share (draws are Producer.draw(STREAM + 1, d))
 MIN_VERIFIED = 5
@@ -65,7 +68,7 @@ class Hub:
         self.vocab = vocab or producer.sampler.model_cfg.vocab_size
         self.run_id = uuid.uuid4().hex
         self.nodes: dict[str, NodeStats] = {}
-        self.rejected = 0
+        self.rejected = self.replay_failures = 0  # replay_failures: multi-turn groups left unverified
         self._refused: dict[str, str] = {}  # asked name -> why
         self._artifacts: collections.OrderedDict = collections.OrderedDict()  # version -> (manifest, buffer)
         self._prompts: collections.OrderedDict = collections.OrderedDict()  # draw -> prompts
@@ -221,7 +224,12 @@ class Hub:
 
     def _verify(self, n: NodeStats, prompt, f) -> None:
         if self.producer.multi_turn:
-            mine, problem = self._replay(prompt, f)
+            try:
+                mine, problem = self._replay(prompt, f)
+            except Exception as e:  # this learner's environment failed: the group goes unverified, not refused
+                self.replay_failures += 1
+                log.warning("could not replay a multi-turn group: %s: %s", type(e).__name__, e)
+                return
         else:
             mine, _ = self.producer.scorer.submit([prompt], f["tokens"], f["loss_mask"] > 0, len(f["tokens"])).result()
             problem = None
@@ -252,7 +260,8 @@ class Hub:
     def metrics(self) -> dict:
         m = {"remote/nodes": float(self.live()), "remote/rejected": float(self.rejected),
              "remote/leases_expired": float(self.leases.expired),
-             "remote/refused": float(sum(n.refused for n in self.nodes.values()))}
+             "remote/refused": float(sum(n.refused for n in self.nodes.values())),
+             "remote/replay_failures": float(self.replay_failures)}
         latest = self.store.latest()[0]
         for n in list(self.nodes.values()):
             m[f"remote/{n.name}/groups"] = float(n.groups)
