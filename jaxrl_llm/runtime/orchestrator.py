@@ -195,8 +195,8 @@ class Orchestrator:
         """One learner step on `batch` (with many processes: this process's rows of the global
         batch), then publish the new version. Host-side metrics are over every process.
         Returns (state, metrics)."""
-        batch_version = int(state.version)
-        d = staleness.of_batch(batch_version, batch.versions, batch.loss_mask)
+        version = int(state.version)  # the version this batch trains
+        d = staleness.of_batch(version, batch.versions, batch.loss_mask)
         hist = np.bincount(d, minlength=1)
         rewards = np.asarray(batch.rewards, np.float64)
         # One gather for every process's scalars: [max staleness, reward sum, rows, failures,
@@ -216,7 +216,7 @@ class Orchestrator:
         m["runtime/over_stale"] = float(self.over_stale)
         m["processes"] = distributed.count()
         if self.producer.multi_turn:
-            m.update(self._episode_metrics(int(batch_version), batch))
+            m.update(self._episode_metrics(version, batch))
         return state, m
 
     def _episode_metrics(self, version: int, batch) -> dict:
