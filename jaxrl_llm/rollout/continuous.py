@@ -149,7 +149,6 @@ class SlotEngine:
         self._park_bare = jax.jit(lambda st, slots: turns_lib.park(st.replace(cache=None), slots))
         self._resume = jax.jit(turns_lib.resume)
         self._reprefill = jax.jit(functools.partial(turns_lib.reprefill, mcfg=mcfg, scfg=scfg))
-        self.reprefill = sampler.reprefill  # turn_cache="recompute": the gaps it logs
 
     def row_keys(self, key, ids) -> np.ndarray:
         """u32 key data of each row's own key (`decode.row_keys`), for `stream` feeds."""
@@ -314,12 +313,12 @@ class SlotEngine:
 
     def _rebuilt(self, params, pool, at: int, row):
         """Row `at` of a cache-less parked pool with its cache rebuilt (`turns.reprefill`), its
-        drawn tokens' log-prob gap to the recorded ones counted in `reprefill`: a one-row pool."""
+        drawn tokens' log-prob gap to the recorded ones counted in `Sampler.reprefill`: a one-row pool."""
         one = self._park(pool, self._put(np.asarray([at], np.int32)))
         one, logp = self._reprefill(params, one, self._put(row[0][None]), self._put(row[1][None]))
         drawn, gap = jax.device_get((one.valid_BxN & ~one.obs_BxN, jnp.abs(logp - one.logp_BxN)))
         gap = gap[drawn]
-        r = self.reprefill
+        r = self.sampler.reprefill
         r["rows"], r["tokens"], r["abs_sum"] = r["rows"] + 1, r["tokens"] + gap.size, r["abs_sum"] + float(gap.sum())
         r["abs_max"] = max(r["abs_max"], float(gap.max(initial=0.0)))
         return one

@@ -249,9 +249,8 @@ class Hub:
         n = self.producer.sampler.cfg.max_new_tokens
         p = f["tokens"].shape[1] - n
         rewards = []
-        for toks, real, loss in zip(f["tokens"], f["input_mask"] > 0, f["loss_mask"] > 0):
-            keep = real[p:]
-            reward, problem = multiturn.replay(self.producer.task, prompt, toks[p:][keep], (real & ~loss)[p:][keep], n)
+        for episode, obs in multiturn.episode_rows(f["tokens"], f["input_mask"], f["loss_mask"], p):
+            reward, problem = multiturn.replay(self.producer.task, prompt, episode, obs, n)
             if problem:
                 return None, f"episode replay: {problem}"
             rewards.append(reward)

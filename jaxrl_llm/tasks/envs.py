@@ -76,6 +76,33 @@ def combine(rewards: Sequence[float], how: str) -> float:
     return float(sum(rewards)) if how == "sum" else float(rewards[-1])
 
 
+def turn_start(obs: Sequence[bool]) -> int:
+    """Where the episode's last model turn starts: after its last observation (0: none yet)."""
+    return max((i + 1 for i, o in enumerate(obs) if o), default=0)
+
+
+def tool_reply(job: Future, observe: Callable) -> Future:
+    """Future[Reply] to a turn whose one tool call runs in the sandbox (`job`: a
+    `ToolRunner.submit` of it). `observe(result) -> (observation ids, failed)`: `failed` marks
+    a result the environment cannot use though the tool ran (counted as an error). A sandbox
+    that cannot run the call at all answers as a failing call does."""
+    from jaxrl_llm.tasks.sandbox import ToolResult
+
+    out: Future = Future()
+
+    def done(f):
+        try:
+            r = f.result()[0]
+        except Exception as e:
+            r = ToolResult(f"tool error: {type(e).__name__}: {e}", "error", 0.0)
+        ids, failed = observe(r)
+        out.set_result(Reply(obs_ids=tuple(ids), tool_calls=1, tool_errors=int(r.status == "error" or failed),
+                             tool_timeouts=int(r.status == "timeout"), tool_seconds=r.seconds))
+
+    job.add_done_callback(done)
+    return out
+
+
 def done(reward: float = 0.0) -> Future:
     f: Future = Future()
     f.set_result(Reply(reward=reward, done=True))

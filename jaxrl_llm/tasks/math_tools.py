@@ -23,8 +23,10 @@ import json
 from concurrent.futures import Future
 from typing import Sequence
 
+import numpy as np
+
 from jaxrl_llm.tasks import envs, math_dataset, multiturn, tools
-from jaxrl_llm.tasks.pool import WorkerPool
+from jaxrl_llm.tasks.scoring import Scorer
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON = {"type": "function", "function": {
@@ -73,10 +75,6 @@ class MathTools(math_dataset.MathDataset):
         room = max(limit - len(head) - len(tail), 0)
         return tuple(head + body[:room] + tail)
 
-    def final_text(self, episode: Sequence[int], obs: Sequence[bool]) -> str:
-        start = (max(i for i, o in enumerate(obs) if o) + 1) if any(obs) else 0
-        return self.completion_text(episode[start:])
-
     def close(self) -> None:
         self._envs.close()
 
@@ -105,49 +103,32 @@ class PythonTool:
     def __init__(self, task: MathTools, runner):
         self.task, self.runner = task, runner
         self.stop_ids = task.turn_stop_ids
-        self._pool = None
+        self._scorer = None
 
     def reply(self, prompt, episode, obs) -> Future:
-        last_obs = max((i for i, o in enumerate(obs) if o), default=-1)
-        turn = list(episode[last_obs + 1:])
         limit = self.task.turn.max_obs_tokens
-        out: Future = Future()
-        code, problem = _code(self.task, turn)
+        code, problem = _code(self.task, list(episode[envs.turn_start(obs):]))
         if problem:
+            out: Future = Future()
             out.set_result(envs.Reply(obs_ids=self.task.observation(f"error: {problem}", limit), tool_calls=1,
                                       tool_errors=1))
             return out
-
-        def done(f):
-            try:
-                r = f.result()[0]
-            except Exception as e:  # the sandbox could not run it at all
-                out.set_result(envs.Reply(obs_ids=self.task.observation(f"error: {e}", limit), tool_calls=1,
-                                          tool_errors=1))
-                return
-            out.set_result(envs.Reply(obs_ids=self.task.observation(r.text, limit), tool_calls=1,
-                                      tool_errors=int(r.status == "error"), tool_timeouts=int(r.status == "timeout"),
-                                      tool_seconds=r.seconds))
-
-        self.runner.submit(tools.python, [(code,)]).add_done_callback(done)
-        return out
+        return envs.tool_reply(self.runner.submit(tools.python, [(code,)]),
+                               lambda r: (self.task.observation(r.text, limit), False))
 
     def final(self, prompt, episode, obs) -> float:
-        gold = self.task._gold[tuple(prompt)]  # (text, integer or None)
-        text = self.task.final_text(episode, obs)
-        fast = math_dataset.fast_score(text, gold[1])
-        if fast is not None:
-            return fast
-        if self._pool is None:
+        """math-verify on the last turn, as the `math` task scores a completion (its fast path,
+        else a checker process with a timeout; a check that fails or overruns scores 0)."""
+        if self._scorer is None:
             workers, timeout = self.task._checks
-            self._pool = WorkerPool(workers, timeout, preload=self.task.checker_imports,
-                                    warmup=(math_dataset.score, self.task.checker_warmup))
-        value, error = self._pool.call(math_dataset.score, text, gold[0])
-        return float(value) if error is None else 0.0  # a check that fails or overruns scores 0
+            self._scorer = Scorer(self.task, workers, timeout, background=False)
+        last = np.asarray([episode[envs.turn_start(obs):]], np.int32)
+        rewards, _ = self._scorer.score([prompt], last, np.ones(last.shape, bool), 1)
+        return float(rewards[0])
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
+        if self._scorer is not None:
+            self._scorer.close()
 
 
 def _code(task: MathTools, turn: Sequence[int]):

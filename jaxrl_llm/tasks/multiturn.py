@@ -76,14 +76,20 @@ def settle(eps: envs.Episodes, batch: TrajectoryBatch, rows, prompt_width: int):
     """Rows `rows` of `batch` (host arrays; `rows[i]` is batch row i's id in `eps`) have ended:
     their final turns are scored and their episodes handed over. Returns (the batch with rewards
     and truncation flags, `envs.TOTALS` sums)."""
-    tokens, real = np.asarray(batch.tokens), np.asarray(batch.input_mask) > 0
-    obs = real & (np.asarray(batch.loss_mask) == 0)
-    for i, row in enumerate(rows):
-        keep = real[i, prompt_width:]
-        eps.finish(row, tokens[i, prompt_width:][keep], obs[i, prompt_width:][keep])
+    for row, (episode, obs) in zip(rows, episode_rows(batch.tokens, batch.input_mask, batch.loss_mask, prompt_width)):
+        eps.finish(row, episode, obs)
     rewards, cut, totals = eps.take(rows)
     truncated = np.asarray(batch.truncated) | cut
     return batch.replace(rewards=rewards, truncated=truncated), totals
+
+
+def episode_rows(tokens_BxL, input_mask_BxL, loss_mask_BxL, prompt_width: int):
+    """Each row's episode after its prompt: (token ids, observation flags), padding dropped
+    (observations: real tokens without loss)."""
+    real = np.asarray(input_mask_BxL) > 0
+    obs = real & (np.asarray(loss_mask_BxL) == 0)
+    for toks, keep, o in zip(np.asarray(tokens_BxL)[:, prompt_width:], real[:, prompt_width:], obs[:, prompt_width:]):
+        yield toks[keep], o[keep]
 
 
 def generate(sampler, task, params, prompts, key, version: int = 0, refresh=None):

@@ -87,8 +87,7 @@ class ToolArithmetic(arithmetic.Arithmetic):
 
     def final_answer(self, episode: Sequence[int], obs: Sequence[bool]) -> str:
         """The text after the last observation (or the whole episode), tags dropped."""
-        start = (max(i for i, o in enumerate(obs) if o) + 1) if any(obs) else 0
-        return arithmetic.decode([t for t in episode[start:] if t not in _TEXT])
+        return arithmetic.decode([t for t in episode[envs.turn_start(obs):] if t not in _TEXT])
 
     def reward(self, prompt: Sequence[int], completion: Sequence[int]) -> float:
         """Single-turn view (no observations): the answer after the last tag."""
@@ -110,28 +109,19 @@ class Calculator:
         self.stop_ids = (END,)
 
     def reply(self, prompt, episode, obs) -> Future:
-        last_obs = max((i for i, o in enumerate(obs) if o), default=-1)
-        turn = list(episode[last_obs + 1:])
+        turn = list(episode[envs.turn_start(obs):])
         start = max((i for i, t in enumerate(turn) if t == CALL), default=None)
-        out: Future = Future()
-        if start is None:  # a closing tag with no call: nothing to run
-            out.set_result(envs.Reply(obs_ids=(ERR,), tool_calls=1, tool_errors=1))  # a call, if a broken one
+        if start is None:  # a closing tag with no call: nothing to run (a call, if a broken one)
+            out: Future = Future()
+            out.set_result(envs.Reply(obs_ids=(ERR,), tool_calls=1, tool_errors=1))
             return out
         expr = arithmetic.decode([t for t in turn[start + 1:-1] if t not in _TEXT])
 
-        def done(f):
-            try:
-                r = f.result()[0]
-            except Exception:  # the sandbox could not run it at all: an error, as a failing call is
-                out.set_result(envs.Reply(obs_ids=(ERR,), tool_calls=1, tool_errors=1))
-                return
+        def observe(r):
             ok = r.status == "ok" and set(r.text) <= set(arithmetic.VOCAB)  # a float result has no tokens
-            out.set_result(envs.Reply(obs_ids=tuple(encode(r.text)) if ok else (ERR,), tool_calls=1,
-                                      tool_errors=int(r.status == "error" or (r.status == "ok" and not ok)),
-                                      tool_timeouts=int(r.status == "timeout"), tool_seconds=r.seconds))
+            return (encode(r.text) if ok else (ERR,)), r.status == "ok" and not ok
 
-        self.runner.submit(self.tool, [(expr,)]).add_done_callback(done)
-        return out
+        return envs.tool_reply(self.runner.submit(self.tool, [(expr,)]), observe)
 
     def final(self, prompt, episode, obs) -> float:
         return float(self.task.final_answer(episode, obs) == self.task.answer(prompt))
