@@ -1,17 +1,8 @@
-import os
+# Shared by this session's processes: xdist workers and the subprocesses tests start inherit the
+# environment set here, before jax is imported anywhere (see tests/processes.py).
+from tests import processes
 
-# Fake 8 CPU devices for sharding tests; must happen before jax is imported anywhere.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["HF_HUB_OFFLINE"] = "1"  # tests never touch the network (hub ids resolve from local caches only)
-# One persistent compilation cache for the session, this process and the subprocesses it starts
-# (launcher tests, fresh-process resumes): identical programs compile once (~7 s per launch).
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import tempfile
-
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrl_llm_test_xla_cache_")
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+processes.configure_session()
 
 from hypothesis import settings  # noqa: E402
 
@@ -23,3 +14,15 @@ import jax  # noqa: E402
 
 # Implicit rank promotion hides shape bugs ([B] + [B, L] broadcasting silently): make it an error.
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+import pytest  # noqa: E402
+
+from tests import timing  # noqa: E402
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Setup, call and teardown of one test, in its turn on the CPU (tests/processes.py) and,
+    with JAXRL_TEST_TIMING=FILE, timed (tests/timing.py)."""
+    with processes.turn(item.get_closest_marker("serial") is not None), timing.record(item.nodeid):
+        yield

@@ -1,4 +1,3 @@
-import os
 import subprocess
 import sys
 
@@ -8,13 +7,14 @@ import numpy as np
 from jaxrl_llm import checkpoint, testing
 from jaxrl_llm import learner as L
 from jaxrl_llm.models.config import ModelConfig
+from tests import processes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = processes.ROOT
 
 
 def _run(*args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device per worker
-    subprocess.run([sys.executable, "-m", "tests.resume_worker", *args], cwd=ROOT, env=env, check=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "tests.resume_worker", *args], cwd=ROOT, env=processes.env(), check=True,
+                   timeout=600)  # one device per worker
 
 
 def test_six_steps_equal_three_plus_restore_in_fresh_process_plus_three(tmp_path):

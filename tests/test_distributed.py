@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import launch
+from tests import processes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # devices come from cpu_devices
+ROOT = processes.ROOT
+ENV = processes.env()  # devices come from cpu_devices
 TINY = ["--config=configs/default.py", "--config.task.eval_size=8", "--config.model.hidden_size=16",
         "--config.model.intermediate_size=32", "--config.model.num_heads=2", "--config.model.num_kv_heads=1",
         "--config.model.head_dim=8", "--config.model.num_layers=1", "--config.warm_start.steps=5",
@@ -33,6 +34,7 @@ def _records(workdir):
     return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
 
 
+@pytest.mark.serial
 def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path):
     # gepo: group ids distinct across processes; m2po: a mask over every process's tokens
     objective = "decoupled_ppo,gepo,m2po"  # each in turn, in the same processes
@@ -95,6 +97,7 @@ def test_batch_scheduling_is_for_cpu_runs_only(monkeypatch, tmp_path):
         jax.config.update("jax_platforms", before)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("mode,extra", [  # sync: the resume and kill tests; offpolicy takes iterative's path here
     ("iterative", ["--config.runtime.reuse=2"]), ("simulated", []), ("async", []),
     # continuous batching with multi-turn episodes: rows wait on the sandboxed calculator in their slots
@@ -119,6 +122,7 @@ def test_every_mode_runs_on_two_processes(mode, extra, tmp_path):
         assert [s["position"]["workers"]["0"] for s in saved] == [{"next": 3, "partial": {}}] * 2
 
 
+@pytest.mark.serial
 def test_both_processes_killed_after_a_checkpoint_resume_as_an_uninterrupted_run(tmp_path):
     """kill -9 of every process once a checkpoint exists and a step past it was logged; resumed
     to 2 steps past the last logged one, the run equals an uninterrupted one of that length,
@@ -150,6 +154,7 @@ def test_both_processes_killed_after_a_checkpoint_resume_as_an_uninterrupted_run
             assert x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-7), (x["step"], k)
 
 
+@pytest.mark.serial
 def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
     """Preemption of one host: the processes agree on the step, each saves it and exits 143,
     and a resume continues from that step with one record per step. While it runs, the
@@ -182,6 +187,7 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
     assert [x["step"] for x in _records(tmp_path) if "loss" in x] == list(range(1, stopped + 2))
 
 
+@pytest.mark.serial
 def test_a_killed_process_ends_the_others_naming_it(tmp_path):
     args = [*TINY, f"--workdir={tmp_path}", "--config.runtime.mode=sync", "--config.train.steps=100000",
             "--config.train.eval_every=100000", "--config.distributed.heartbeat_timeout_s=10"]

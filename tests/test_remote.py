@@ -236,6 +236,7 @@ def _trained(workdir, steps):
     return records, [tuple(o) for r in records for o in r["remote/origins"]]
 
 
+@pytest.mark.serial
 def test_learner_and_two_nodes_through_joins_kills_and_a_learner_restart(tmp_path):
     """Node a starts with the learner, node b joins at step 2; a is killed (-9) mid-generation at
     step 4, the learner (-9) at step 7; a new learner resumes from its checkpoint at version 6
@@ -301,6 +302,7 @@ def test_learner_and_two_nodes_through_joins_kills_and_a_learner_restart(tmp_pat
     assert (tmp_path / "b.log").read_text().count("node b joined") == 2  # and again after the restart, by itself
 
 
+@pytest.mark.serial
 def test_two_learner_processes_two_nodes_and_a_node_leaving_by_sigterm(tmp_path):
     """With 2 learner processes, process 0 serves and hands each process its rows; a node sent
     SIGTERM returns its leases at once (none has to expire) and training goes on with the other.
