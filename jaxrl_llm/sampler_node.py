@@ -41,6 +41,7 @@ from jaxrl_llm.runtime.producer import Producer
 
 POLL_S = 0.2  # heartbeat and newest-version poll
 LOG_EVERY_S = 10.0  # how often a node that lost its learner says so
+RELEASE_S = 5.0  # how long a stopping node waits for the learner to take its leases back
 AHEAD = 8  # leases held ready, asked for in one call: what a slow link's round trip must cover
 log = logging.getLogger("jaxrl_llm.sampler_node")
 
@@ -82,12 +83,13 @@ class Node:
                 lost_since = None
 
     def stop(self, release: bool = True) -> None:
-        """Stop; with `release` the leases go back to the learner at once."""
+        """Stop; with `release` the leases go back to the learner at once (within RELEASE_S: a
+        learner that is itself going away may not answer)."""
         self.stopping.set()
         s = self.session
         if release and s is not None:
             try:
-                self.client.call("release", run_id=s["run_id"], node=s["node"])
+                self.client.call("release", timeout=RELEASE_S, run_id=s["run_id"], node=s["node"])
             except Exception:  # the learner may be gone; its leases then expire
                 pass
 

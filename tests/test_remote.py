@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -300,6 +301,33 @@ def test_learner_and_two_nodes_through_joins_kills_and_a_learner_restart(tmp_pat
     last = records[-1]
     assert last["remote/rejected"] >= 3 and last["remote/b/groups"] > 0 and last["remote/leases_expired"] >= 1
     assert (tmp_path / "b.log").read_text().count("node b joined") == 2  # and again after the restart, by itself
+
+
+class _Mute(flight.FlightServerBase):
+    """A learner that takes connections and does not answer (one going away, or stuck)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.done = threading.Event()
+
+    def do_action(self, context, action):
+        self.done.wait(60)
+        return iter([])
+
+
+def test_a_stopping_node_waits_for_its_leases_release_a_bounded_time():
+    from jaxrl_llm import sampler_node
+
+    server = _Mute("grpc+tcp://127.0.0.1:0")
+    try:
+        node = sampler_node.Node(f"127.0.0.1:{server.port}", "t", "n", None, 0.5)
+        node.session = {"run_id": "r", "node": "n"}
+        t = time.monotonic()
+        node.stop(release=True)  # a preempted node must exit within its grace period
+        assert time.monotonic() - t < sampler_node.RELEASE_S + 2 and node.stopping.is_set()
+    finally:
+        server.done.set()
+        server.shutdown()
 
 
 @pytest.mark.serial

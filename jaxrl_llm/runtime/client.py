@@ -27,12 +27,14 @@ class Client:
         self._flight = flight.FlightClient(where, tls_root_certs=tls_root_cert)
         self._bulk = [flight.FlightClient(where, tls_root_certs=tls_root_cert,
                                           generic_options=_BULK + [("jaxrl.stream", i)]) for i in range(STREAMS)]
-        headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
-        self._options = flight.FlightCallOptions(headers=headers, timeout=timeout)
+        self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        self._options = flight.FlightCallOptions(headers=self._headers, timeout=timeout)
         self._pool = concurrent.futures.ThreadPoolExecutor(STREAMS, thread_name_prefix="weights")
 
-    def call(self, action: str, **body) -> dict:
-        results = self._flight.do_action(flight.Action(action, json.dumps(body).encode()), options=self._options)
+    def call(self, action: str, *, timeout: Optional[float] = None, **body) -> dict:
+        """One action; `timeout` (seconds) replaces the client's own for this call."""
+        options = self._options if timeout is None else flight.FlightCallOptions(headers=self._headers, timeout=timeout)
+        results = self._flight.do_action(flight.Action(action, json.dumps(body).encode()), options=options)
         return json.loads(b"".join(r.body.to_pybytes() for r in results))
 
     def fetch_weights(self, manifest: dict, like):
