@@ -82,6 +82,9 @@ def write_index(directory: str = RESULTS) -> str:
     if os.path.exists(os.path.join(directory, "multiturn", "README.md")):
         rows.append("| [multiturn](multiturn/README.md) | written by `experiments/multiturn.py` | the embedded "
                     "multi-turn task's held-out reward before and after RL, 3 seeds, with its rule and verdict |")
+    if os.path.exists(os.path.join(directory, "test_suite", "README.md")):
+        rows.append("| [test_suite](test_suite/README.md) | written by `experiments/test_timing.py` | where the test "
+                    "suite's time goes, by file and kind, before and after each change to how it runs |")
     out = os.path.join(directory, "README.md")
     with open(out, "w") as f:
         f.write("\n".join(rows) + "\n")

@@ -122,58 +122,53 @@ def test_every_mode_runs_on_two_processes(mode, extra, tmp_path):
         assert [s["position"]["workers"]["0"] for s in saved] == [{"next": 3, "partial": {}}] * 2
 
 
-@pytest.mark.serial
-def test_both_processes_killed_after_a_checkpoint_resume_as_an_uninterrupted_run(tmp_path):
-    """kill -9 of every process once a checkpoint exists and a step past it was logged; resumed
-    to 2 steps past the last logged one, the run equals an uninterrupted one of that length,
-    with one metrics record per step."""
-    args = [*TINY, "--config.runtime.mode=sync", "--config.train.eval_every=2", "--config.train.save_every=2"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    cmds = launch.commands(2, 1, [*args, f"--workdir={resumed}", "--config.train.steps=100000"], launch.free_port())
-    procs = [subprocess.Popen(c, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for c in cmds]
-    deadline, path = time.monotonic() + 240, resumed / "metrics.jsonl"
-    try:
-        while time.monotonic() < deadline and not (
-                (resumed / "checkpoints").is_dir() and any(c.name.isdigit() for c in (resumed / "checkpoints").iterdir())
-                and path.exists() and any(x.get("step", 0) >= 3 and "loss" in x for x in _records(resumed))):
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            p.send_signal(signal.SIGKILL)
-            p.wait()
-    logged = max(x["step"] for x in _records(resumed) if "loss" in x)
-    r = _launch([*args, f"--workdir={resumed}", f"--config.train.steps={logged + 2}"])
-    assert r.returncode == 0 and "resumed" in r.stdout, r.stdout[-3000:]
-    restored = int(r.stdout.split("resumed from")[1].split("at version")[1].split()[0])
-    assert 2 <= restored <= logged  # records past the restored version were logged, then cut
-    assert _launch([*args, f"--workdir={straight}", f"--config.train.steps={logged + 2}"]).returncode == 0
-    a, b = ([x for x in _records(w) if "loss" in x] for w in (straight, resumed))
-    assert [x["step"] for x in b] == list(range(1, logged + 3)), "one record per step"
-    for x, y in zip(a, b):
-        for k in ("loss", "grad_norm", "param_norm", "reward/mean"):
-            assert x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-7), (x["step"], k)
+def _start(args):
+    cmds = launch.commands(2, 1, args, launch.free_port())
+    return [subprocess.Popen(c, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for c in cmds]
+
+
+def _wait(workdir, done, procs):
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not done():
+        assert all(p.poll() is None for p in procs), "a process ended early"
+        time.sleep(0.1)
+    assert done(), "not reached within the deadline"
+
+
+def _steps(workdir):
+    path = workdir / "metrics.jsonl"
+    return [x["step"] for x in _records(workdir) if "loss" in x] if path.exists() else []
+
+
+def _checkpoints(workdir):
+    d = workdir / "checkpoints"
+    return sorted(int(c.name) for c in d.iterdir() if c.name.isdigit()) if d.is_dir() else []
 
 
 @pytest.mark.serial
-def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
-    """Preemption of one host: the processes agree on the step, each saves it and exits 143,
-    and a resume continues from that step with one record per step. While it runs, the
-    workdir is locked by process 0."""
-    args = [*TINY, "--config.runtime.mode=sync", "--config.train.eval_every=100000", "--config.train.save_every=100000"]
-    cmds = launch.commands(2, 1, [*args, f"--workdir={tmp_path}", "--config.train.steps=100000"], launch.free_port())
-    procs = [subprocess.Popen(c, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in cmds]
-    deadline, path = time.monotonic() + 240, tmp_path / "metrics.jsonl"
+def test_preemption_a_lost_process_and_kill_9_each_stop_every_process_and_resumes_equal_a_straight_run(tmp_path):
+    """One two-process run, interrupted three ways in turn (each used to be its own launch):
+    1. SIGTERM to one process (preemption of one host): the processes agree on the step, each
+       saves it and exits 143; while the run lives, process 0 holds the workdir.
+    2. Resumed, then SIGKILL to one process once a checkpoint past the first stop exists and a
+       step past it was logged: the coordination service ends the other, naming the lost one,
+       without saving (as kill -9 of every process).
+    3. Resumed to 2 steps past the last logged one: it restores a checkpoint at or before that
+       step, cuts the records logged past it, and equals an uninterrupted run of that length
+       with one metrics record per step."""
+    args = [*TINY, "--config.runtime.mode=sync", "--config.train.eval_every=2", "--config.train.save_every=2",
+            "--config.distributed.heartbeat_timeout_s=10"]
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    procs = _start([*args, f"--workdir={run}", "--config.train.steps=100000"])
     try:
-        while time.monotonic() < deadline and not (path.exists() and '"loss"' in path.read_text()):
-            time.sleep(0.1)
-        # The two-process run holds its workdir through process 0: another run is refused, by name.
+        _wait(run, lambda: _steps(run), procs)
         from jaxrl_llm import experiment
         from jaxrl_llm.workdir import WorkdirBusy
         from tests.test_experiment import _tiny
 
         with pytest.raises(WorkdirBusy, match=rf'held by a live run \(.*"pid": {procs[0].pid}'):
-            experiment.run(_tiny(), str(tmp_path), log=lambda *_: None)
+            experiment.run(_tiny(), str(run), log=lambda *_: None)
         procs[1].send_signal(signal.SIGTERM)
         outs = [p.communicate(timeout=120)[0] for p in procs]
     finally:
@@ -181,27 +176,14 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
             p.kill()
     assert [p.returncode for p in procs] == [143, 143], outs[0][-2000:] + outs[1][-2000:]
     stopped = int(outs[0].split("interrupted (SIGTERM) at version")[1].split(":")[0])
-    assert sorted(int(c.name) for c in (tmp_path / "checkpoints").iterdir() if c.name.isdigit())[-1] == stopped
-    r = _launch([*args, f"--workdir={tmp_path}", f"--config.train.steps={stopped + 1}"])
-    assert r.returncode == 0 and f"at version {stopped}" in r.stdout, r.stdout[-3000:]
-    assert [x["step"] for x in _records(tmp_path) if "loss" in x] == list(range(1, stopped + 2))
+    assert _checkpoints(run)[-1] == stopped and _steps(run) == list(range(1, stopped + 1))
 
-
-@pytest.mark.serial
-def test_a_killed_process_ends_the_others_naming_it(tmp_path):
-    args = [*TINY, f"--workdir={tmp_path}", "--config.runtime.mode=sync", "--config.train.steps=100000",
-            "--config.train.eval_every=100000", "--config.distributed.heartbeat_timeout_s=10"]
-    cmds = launch.commands(2, 1, args, launch.free_port())
-    procs = [subprocess.Popen(c, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in cmds]
-    deadline = time.monotonic() + 240
-    path = tmp_path / "metrics.jsonl"
-    while time.monotonic() < deadline and not (path.exists() and '"loss"' in path.read_text()):
-        time.sleep(0.5)
-    assert path.exists(), "no training step within the deadline"
-    procs[1].send_signal(signal.SIGKILL)
-    t = time.monotonic()
+    procs = _start([*args, f"--workdir={run}", "--config.train.steps=100000"])
     try:
+        _wait(run, lambda: any(c > stopped for c in _checkpoints(run)) and max(_steps(run)) > _checkpoints(run)[-1],
+              procs)
+        procs[1].send_signal(signal.SIGKILL)
+        t = time.monotonic()
         out, _ = procs[0].communicate(timeout=120)
     finally:
         for p in procs:
@@ -210,6 +192,18 @@ def test_a_killed_process_ends_the_others_naming_it(tmp_path):
     # The coordination service names the lost task; a collective already under way may fail
     # first with gloo's own error about the closed connection to that peer.
     assert ("stopped sending heartbeats):\n1\n" in out) or ("Gloo" in out and "onnection" in out), out[-2000:]
+    assert f"at version {stopped}" in out  # it had resumed from the SIGTERM save
+
+    logged = max(_steps(run))
+    r = _launch([*args, f"--workdir={run}", f"--config.train.steps={logged + 2}"])
+    assert r.returncode == 0 and "resumed" in r.stdout, r.stdout[-3000:]
+    restored = int(r.stdout.split("resumed from")[1].split("at version")[1].split()[0])
+    assert stopped < restored <= logged  # records past the restored version were logged, then cut
+    assert _launch([*args, f"--workdir={straight}", f"--config.train.steps={logged + 2}"]).returncode == 0
+    assert _steps(run) == list(range(1, logged + 3)), "one record per step"
+    for x, y in zip(*([x for x in _records(w) if "loss" in x] for w in (straight, run))):
+        for k in ("loss", "grad_norm", "param_norm", "reward/mean"):
+            assert x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-7), (x["step"], k)
 
 
 class _Lines(list):
