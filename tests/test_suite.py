@@ -34,23 +34,29 @@ def test_subprocesses_keep_the_fast_compile_flags_but_not_the_fake_devices(monke
     assert processes.env()["JAX_COMPILATION_CACHE_DIR"] == os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
-def _take(name, serial, ready, release, out):
+def _take(name, serial, ready, release, log):
+    def say(what):  # O_APPEND writes land in the order they happen
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+        os.write(fd, f"{what} {name}\n".encode())
+        os.close(fd)
+
     with processes.turn(serial):
-        out.put(("in", name))
+        say("in")
         ready.set()
         release.wait(30)
-        out.put(("out", name))
+        say("out")
 
 
 def test_a_serial_test_runs_alone_and_ordinary_ones_share(monkeypatch, tmp_path):
     monkeypatch.setenv(processes.SHARED, str(tmp_path))
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw9")
     ctx = multiprocessing.get_context("fork")
-    out, tests = ctx.Queue(), {}
+    log, tests = tmp_path / "events", {}
+    log.touch()
 
     def start(name, serial):
         ready, release = ctx.Event(), ctx.Event()
-        tests[name] = (ctx.Process(target=_take, args=(name, serial, ready, release, out)), ready, release)
+        tests[name] = (ctx.Process(target=_take, args=(name, serial, ready, release, str(log))), ready, release)
         tests[name][0].start()
         return ready
 
@@ -64,6 +70,5 @@ def test_a_serial_test_runs_alone_and_ordinary_ones_share(monkeypatch, tmp_path)
     tests["late"][2].set()
     for p, *_ in tests.values():
         p.join(30)
-    events = [out.get(timeout=5) for _ in range(8)]
-    at = {e: i for i, e in enumerate(events)}
-    assert max(at["out", "a"], at["out", "b"]) < at["in", "serial"] < at["out", "serial"] < at["in", "late"]
+    at = {line: i for i, line in enumerate(log.read_text().splitlines())}
+    assert len(at) == 8 and max(at["out a"], at["out b"]) < at["in serial"] < at["out serial"] < at["in late"]
