@@ -57,8 +57,9 @@ def test_weights_artifact_roundtrip_and_checksums():
         wire.unpack_params(manifest, chunks, {"embed": like["embed"]})
 
 
-def _group(rows=2, p=4, new=3, k=2, prompt=(7, 8, 9), vocab=20):
-    """A well-formed group: prompt left-padded into p positions, `new` generated tokens."""
+def _group(rows=2, p=4, new=3, k=2, prompt=(7, 8, 9), vocab=20, kept=True):
+    """A well-formed group: prompt left-padded into p positions, `new` generated tokens; `kept`:
+    sampled from a truncated distribution (top-k / top-p), so it carries behav_kept."""
     w = p + new
     toks = np.zeros((rows, w), np.int32)
     toks[:, p - len(prompt):p] = prompt
@@ -68,11 +69,12 @@ def _group(rows=2, p=4, new=3, k=2, prompt=(7, 8, 9), vocab=20):
     return {"tokens": toks, "loss_mask": gen, "behav_logp": -gen * 0.5, "versions": np.where(gen > 0, 2, -1).astype(np.int32),
             "topk_ids": np.ones((rows, w, k), np.int32), "topk_logp": np.full((rows, w, k), -1.0, np.float32),
             "rewards": (np.arange(rows) % 2).astype(np.float32), "truncated": np.zeros(rows, bool),
-            "input_mask": (toks > 0).astype(np.float32), "behav_kept": gen.astype(np.int32) * 3}
+            "input_mask": (toks > 0).astype(np.float32), **({"behav_kept": gen.astype(np.int32) * 3} if kept else {})}
 
 
 def _check(f, **kw):
-    args = dict(rows=2, prompt=(7, 8, 9), vocab=20, topk=2, max_new_tokens=3, learner_version=5, min_version=1)
+    args = dict(rows=2, prompt=(7, 8, 9), vocab=20, topk=2, max_new_tokens=3, learner_version=5, min_version=1,
+                kept=True)
     wire.check_group(f, **{**args, **kw})
 
 
@@ -92,10 +94,24 @@ def test_rollout_table_roundtrip_and_every_forgery_rejected():
         "topk_logp has shape": dict(f, topk_logp=f["topk_logp"][:, :, :1]),
         "do not answer the leased prompt": dict(f, tokens=np.where(f["tokens"] == 8, 5, f["tokens"]).astype(np.int32)),
         "log-probs must be finite": dict(f, behav_logp=-f["behav_logp"] + 0.5),
+        # NaN / inf where loss_mask is 0 (the prompt span) still poisons the loss: NaN * 0 is NaN
+        "log-probs must be finite ": dict(f, behav_logp=np.where(f["loss_mask"] > 0, f["behav_logp"], np.nan)),
+        "log-probs must be finite  ": dict(f, behav_logp=np.where(f["loss_mask"] > 0, f["behav_logp"], -np.inf)),
+        "top-K: not NaN": dict(f, topk_logp=np.where(f["loss_mask"][..., None] > 0, f["topk_logp"], np.inf)),
+        "top-K: not NaN ": dict(f, topk_logp=np.where(f["loss_mask"][..., None] > 0, f["topk_logp"], np.nan)),
+        "behav_kept must be in": dict(f, behav_kept=f["behav_kept"] * 10),
     }
     for why, g in forged.items():
-        with pytest.raises(wire.Rejected, match=why):
+        with pytest.raises(wire.Rejected, match=why.strip()):
             _check(wire.decode_group(wire.encode_group(wire.group_batch(g))))
+    # A batch is assembled from groups of many nodes: behav_kept is in all of them or none, as the
+    # run's sampling decides (one group carrying it beside others without ended the learner).
+    with pytest.raises(wire.Rejected, match="behav_kept given, but this run's sampling does not truncate"):
+        _check(got, kept=False)
+    with pytest.raises(wire.Rejected, match="behav_kept missing: this run's sampling truncates"):
+        _check(wire.decode_group(wire.encode_group(batch.replace(behav_kept=None))))
+    greedy = np.where(np.arange(2)[None, None, :] == 0, 0.0, -np.inf).astype(np.float32)  # honest -inf
+    _check(dict(got, topk_logp=np.broadcast_to(greedy, got["topk_logp"].shape), behav_logp=0 * got["behav_logp"]))
     with pytest.raises(wire.Rejected, match="dtype float64, expected int32"):
         wire.decode_group(wire.encode_group(batch.replace(tokens=f["tokens"].astype(np.float64))))
     t = wire.encode_group(batch)
@@ -397,7 +413,7 @@ def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
 
     def group(lease, k, lie):
         prompt = hub.producer.draw(1, lease["draw"])[0][k]
-        f = _group(rows=2, p=len(prompt) + 1, new=4, k=0, prompt=prompt, vocab=task.vocab_size)
+        f = _group(rows=2, p=len(prompt) + 1, new=4, k=0, prompt=prompt, vocab=task.vocab_size, kept=False)
         f["versions"] = np.where(f["loss_mask"] > 0, 3, -1).astype(np.int32)
         honest = [task.reward(prompt, t[m > 0].tolist()) for t, m in zip(f["tokens"], f["loss_mask"])]
         f["rewards"] = (1.0 - np.asarray(honest) if lie else np.asarray(honest)).astype(np.float32)
@@ -440,7 +456,7 @@ def test_hub_plays_a_multi_turn_group_again_and_refuses_a_forged_observation():
             # the warm start's trace of this prompt: two calls, their values as observations, the answer
             _, episode, keep = task.trace(arithmetic.decode(prompt))
             n, p = task.max_answer_len, task.max_prompt_len
-            f = _group(rows=2, p=p, new=n, k=0, prompt=prompt, vocab=task.vocab_size)
+            f = _group(rows=2, p=p, new=n, k=0, prompt=prompt, vocab=task.vocab_size, kept=False)
             f["tokens"][:, p:] = 0
             f["tokens"][:, p:p + len(episode)] = episode
             f["loss_mask"][:] = 0

@@ -146,7 +146,7 @@ class Hub:
             sc = self.producer.sampler.cfg
             wire.check_group(f, rows=self.producer.group_size, prompt=prompt, vocab=self.vocab, topk=sc.capture_topk,
                              max_new_tokens=sc.max_new_tokens, learner_version=self.store.latest()[0],
-                             min_version=max(0, lease.version))
+                             min_version=max(0, lease.version), kept=sc.dist.truncated)
             if self.cfg.remote.verify_fraction and self._rng.random() < self.cfg.remote.verify_fraction:
                 self._verify(n, prompt, f)
             self.leases.received(lease_id, n.name, group)

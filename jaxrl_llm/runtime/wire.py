@@ -147,10 +147,12 @@ def decode_group(table: pa.Table) -> dict:
 
 
 def check_group(f: dict, *, rows: int, prompt, vocab: int, topk: int, max_new_tokens: int,
-                learner_version: int, min_version: int = 0) -> None:
+                learner_version: int, min_version: int = 0, kept: bool = False) -> None:
     """Raise Rejected unless `f` (decoded fields) is one group of `rows` samples answering
     `prompt` (token ids, left-padded into the prompt span) with at most `max_new_tokens` new
-    tokens each, sampled by versions in [min_version, learner_version]."""
+    tokens each, sampled by versions in [min_version, learner_version]. `kept`: whether the
+    run's sampling truncates (top-k / top-p), so that every group carries `behav_kept` (a batch
+    is assembled from groups of many nodes: one field for all or none)."""
     toks = f["tokens"]
     if toks.ndim != 2 or toks.shape[0] != rows:
         raise Rejected(f"tokens have shape {toks.shape}, expected ({rows}, L)")
@@ -173,11 +175,17 @@ def check_group(f: dict, *, rows: int, prompt, vocab: int, topk: int, max_new_to
     if v.size and (v.max() > learner_version or v.min() < min_version):
         raise Rejected(f"token versions span [{v.min()}, {v.max()}]; the learner is at version {learner_version} "
                        f"and leased no older than {min_version}")
-    logps = [f["behav_logp"][gen > 0]] + ([f["topk_logp"][gen > 0]] if topk else [])
-    if not all(np.isfinite(x).all() and (x <= 1e-3).all() for x in logps) or not np.isfinite(f["rewards"]).all():
-        raise Rejected("log-probs must be finite and <= 0, rewards finite")
-    if "behav_kept" in f and f["behav_kept"].min() < 0:
-        raise Rejected("behav_kept must be >= 0")
+    # At every stored position, not only where loss_mask > 0: a masked NaN still poisons the loss
+    # (NaN * 0 is NaN). Top-K log-probs may be -inf (greedy sampling's zero-probability entries).
+    top = f["topk_logp"] if topk else np.zeros(0, np.float32)
+    if not (np.isfinite(f["behav_logp"]).all() and (f["behav_logp"] <= 1e-3).all() and not np.isnan(top).any()
+            and (top <= 1e-3).all()) or not np.isfinite(f["rewards"]).all():
+        raise Rejected("log-probs must be finite (top-K: not NaN) and <= 0 at every position, rewards finite")
+    if ("behav_kept" in f) != kept:
+        raise Rejected("behav_kept " + ("missing: this run's sampling truncates (top-k / top-p)" if kept else
+                                        "given, but this run's sampling does not truncate"))
+    if kept and (f["behav_kept"].min() < 0 or f["behav_kept"].max() > vocab):
+        raise Rejected(f"behav_kept must be in [0, {vocab}]")
     if not (toks[:, p - len(prompt):p] == np.asarray(prompt, np.int32)).all():
         raise Rejected("the rows do not answer the leased prompt")
 
