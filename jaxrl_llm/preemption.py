@@ -10,8 +10,18 @@ import os
 import signal
 import sys
 import threading
+from typing import Optional
 
 from jaxrl_llm import distributed
+
+
+_pending: Optional[int] = None  # the signal the installed `Grace` received, not yet acted on
+
+
+def pending() -> Optional[int]:
+    """The signal (SIGTERM / SIGINT number) this process received while a run's `Grace` was
+    installed, or None: for waits that must not outlast a preemption (`runtime/remote.py`)."""
+    return _pending
 
 
 class Preempted(KeyboardInterrupt):
@@ -42,8 +52,9 @@ class Grace:
                              signal.SIGTERM: signal.signal(signal.SIGTERM, self._requested)}
 
     def _requested(self, signum, frame):
+        global _pending
         if self.signum is None:
-            self.signum = signum
+            self.signum = _pending = signum
             self._start_timer()
 
     def check(self):
@@ -80,6 +91,8 @@ class Grace:
         self.timer.start()
 
     def uninstall(self):
+        global _pending
+        _pending = None
         if self.previous is not None:
             for sig, handler in self.previous.items():
                 signal.signal(sig, handler)

@@ -319,6 +319,28 @@ def test_learner_and_two_nodes_through_joins_kills_and_a_learner_restart(tmp_pat
     assert (tmp_path / "b.log").read_text().count("node b joined") == 2  # and again after the restart, by itself
 
 
+def test_sigterm_while_the_learner_waits_for_groups_saves_and_exits(tmp_path):
+    """No node ever connects: the learner waits for groups; SIGTERM ends the wait, the run saves
+    and exits 143 within its grace period (it used to exit 1 at the end of it, unsaved)."""
+    cmd = [sys.executable, "-m", "jaxrl_llm.main", f"--workdir={tmp_path}", "--config.warm_start.steps=0",
+           "--config.runtime.mode=remote", f"--config.runtime.remote.port={free_port()}", "--config.train.steps=4",
+           "--config.train.preempt_grace_s=10", "--config.task.eval_size=8", "--config.train.progress=False"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        while not seen or "serving sampler nodes" not in seen[-1]:
+            seen.append(p.stdout.readline())
+            assert seen[-1], "".join(seen)[-3000:]
+        time.sleep(1.0)  # inside the wait for groups
+        t = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 143 and time.monotonic() - t < 10, "".join(seen)[-2000:] + out[-2000:]
+    assert "interrupted (SIGTERM) at version 0" in out and (tmp_path / "checkpoints" / "0").is_dir()
+
+
 class _Mute(flight.FlightServerBase):
     """A learner that takes connections and does not answer (one going away, or stuck)."""
 
@@ -347,25 +369,35 @@ def test_a_stopping_node_waits_for_its_leases_release_a_bounded_time():
 
 
 @pytest.mark.serial
-def test_two_learner_processes_two_nodes_and_a_node_leaving_by_sigterm(tmp_path):
+def test_two_learner_processes_two_nodes_a_node_leaving_by_sigterm_and_a_preempted_wait(tmp_path):
     """With 2 learner processes, process 0 serves and hands each process its rows; a node sent
     SIGTERM returns its leases at once (none has to expire) and training goes on with the other.
-    The policy trains LoRA adapters: nodes fetch the base once and each version's adapters only."""
+    Once that one is killed too the learner waits for groups, and SIGTERM ends the wait: both
+    processes stop at the same point, save and exit 143. The policy trains LoRA adapters: nodes
+    fetch the base once and each version's adapters only."""
     port, wd = free_port(), str(tmp_path / "run")
     learner = [sys.executable, "-m", "jaxrl_llm.launch", "--processes=2", "--", f"--workdir={wd}",
                "--config.warm_start.steps=0", "--config.runtime.mode=remote", f"--config.runtime.remote.port={port}",
-               "--config.runtime.max_staleness=2", "--config.runtime.prompts_per_batch=4", "--config.train.steps=6",
-               "--config.train.save_every=100", "--config.train.eval_every=100", "--config.task.eval_size=8",
+               "--config.runtime.max_staleness=2", "--config.runtime.prompts_per_batch=4", "--config.train.steps=1000",
+               "--config.train.save_every=1000", "--config.train.eval_every=1000", "--config.task.eval_size=8",
                "--config.train.progress=False", "--config.sampler.batching=static", "--config.model.lora.rank=4"]
     with _Processes(tmp_path, port) as run:
-        lrn, a, _ = run.start(learner, "l"), run.node("a"), run.node("b")
+        lrn, a, b = run.start(learner, "l"), run.node("a"), run.node("b")
         _wait_step(wd, 2, lrn)
         a.send_signal(signal.SIGTERM)
         assert a.wait(timeout=30) == 0
-        assert lrn.wait(timeout=240) == 0, (tmp_path / "l.log").read_text()[-3000:]
-    records, trained = _trained(wd, 6)
+        _wait_step(wd, 4, lrn)
+        b.send_signal(signal.SIGKILL)
+        b.wait()
+        time.sleep(3)  # what b uploaded is trained; the learner waits for groups no one sends
+        lrn.send_signal(signal.SIGTERM)  # the launcher forwards it to both processes
+        assert lrn.wait(timeout=60) == 143, (tmp_path / "l.log").read_text()[-3000:]
+    log_text = (tmp_path / "l.log").read_text()
+    stopped = int(log_text.split("interrupted (SIGTERM) at version")[1].split(":")[0])
+    assert stopped >= 4 and os.path.isdir(os.path.join(wd, "checkpoints", str(stopped)))
+    records, trained = _trained(wd, stopped)
     assert records[-1]["processes"] == 2
-    assert len(trained) == 6 * 4 * 2 and len(set(trained)) == len(trained)
+    assert len(trained) == stopped * 4 * 2 and len(set(trained)) == len(trained)
     assert "leases returned" in (tmp_path / "a.log").read_text()
     assert records[-1]["remote/leases_expired"] == 0 and records[-1]["remote/b/groups"] > 0
     assert records[-1]["remote/b/staleness"] <= 2  # max_staleness: what is trained is within it

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from typing import Callable, Optional
 
 import jax
 import numpy as np
 
-from jaxrl_llm import distributed, staleness
+from jaxrl_llm import distributed, preemption, staleness
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.runtime.admission import Admission
 from jaxrl_llm.runtime.hub import STREAM, Hub
@@ -87,7 +88,7 @@ class RemoteMode:
             batch = self._assemble(got)
         else:
             if self.hub is not None:
-                distributed.agree(1)
+                _poll(1)
             batch = _broadcast_batch(self._assemble(got) if got else None)
             rows = batch.shape[0] // n
             i = distributed.index()
@@ -105,7 +106,7 @@ class RemoteMode:
 
     def _wait_for_main(self) -> list:
         """Processes other than 0: poll (one small collective each) until process 0 has a batch."""
-        while not (distributed.agree(0)[0] == 1):
+        while not _poll(0)[0] & 1:
             pass
         return []
 
@@ -123,8 +124,7 @@ class RemoteMode:
                     pass
             else:
                 time.sleep(POLL_S)
-            if distributed.count() > 1:
-                distributed.agree(0)  # the other processes poll with us
+            _poll(0)  # the other processes poll with us; a preemption ends the wait
             if time.monotonic() - said > WAIT_LOG_S:
                 said = time.monotonic()
                 nodes = hub.live()
@@ -169,6 +169,21 @@ class RemoteMode:
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _poll(code: int) -> np.ndarray:
+    """One round of the wait loops. With many processes: every process's status (`code` 1:
+    process 0 has the batch) and whether it got a preemption signal, in one collective, so all
+    of them stop at the same round even if one alone got the signal. Raises `Preempted` (the
+    run saves and exits, `experiment.py`) instead of waiting on past the grace period."""
+    signum = preemption.pending()
+    if distributed.count() == 1:
+        status = np.asarray([code | (2 if signum else 0)])
+    else:
+        status = distributed.agree(code | (2 if signum else 0))
+    if (status & 2).any():
+        raise preemption.Preempted(signum or signal.SIGTERM)
+    return status
 
 
 def validate(r) -> None:
