@@ -4,6 +4,7 @@ evaluation, metrics, checkpoints (resumed automatically from the workdir)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -172,7 +173,7 @@ def _run(config, workdir: str, log) -> dict:
     main = distributed.is_main()  # process 0 alone writes and prints
     if main:
         with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(user_config.to_json_best_effort(indent=2))  # the config the user ran
+            json.dump(workdir_lib.public(user_config), f, indent=2)  # the config the user ran, secrets redacted
         workdir_lib.record(workdir, user_config, shape, int(state.version), changed if resumed else [])
     # Records past the restored version (or all, starting afresh) belong to a run that died.
     writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=main,

@@ -29,7 +29,11 @@ FREE = ("train.steps", "train.eval_every", "train.save_every", "train.keep", "tr
         "learner.total_steps")  # total_steps follows train.steps in the shipped configs
 # Where and on how many processes / devices it runs: a deployment, not the experiment.
 FREE_PREFIXES = ("distributed.", "mesh.", "cpu_devices", "runtime.sampler_devices", "runtime.remote.host",
-                 "runtime.remote.port", "runtime.remote.tls_")
+                 "runtime.remote.port", "runtime.remote.tls_", "runtime.remote.token")
+# Secrets: never written to the workdir (config.json, the history, the lock) nor echoed.
+SECRETS = ("runtime.remote.token",)
+SECRET_FLAGS = ("--token",)  # sampler_node's own spelling of the token
+REDACTED = "***"
 # A different model cannot continue from the checkpoint at all, flag or not.
 MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
               "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm")
@@ -56,7 +60,8 @@ class Lock:
             raise WorkdirBusy(f"{os.path.dirname(self.path)} is held by a live run ({holder}); wait for it to end "
                               "or stop it, or use another --workdir") from None
         me = {"host": socket.gethostname(), "pid": os.getpid(),
-              "since": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)[:500]}
+              "since": datetime.datetime.now().isoformat(timespec="seconds"),
+              "command": " ".join(redact_argv(sys.argv))[:500]}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         os.fsync(fd)
@@ -70,8 +75,38 @@ class Lock:
             self._fd = None
 
 
+def redact_argv(argv) -> list:
+    """A command line with the value of every secret flag (`--config.<secret>=V`, `--token V`)
+    replaced by REDACTED."""
+    flags = tuple(f"--config.{k}" for k in SECRETS) + SECRET_FLAGS
+    out, hide = [], False
+    for a in argv:
+        name = a.split("=", 1)[0]
+        if hide:
+            out.append(REDACTED)
+        elif name in flags and "=" in a:
+            out.append(f"{name}={REDACTED}")
+        else:
+            out.append(a)
+        hide = not hide and a in flags
+    return out
+
+
+def public(config) -> dict:
+    """A config as nested JSON values with every set secret replaced by REDACTED."""
+    d = json.loads(config.to_json_best_effort())
+    for key in SECRETS:
+        *path, last = key.split(".")
+        node = d
+        for p in path:
+            node = node.get(p, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict) and node.get(last):
+            node[last] = REDACTED
+    return d
+
+
 def flat(config) -> dict:
-    """A config as {dotted key: JSON value}."""
+    """A config as {dotted key: JSON value}, secrets redacted."""
     def walk(d, prefix):
         out = {}
         for k, v in d.items():
@@ -81,7 +116,7 @@ def flat(config) -> dict:
                 out[prefix + k] = v
         return out
 
-    return walk(json.loads(config.to_json_best_effort()), "")
+    return walk(public(config), "")
 
 
 def last_run(workdir: str) -> Optional[dict]:

@@ -1,6 +1,7 @@
 """Tools in the sandbox (`tasks.sandbox`, `tasks.tools`): a hard timeout, no network, a scratch
 directory, bounded output; failures become observations and are counted."""
 
+import ast
 import os
 import socket
 
@@ -66,3 +67,15 @@ def test_a_tool_works_in_a_scratch_directory_that_close_removes():
     assert where.startswith(r.scratch) and os.path.exists(os.path.join(where, "notes.txt"))
     r.close()
     assert not os.path.exists(r.scratch)
+
+
+def test_tool_code_sees_none_of_the_run_s_environment(monkeypatch):
+    monkeypatch.setenv("JAXRL_REMOTE_TOKEN", "s3cret-token")
+    r = sandbox.ToolRunner(workers=1, timeout=10.0, max_output_bytes=1 << 16)
+    try:
+        out = r.run(checkers.environment)
+    finally:
+        r.close()
+    assert out.status == "ok" and "'HOME'" in out.text, out.text
+    assert "s3cret-token" not in out.text and "JAXRL_REMOTE_TOKEN" not in out.text
+    assert set(ast.literal_eval(out.text.split("}", 1)[0] + "}")) <= {*sandbox.ENV_KEPT, "HOME", "TMPDIR", "JAXRL_TOOL_NETNS"}

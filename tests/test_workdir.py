@@ -137,6 +137,23 @@ def test_resumes_with_changes_are_refused_or_allowed_and_recorded(tmp_path):
     assert history[-1]["config"]["objective.name"] == "ppo" and "objective.name: 'a3po' -> 'ppo'" in history[-1]["changes"]
 
 
+def test_the_token_is_never_written_and_a_new_one_resumes(tmp_path, monkeypatch):
+    wd = str(tmp_path)
+    c = _tiny()
+    c.runtime.remote.token = "s3cret-token"
+    monkeypatch.setattr(sys, "argv", ["main.py", "--config.runtime.remote.token=s3cret-token", "--token", "s3cret-token"])
+    experiment.run(c, wd, log=lambda *_: None)
+    for name in ("config.json", workdir_lib.HISTORY, workdir_lib.LOCK):
+        text = open(os.path.join(wd, name)).read()
+        assert "s3cret-token" not in text and workdir_lib.REDACTED in text, name
+    assert json.load(open(os.path.join(wd, "config.json")))["runtime"]["remote"]["token"] == workdir_lib.REDACTED
+    c = _tiny()
+    c.runtime.remote.token, c.train.steps = "rotated", 3  # a deployment setting: free on resume
+    experiment.run(c, wd, log=lambda *_: None)
+    assert workdir_lib.redact_argv(["a", "--token=x", "--config.runtime.remote.token", "y", "--tokens=z"]) == [
+        "a", "--token=***", "--config.runtime.remote.token", "***", "--tokens=z"]
+
+
 def test_a_live_run_holds_its_workdir_and_a_killed_one_does_not(tmp_path):
     """A second run on a workdir that a live run (another process) holds is refused, naming the
     holder; once the holder is killed with SIGKILL the next run starts without clean-up (it

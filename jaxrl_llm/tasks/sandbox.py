@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 from jaxrl_llm.tasks.pool import WorkerPool
 
 _CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
+ENV_KEPT = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")  # a tool worker's whole environment, with HOME and TMPDIR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,17 +59,31 @@ def _guard_sockets() -> None:
     socket.create_connection = lambda *a, **k: NoInternet()  # noqa: E731
 
 
+def _wipe_start_environment() -> None:
+    """/proc/self/environ shows the environment a process started with (here: the learner's,
+    passed on by spawn), whatever os.environ holds later; zero those bytes once os.environ no
+    longer points at them."""
+    import ctypes
+
+    fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    start, end = int(fields[47]), int(fields[48])  # env_start, env_end: proc(5) fields 50 and 51
+    if 0 < start < end:
+        ctypes.memset(start, 0, end - start)
+
+
 def isolate(scratch_root: str, memory_mb: int, file_mb: int) -> None:
     """A fresh tool worker's setup: no network, cwd/HOME/TMPDIR in a new directory under
-    `scratch_root`, address space and file size limits."""
+    `scratch_root`, an environment of ENV_KEPT only, address space and file size limits."""
     import resource
 
     netns = _unshare_network()
     _guard_sockets()
-    os.environ["JAXRL_TOOL_NETNS"] = "1" if netns else "0"
     scratch = tempfile.mkdtemp(prefix="tool_", dir=scratch_root)
     os.chdir(scratch)
-    os.environ.update(HOME=scratch, TMPDIR=scratch)
+    keep = {k: os.environ[k] for k in ENV_KEPT if k in os.environ}
+    os.environ.clear()  # nothing of the run's environment (its token, keys, paths) reaches tool code
+    _wipe_start_environment()
+    os.environ.update(keep, HOME=scratch, TMPDIR=scratch, JAXRL_TOOL_NETNS="1" if netns else "0")
     tempfile.tempdir = scratch
     if memory_mb:
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
