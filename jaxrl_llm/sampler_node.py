@@ -305,6 +305,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu_devices", type=int, default=0, help="CPU devices to expose to JAX (0: JAX's default)")
     ap.add_argument("--retry_s", type=float, default=1.0, help="seconds between tries to reach a lost learner")
     a = ap.parse_args(argv)
+    host, _, port = a.learner.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        ap.error(f"--learner={a.learner!r}: expected HOST:PORT with a port in [1, 65535]")
+    if a.cpu_devices < 0:
+        ap.error(f"--cpu_devices={a.cpu_devices}: expected 0 (JAX's default) or a positive count")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s node %(message)s")
     if a.cpu_devices:
         jax.config.update("jax_num_cpu_devices", a.cpu_devices)

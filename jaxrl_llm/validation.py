@@ -71,11 +71,12 @@ def at_least(low: float) -> Rule:
                 (low - 1.0, math.nan))
 
 
-def integer(low: int = 0, extra: tuple = ()) -> Rule:
-    """An int >= low (or one of `extra`, e.g. -1 meaning 'unbounded')."""
-    words = f"an integer >= {low}" + (f" (or {', '.join(map(str, extra))})" if extra else "")
-    bad = tuple(v for v in (low - 1, low - 2) if v not in extra)[:1] + (1.5,)
-    return Rule(words, lambda x: _int(x) and (x >= low or x in extra), bad)
+def integer(low: int = 0, extra: tuple = (), high: Optional[int] = None) -> Rule:
+    """An int >= low, and <= high when given (or one of `extra`, e.g. -1 meaning 'unbounded')."""
+    words = (f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}") + (
+        f" (or {', '.join(map(str, extra))})" if extra else "")
+    bad = tuple(v for v in (low - 1, low - 2) if v not in extra)[:1] + (1.5,) + (() if high is None else (high + 1,))
+    return Rule(words, lambda x: _int(x) and ((x >= low and (high is None or x <= high)) or x in extra), bad)
 
 
 def one_of(*choices) -> Rule:

@@ -512,9 +512,27 @@ def test_hub_plays_a_multi_turn_group_again_and_refuses_a_forged_observation():
         task.close()
 
 
-def test_remote_options_fail_at_start_up(tmp_path, monkeypatch):
-    from jaxrl_llm.runtime import orchestrator
+def test_remote_options_fail_at_start_up(tmp_path, monkeypatch, capsys):
+    from jaxrl_llm import sampler_node
+    from jaxrl_llm import validation as V
+    from jaxrl_llm.runtime import orchestrator, remote
 
+    c = orchestrator.default_config()
+    c.remote.port = 70000
+    assert V.check(c, V.flatten(orchestrator.RULES, "runtime."), "runtime.") == [
+        "runtime.remote.port=70000: expected an integer in [0, 65535]"]
+    c.remote.port = free_port()
+    first = remote.serve(None, c.remote)
+    try:
+        with pytest.raises(ValueError, match=rf"runtime.remote.port={c.remote.port}: cannot serve on 127.0.0.1:"):
+            remote.serve(None, c.remote)  # taken by the first
+    finally:
+        first.shutdown()
+    for argv, why in ((["--learner=nohostport"], "expected HOST:PORT"), (["--learner=h:70000"], "expected HOST:PORT"),
+                      (["--learner=h:1", "--cpu_devices=-1"], "--cpu_devices=-1: expected 0")):
+        with pytest.raises(SystemExit):
+            sampler_node.main(argv)
+        assert why in capsys.readouterr().err
     c = orchestrator.default_config()
     c.mode = "remote"
     orchestrator.validate(c)  # loopback: no token needed

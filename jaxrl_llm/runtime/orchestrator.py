@@ -65,7 +65,7 @@ SECTION = V.Section(
     step_seconds=(1.0, V.positive()),  # simulated: seconds of delay per learner step
     # remote: the learner's service for sampler nodes (remote.py). Beyond loopback it needs the
     # token (or JAXRL_REMOTE_TOKEN); tls_cert / tls_key: PEM files for TLS.
-    remote=V.Section(host=("127.0.0.1", V.text()), port=(8815, V.integer(0)), token=("", V.anything()),
+    remote=V.Section(host=("127.0.0.1", V.text()), port=(8815, V.integer(0, high=65535)), token=("", V.anything()),
                      lease_s=(30.0, V.positive()), verify_fraction=(0.05, V.unit()), max_mismatch=(0.1, V.unit()),
                      chunk_mb=(16, V.integer(1)), tls_cert=("", V.anything()), tls_key=("", V.anything())),
     advantage=("grpo", V.one_of(*advantages.names())),

@@ -69,9 +69,7 @@ class RemoteMode:
         leases = Leases(self.position.todo(STREAM), r.lease_s)
         self.hub = Hub(self.producer, self.store, leases, queue, c, self.node_config, self.admission,
                        capacity=capacity, lengths=self.lengths)
-        from jaxrl_llm.runtime.service import Service  # pyarrow.flight only where it serves
-
-        self.service = Service(self.hub, r.host, r.port, token(r), tls(r))
+        self.service = serve(self.hub, r)
         log.warning("serving sampler nodes: python -m jaxrl_llm.sampler_node --learner=%s", self.service.address)
 
     def _dropped(self, item) -> None:
@@ -169,6 +167,17 @@ class RemoteMode:
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def serve(hub, r):
+    """The learner's service for remote section `r`; a port it cannot take is named."""
+    from jaxrl_llm.runtime.service import Service  # pyarrow.flight only where it serves
+
+    try:
+        return Service(hub, r.host, r.port, token(r), tls(r))
+    except Exception as e:  # pyarrow says only "Server did not start properly"
+        raise ValueError(f"runtime.remote.port={r.port}: cannot serve on {r.host}:{r.port} (in use, or not an "
+                         f"address of this machine): {str(e).splitlines()[0]}") from None
 
 
 def _poll(code: int) -> np.ndarray:
