@@ -89,7 +89,7 @@ class Node:
         s = self.session
         if release and s is not None:
             try:
-                self.client.call("release", timeout=RELEASE_S, run_id=s["run_id"], node=s["node"])
+                self.client.call("release", timeout=RELEASE_S, **s)
             except Exception:  # the learner may be gone; its leases then expire
                 pass
 
@@ -102,7 +102,7 @@ class Node:
     def _session(self):
         hello = self.client.call("hello", protocol=wire.PROTOCOL, package=jaxrl_llm.__version__, name=self.name)
         self._build(hello)
-        self.session = s = {"run_id": hello["run_id"], "node": hello["node"]}
+        self.session = s = {"run_id": hello["run_id"], "node": hello["node"], "session": hello["session"]}
         self.sessions += 1
         self.lost, self.leased, self.busy_s, self.t0 = None, {}, 0.0, time.monotonic()
         if self.lora:

@@ -287,7 +287,7 @@ def test_learner_and_two_nodes_through_joins_kills_and_a_learner_restart(tmp_pat
                 time.sleep(0.2)
         with pytest.raises(flight.FlightUnauthenticatedError, match="requires its shared token"):
             Client(addr, token="guess").call("hello", name="intruder")
-        forger, s = Client(addr, token=token), {"run_id": hello["run_id"], "node": hello["node"]}
+        forger, s = Client(addr, token=token), {k: hello[k] for k in ("run_id", "node", "session")}
         # A lease with a group beyond the 3 it forges, which it then holds until it expires (a lease
         # of a draw partly trained before the restart may hold fewer; such leases expire too).
         lease = None
@@ -359,7 +359,7 @@ def test_a_stopping_node_waits_for_its_leases_release_a_bounded_time():
     server = _Mute("grpc+tcp://127.0.0.1:0")
     try:
         node = sampler_node.Node(f"127.0.0.1:{server.port}", "t", "n", None, 0.5)
-        node.session = {"run_id": "r", "node": "n"}
+        node.session = {"run_id": "r", "node": "n", "session": "k"}
         t = time.monotonic()
         node.stop(release=True)  # a preempted node must exit within its grace period
         assert time.monotonic() - t < sampler_node.RELEASE_S + 2 and node.stopping.is_set()
@@ -439,7 +439,7 @@ def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
     with pytest.raises(PermissionError, match=r"protocol 1 \(jaxrl_llm 0\.1\.0\); the node 0 \(jaxrl_llm 0\.0\.1\)"):
         hub.hello({"protocol": 0, "package": "0.0.1"})
     me = hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "n"})
-    s = {"run_id": me["run_id"], "node": me["node"]}
+    s = {k: me[k] for k in ("run_id", "node", "session")}
     with pytest.raises(wire.Rejected, match="restarted"):
         hub.lease({"run_id": "old", "node": me["node"]})
 
@@ -472,6 +472,25 @@ def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
     assert hub.rejected == MIN_VERIFIED and len(hub.queue) == 0 and hub.leases.pending_groups() == 0
 
 
+def test_node_names_are_bounded_labels_and_sessions_cannot_be_taken():
+    hub, _ = _hub()
+    hi = {"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__}
+    for bad in ("x" * 65, "a b", "a/b", "", "\u00e9t\u00e9", 7):
+        if bad == "":
+            continue  # an empty name is "node"
+        with pytest.raises(PermissionError, match="node names are 1 to 64 characters"):
+            hub.hello({**hi, "name": bad})
+    names = [hub.hello({**hi, "name": n})["node"] for n in ("a", "a", "a-1", "a")]
+    assert names == ["a", "a-1", "a-1-1", "a-2"] and len(hub.nodes) == 4  # unique, whatever the order
+    me, other = hub.hello({**hi, "name": "me"}), hub.hello({**hi, "name": "other"})
+    assert me["session"] != other["session"] and len(me["session"]) == 32
+    mine = {k: me[k] for k in ("run_id", "node", "session")}
+    assert hub.heartbeat(mine)["version"] == 3
+    for forged in (dict(mine, node="other"), dict(mine, session=""), {k: mine[k] for k in ("run_id", "node")}):
+        with pytest.raises(wire.Rejected, match="session key does not match"):
+            hub.release(forged)  # nobody else's leases can be heartbeaten or released
+
+
 def test_hub_plays_a_multi_turn_group_again_and_refuses_a_forged_observation():
     from jaxrl_llm.tasks import arithmetic
     from jaxrl_llm.tasks.tool_arithmetic import ToolArithmetic
@@ -480,7 +499,7 @@ def test_hub_plays_a_multi_turn_group_again_and_refuses_a_forged_observation():
     hub, _ = _hub(task=task, max_new_tokens=task.max_answer_len)
     try:
         me = hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "n"})
-        s = {"run_id": me["run_id"], "node": me["node"]}
+        s = {k: me[k] for k in ("run_id", "node", "session")}
 
         def put(forge):
             lease = hub.lease({**s, "version": 3})["leases"][0]

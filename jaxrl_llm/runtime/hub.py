@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hmac
 import logging
+import re
+import secrets
 import threading
 import time
 import uuid
@@ -39,6 +42,7 @@ STREAM = 0  # the data position's stream the nodes share (draws are Producer.dra
 MIN_VERIFIED = 5
 BASE = -2  # the artifact version of LoRA's frozen base (`manifest(part="base")`)
 MAX_LEASES = 8  # per lease call
+NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a node's display name: bounded, safe in metric keys and logs
 
 
 @dataclasses.dataclass
@@ -56,6 +60,7 @@ class NodeStats:
     mismatched: int = 0
     reward_failures: int = 0
     refused: bool = False
+    session: str = ""  # the random key hello gave this session; every later call must carry it
 
 
 class Hub:
@@ -84,15 +89,20 @@ class Hub:
         if theirs != mine:
             raise PermissionError(f"this learner speaks protocol {mine['protocol']} (jaxrl_llm {mine['package']}); "
                                   f"the node {theirs['protocol']} (jaxrl_llm {theirs['package']})")
-        name = str(req.get("name") or "node")
+        name = req.get("name") or "node"
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise PermissionError(f"node names are 1 to 64 characters of A-Z a-z 0-9 . _ -; got {str(name)[:80]!r}")
         if name in self._refused:  # saying hello again does not undo a refusal
             raise PermissionError(f"node {name!r} was refused earlier in this run: {self._refused[name]}")
         with self._lock:
-            node = name if name not in self.nodes else f"{name}-{len(self.nodes)}"
+            node, k = name, 1
+            while node in self.nodes:  # a display label, unique in this run
+                node, k = f"{name}-{k}", k + 1
             now = time.monotonic()
-            self.nodes[node] = NodeStats(node, name, req.get("peer", ""), now, now)
-        return {"run_id": self.run_id, "node": node, "version": self.store.latest()[0],
-                "lease_s": self.leases.lease_s, **self.node_config}
+            self.nodes[node] = NodeStats(node, name, str(req.get("peer", ""))[:80], now, now,
+                                         session=secrets.token_hex(16))
+        return {"run_id": self.run_id, "node": node, "session": self.nodes[node].session,
+                "version": self.store.latest()[0], "lease_s": self.leases.lease_s, **self.node_config}
 
     def lease(self, req: dict) -> dict:
         """Up to `count` (at most MAX_LEASES) leases while the node's share of the in-flight room
@@ -190,7 +200,9 @@ class Hub:
             raise wire.Rejected("this learner run does not know the node (it restarted): say hello again")
         n = self.nodes.get(req.get("node"))
         if n is None:
-            raise wire.Rejected(f"unknown node {req.get('node')!r}: say hello first")
+            raise wire.Rejected(f"unknown node {str(req.get('node'))[:80]!r}: say hello first")
+        if not hmac.compare_digest(str(req.get("session", "")).encode(), n.session.encode()):
+            raise wire.Rejected(f"the session key does not match node {n.name!r}'s (hello gives each session its own)")
         if n.refused:
             raise PermissionError(f"node {n.name} was refused: {n.mismatched} of {n.verified} verified groups had "
                                   "rewards that differ from the learner's")

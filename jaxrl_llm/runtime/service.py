@@ -88,8 +88,8 @@ class Service(flight.FlightServerBase):
             except StopIteration:
                 break
             try:
-                req = {**session, **_json(chunk.app_metadata.to_pybytes() if chunk.app_metadata else b""),
-                       "table": pa.Table.from_batches([chunk.data])}
+                meta = _json(chunk.app_metadata.to_pybytes() if chunk.app_metadata else b"")
+                req = {**meta, **session, "table": pa.Table.from_batches([chunk.data])}  # a group cannot name another session
                 results.append(_guard(self.handler.put_group, req))
             except flight.FlightUnauthorizedError:
                 raise
