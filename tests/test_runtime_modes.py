@@ -437,3 +437,29 @@ def test_simulated_delays_continue_across_a_resume():
     want = _drawn(straight, 7)
     assert _staleness(h1) == [float(min(d, k)) for k, d in enumerate(want[:3])] and len(set(want)) > 1
     assert _staleness(h2) == [float(min(d, i)) for i, d in enumerate(want[3:])] and max(want[3:]) > 0
+
+
+def test_a_preemption_ends_the_async_learner_s_wait_for_samples(monkeypatch):
+    """No sampler delivers: the learner's wait (`_gather`) polls; SIGTERM (the flag `Grace` sets)
+    ends it with `Preempted`, so the run saves instead of outwaiting its grace period."""
+    import signal
+
+    from jaxrl_llm import preemption
+    from jaxrl_llm.runtime import async_mode
+    from jaxrl_llm.runtime.queue import VersionedQueue
+
+    raised = []
+
+    def wait():
+        try:
+            async_mode._gather(VersionedQueue(4), [], learner_version=0, items=1)
+        except preemption.Preempted as e:
+            raised.append(e.signum)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive() and not raised  # waiting
+    monkeypatch.setattr(preemption, "_pending", signal.SIGTERM)
+    t.join(5)
+    assert not t.is_alive() and raised == [signal.SIGTERM]

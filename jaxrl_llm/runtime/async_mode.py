@@ -20,6 +20,7 @@ params that produced it, and staleness is judged per group.
 from __future__ import annotations
 
 import collections
+import signal
 import threading
 import time
 from typing import Callable, Optional
@@ -27,7 +28,7 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
-from jaxrl_llm import distributed, staleness
+from jaxrl_llm import distributed, preemption, staleness
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.runtime.admission import Admission
 from jaxrl_llm.runtime.delay import DelayModel
@@ -208,7 +209,8 @@ def _raise_failed(workers) -> None:
 def _gather(queue: VersionedQueue, workers, learner_version: int, items: int = 1, admission=None) -> list[Rollout]:
     """The next acceptable `items` queue entries (e.g. prompt groups) for the learner, once every
     process holds them (one small collective per poll, so no process enters a learner step another
-    will not); a failed worker, here or in another process, raises instead of waiting. With
+    will not); a failed worker, here or in another process, raises instead of waiting, and a
+    preemption signal, here or in another process, raises `Preempted` (the run saves). With
     `admission`, groups are taken only once the step may run (`Admission.may_step`), oldest first."""
     got = []
     while True:
@@ -221,9 +223,12 @@ def _gather(queue: VersionedQueue, workers, learner_version: int, items: int = 1
                 got.append(queue.get(learner_version, timeout=POLL_S)[0])
             except (QueueTimeout, QueueClosed):  # closed only after a worker failed
                 pass
-        status = distributed.agree(-1 if failed else int(len(got) == items))
+        signum = preemption.pending()
+        status = distributed.agree(-1 if failed else int(len(got) == items) | (2 if signum else 0))
         if (status < 0).any():
             _raise_failed(workers)
             raise RuntimeError(f"process {int(np.argmin(status))}'s sampler failed; see its log")
+        if (status & 2).any():  # preempted here or in another process: every process stops at this poll
+            raise preemption.Preempted(signum or signal.SIGTERM)
         if (status == 1).all():
             return got
