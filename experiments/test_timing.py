@@ -87,7 +87,7 @@ def page() -> str:
              "programs, Python). Seconds are summed over tests, so with two workers they exceed the wall "
              "time. A process start-up is one fresh Python importing the project and starting JAX.", "",
              "| run | command | CPU | tests | wall | test seconds | compile | trace+lower | process tests "
-             "| other | subprocesses x start-up |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| other | subprocesses x start-up |", "|" + " --- |" * 11]
     for r in runs:
         t = r["totals"]
         lines.append(f"| {r['label']} | `{r['command']}` | {r['cpu']} · {r['isa']} | {r['tests']} | "

@@ -12,16 +12,25 @@ import sys
 import threading
 from typing import Optional
 
+import numpy as np
+
 from jaxrl_llm import distributed
 
 
-_pending: Optional[int] = None  # the signal the installed `Grace` received, not yet acted on
+_installed: Optional["Grace"] = None  # the running experiment's, from install to uninstall
+PREEMPTED = 2  # the status bit `agree` adds; callers' own codes use bit 1 (or < 0: failed)
 
 
-def pending() -> Optional[int]:
-    """The signal (SIGTERM / SIGINT number) this process received while a run's `Grace` was
-    installed, or None: for waits that must not outlast a preemption (`runtime/remote.py`)."""
-    return _pending
+def agree(code: int) -> np.ndarray:
+    """`distributed.agree(code)` for the runtime modes' waits for data, with this process's
+    preemption signal folded in: once any process got one, every process raises `Preempted` at
+    the same call (unless one failed, `code` < 0, which the caller reports), so a run waiting
+    for data still saves within its grace period."""
+    signum = _installed.signum if _installed is not None else None
+    status = distributed.agree(code if code < 0 else code | (PREEMPTED if signum else 0))
+    if (status >= 0).all() and (status & PREEMPTED).any():
+        raise Preempted(signum or signal.SIGTERM)
+    return status
 
 
 class Preempted(KeyboardInterrupt):
@@ -47,14 +56,15 @@ class Grace:
         return signal.Signals(self.signum or signal.SIGINT).name
 
     def install(self):
+        global _installed
+        _installed = self
         if threading.current_thread() is threading.main_thread():
             self.previous = {signal.SIGINT: signal.getsignal(signal.SIGINT),
                              signal.SIGTERM: signal.signal(signal.SIGTERM, self._requested)}
 
     def _requested(self, signum, frame):
-        global _pending
         if self.signum is None:
-            self.signum = _pending = signum
+            self.signum = signum
             self._start_timer()
 
     def check(self):
@@ -91,8 +101,8 @@ class Grace:
         self.timer.start()
 
     def uninstall(self):
-        global _pending
-        _pending = None
+        global _installed
+        _installed = None
         if self.previous is not None:
             for sig, handler in self.previous.items():
                 signal.signal(sig, handler)

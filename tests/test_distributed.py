@@ -128,7 +128,7 @@ def _start(args):
             for c in cmds]
 
 
-def _wait(workdir, done, procs):
+def _wait(done, procs):
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not done():
         assert all(p.poll() is None for p in procs), "a process ended early"
@@ -162,7 +162,7 @@ def test_preemption_a_lost_process_and_kill_9_each_stop_every_process_and_resume
     run, straight = tmp_path / "run", tmp_path / "straight"
     procs = _start([*args, f"--workdir={run}", "--config.train.steps=100000"])
     try:
-        _wait(run, lambda: _steps(run), procs)
+        _wait(lambda: _steps(run), procs)
         from jaxrl_llm import experiment
         from jaxrl_llm.workdir import WorkdirBusy
         from tests.test_experiment import _tiny
@@ -180,7 +180,7 @@ def test_preemption_a_lost_process_and_kill_9_each_stop_every_process_and_resume
 
     procs = _start([*args, f"--workdir={run}", "--config.train.steps=100000"])
     try:
-        _wait(run, lambda: any(c > stopped for c in _checkpoints(run)) and max(_steps(run)) > _checkpoints(run)[-1],
+        _wait(lambda: any(c > stopped for c in _checkpoints(run)) and max(_steps(run)) > _checkpoints(run)[-1],
               procs)
         procs[1].send_signal(signal.SIGKILL)
         t = time.monotonic()

@@ -460,6 +460,6 @@ def test_a_preemption_ends_the_async_learner_s_wait_for_samples(monkeypatch):
     t.start()
     time.sleep(0.3)
     assert t.is_alive() and not raised  # waiting
-    monkeypatch.setattr(preemption, "_pending", signal.SIGTERM)
+    monkeypatch.setattr(preemption, "_installed", SimpleNamespace(signum=signal.SIGTERM))  # as Grace on SIGTERM
     t.join(5)
     assert not t.is_alive() and raised == [signal.SIGTERM]

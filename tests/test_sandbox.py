@@ -78,4 +78,5 @@ def test_tool_code_sees_none_of_the_run_s_environment(monkeypatch):
         r.close()
     assert out.status == "ok" and "'HOME'" in out.text, out.text
     assert "s3cret-token" not in out.text and "JAXRL_REMOTE_TOKEN" not in out.text
-    assert set(ast.literal_eval(out.text.split("}", 1)[0] + "}")) <= {*sandbox.ENV_KEPT, "HOME", "TMPDIR", "JAXRL_TOOL_NETNS"}
+    seen = ast.literal_eval(out.text.split("}", 1)[0] + "}")
+    assert set(seen) <= {*sandbox.ENV_KEPT, "HOME", "TMPDIR", "JAXRL_TOOL_NETNS"}

@@ -28,7 +28,7 @@ def test_no_test_was_dropped(request):
 
 
 def test_subprocesses_keep_the_fast_compile_flags_but_not_the_fake_devices(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", f"--xla_cpu_max_isa=AVX2 {processes.FAKE_DEVICES} {' '.join(processes.FAST_COMPILE)}")
+    monkeypatch.setenv("XLA_FLAGS", " ".join(["--xla_cpu_max_isa=AVX2", processes.FAKE_DEVICES, *processes.FAST_COMPILE]))
     flags = processes.env()["XLA_FLAGS"].split()
     assert flags == ["--xla_cpu_max_isa=AVX2", *processes.FAST_COMPILE]
     assert processes.env()["JAX_COMPILATION_CACHE_DIR"] == os.environ["JAX_COMPILATION_CACHE_DIR"]

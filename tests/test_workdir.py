@@ -141,7 +141,8 @@ def test_the_token_is_never_written_and_a_new_one_resumes(tmp_path, monkeypatch)
     wd = str(tmp_path)
     c = _tiny()
     c.runtime.remote.token = "s3cret-token"
-    monkeypatch.setattr(sys, "argv", ["main.py", "--config.runtime.remote.token=s3cret-token", "--token", "s3cret-token"])
+    argv = ["main.py", "--config.runtime.remote.token=s3cret-token", "--token", "s3cret-token"]
+    monkeypatch.setattr(sys, "argv", argv)
     experiment.run(c, wd, log=lambda *_: None)
     for name in ("config.json", workdir_lib.HISTORY, workdir_lib.LOCK):
         text = open(os.path.join(wd, name)).read()

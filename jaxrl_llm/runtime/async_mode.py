@@ -20,7 +20,6 @@ params that produced it, and staleness is judged per group.
 from __future__ import annotations
 
 import collections
-import signal
 import threading
 import time
 from typing import Callable, Optional
@@ -223,12 +222,9 @@ def _gather(queue: VersionedQueue, workers, learner_version: int, items: int = 1
                 got.append(queue.get(learner_version, timeout=POLL_S)[0])
             except (QueueTimeout, QueueClosed):  # closed only after a worker failed
                 pass
-        signum = preemption.pending()
-        status = distributed.agree(-1 if failed else int(len(got) == items) | (2 if signum else 0))
+        status = preemption.agree(-1 if failed else int(len(got) == items))
         if (status < 0).any():
             _raise_failed(workers)
             raise RuntimeError(f"process {int(np.argmin(status))}'s sampler failed; see its log")
-        if (status & 2).any():  # preempted here or in another process: every process stops at this poll
-            raise preemption.Preempted(signum or signal.SIGTERM)
         if (status == 1).all():
             return got

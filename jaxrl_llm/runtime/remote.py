@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from typing import Callable, Optional
 
@@ -86,7 +85,7 @@ class RemoteMode:
             batch = self._assemble(got)
         else:
             if self.hub is not None:
-                _poll(1)
+                preemption.agree(1)
             batch = _broadcast_batch(self._assemble(got) if got else None)
             rows = batch.shape[0] // n
             i = distributed.index()
@@ -104,7 +103,7 @@ class RemoteMode:
 
     def _wait_for_main(self) -> list:
         """Processes other than 0: poll (one small collective each) until process 0 has a batch."""
-        while not _poll(0)[0] & 1:
+        while not preemption.agree(0)[0] & 1:
             pass
         return []
 
@@ -122,7 +121,7 @@ class RemoteMode:
                     pass
             else:
                 time.sleep(POLL_S)
-            _poll(0)  # the other processes poll with us; a preemption ends the wait
+            preemption.agree(0)  # the other processes poll with us; a preemption ends the wait
             if time.monotonic() - said > WAIT_LOG_S:
                 said = time.monotonic()
                 nodes = hub.live()
@@ -178,21 +177,6 @@ def serve(hub, r):
     except Exception as e:  # pyarrow says only "Server did not start properly"
         raise ValueError(f"runtime.remote.port={r.port}: cannot serve on {r.host}:{r.port} (in use, or not an "
                          f"address of this machine): {str(e).splitlines()[0]}") from None
-
-
-def _poll(code: int) -> np.ndarray:
-    """One round of the wait loops. With many processes: every process's status (`code` 1:
-    process 0 has the batch) and whether it got a preemption signal, in one collective, so all
-    of them stop at the same round even if one alone got the signal. Raises `Preempted` (the
-    run saves and exits, `experiment.py`) instead of waiting on past the grace period."""
-    signum = preemption.pending()
-    if distributed.count() == 1:
-        status = np.asarray([code | (2 if signum else 0)])
-    else:
-        status = distributed.agree(code | (2 if signum else 0))
-    if (status & 2).any():
-        raise preemption.Preempted(signum or signal.SIGTERM)
-    return status
 
 
 def validate(r) -> None:

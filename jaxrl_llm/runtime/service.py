@@ -89,7 +89,8 @@ class Service(flight.FlightServerBase):
                 break
             try:
                 meta = _json(chunk.app_metadata.to_pybytes() if chunk.app_metadata else b"")
-                req = {**meta, **session, "table": pa.Table.from_batches([chunk.data])}  # a group cannot name another session
+                # The stream's session fields last: a group's metadata cannot name another session.
+                req = {**meta, **session, "table": pa.Table.from_batches([chunk.data])}
                 results.append(_guard(self.handler.put_group, req))
             except flight.FlightUnauthorizedError:
                 raise
