@@ -33,9 +33,11 @@ SECTION = V.Section(  # every task's fields, so any of them can be set from the 
     reward_workers=(default_workers(), V.integer(0)), reward_timeout=(5.0, V.positive()),
     # multi-turn tasks (tool_arithmetic, math_tools): the environment (empty: the task's own), model
     # turns per episode, how turn rewards combine, tokens per observation, the sandboxed tools'
-    # time limit and processes
+    # time limit, processes and isolation (full: refuse a kernel without namespaces; weak: run
+    # with a socket guard there, tools then able to read what the run's user can; docs/multiturn.md)
     env=("", V.text()), max_turns=(4, V.integer(1)), turn_reward=("last", V.one_of("sum", "last")),
     max_obs_tokens=(64, V.integer(1)), tool_timeout=(5.0, V.positive()), tool_workers=(1, V.integer(1)),
+    tool_isolation=("full", V.one_of("full", "weak")),
 )
 default_config = SECTION.config
 RULES = SECTION.rules
@@ -73,7 +75,8 @@ def make(c, hf_path: str = ""):
         from jaxrl_llm.tasks.multiturn import TurnConfig
 
         turn = TurnConfig(env=c.env or DEFAULT_ENV[c.name], max_turns=c.max_turns, turn_reward=c.turn_reward,
-                          max_obs_tokens=c.max_obs_tokens, tool_timeout=c.tool_timeout, tool_workers=c.tool_workers)
+                          max_obs_tokens=c.max_obs_tokens, tool_timeout=c.tool_timeout, tool_workers=c.tool_workers,
+                          tool_isolation=c.tool_isolation)
     if c.name == "tool_arithmetic":
         from jaxrl_llm.tasks import tool_arithmetic
 

@@ -30,6 +30,7 @@ class TurnConfig:
     max_obs_tokens: int = 64  # tokens an observation may append (longer ones are cut, counted)
     tool_timeout: float = 5.0  # seconds a tool call may run before it is killed
     tool_workers: int = 1  # sandboxed tool processes
+    tool_isolation: str = "full"  # full: refuse tool workers without namespaces | weak: run them anyway
 
 
 def is_multi_turn(task) -> bool:
@@ -49,7 +50,8 @@ class Environments:
 
         with self._lock:
             if self._env is None:
-                self._runner = ToolRunner(self.cfg.tool_workers, self.cfg.tool_timeout)
+                self._runner = ToolRunner(self.cfg.tool_workers, self.cfg.tool_timeout,
+                                          require=self.cfg.tool_isolation == "full")
                 self._env = envs.make(self.cfg.env, self.task, self._runner)
             return self._env
 

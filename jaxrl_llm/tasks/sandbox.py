@@ -1,13 +1,12 @@
 """Tools, sandboxed: what a multi-turn environment calls runs in a worker process
-(`pool.WorkerPool`) with a hard timeout, no network, a scratch directory and memory and file-size
-limits; its output is cut to a byte limit. A tool that raises, overruns or dies becomes a
-`ToolResult` that says so, and is counted; it never stops the run.
-
-No network: each fresh worker enters a network namespace of its own (`unshare(CLONE_NEWNET)`;
-unprivileged, inside a user namespace), whose only interface is a loopback that is down, so every
-connect fails at once, to 127.0.0.1 too. Where the kernel allows no namespace, the worker still
-refuses Internet sockets at the Python level (`socket.socket` for AF_INET / AF_INET6 raises); the
-runner reports which applies (`isolation`). Both apply where both can.
+(`pool.WorkerPool`) with a hard timeout, contained by `isolation` (no network, a private read-only
+filesystem view with one writable scratch directory, its own PID namespace, no privileges,
+process, memory and file-size limits) and an environment of ENV_KEPT only. Output is cut to a
+byte limit twice: what the tool returns, and what anything in the worker writes to file
+descriptors 1 and 2 (read from a pipe with a byte budget). Every process tool code started is
+killed when its call returns, and all of them with the worker at a timeout or at close. A tool
+that raises, overruns or dies becomes a `ToolResult` that says so, and is counted; it never
+stops the run.
 """
 
 from __future__ import annotations
@@ -15,16 +14,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
+from jaxrl_llm.tasks import isolation
 from jaxrl_llm.tasks.pool import WorkerPool
 
-_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
 ENV_KEPT = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")  # a tool worker's whole environment, with HOME and TMPDIR
+
+
+class SandboxError(RuntimeError):
+    """The kernel gave a tool worker fewer isolation layers than the task requires."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,31 +36,6 @@ class ToolResult:
     text: str  # the tool's output (cut to the limit), or what went wrong
     status: str  # ok | error | timeout
     seconds: float  # the call's time in the worker (the timeout for one that overran)
-
-
-def _unshare_network() -> bool:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    for flags in (_CLONE_NEWNET, _CLONE_NEWUSER | _CLONE_NEWNET):  # root, then unprivileged
-        if libc.unshare(flags) == 0:
-            return True
-    return False
-
-
-def _guard_sockets() -> None:
-    import socket
-
-    real = socket.socket
-
-    class NoInternet(real):
-        def __init__(self, family=-1, *args, **kwargs):
-            if family in (-1, socket.AF_INET, socket.AF_INET6):
-                raise PermissionError("tools have no network (sandbox)")
-            super().__init__(family, *args, **kwargs)
-
-    socket.socket = NoInternet
-    socket.create_connection = lambda *a, **k: NoInternet()  # noqa: E731
 
 
 def _wipe_start_environment() -> None:
@@ -71,68 +50,113 @@ def _wipe_start_environment() -> None:
         ctypes.memset(start, 0, end - start)
 
 
-def isolate(scratch_root: str, memory_mb: int, file_mb: int) -> None:
-    """A fresh tool worker's setup: no network, cwd/HOME/TMPDIR in a new directory under
-    `scratch_root`, an environment of ENV_KEPT only, address space and file size limits."""
-    import resource
-
-    netns = _unshare_network()
-    _guard_sockets()
+def isolate(scratch_root: str, memory_mb: int, file_mb: int, processes: int = 32, *layers) -> None:
+    """A fresh tool worker's setup: an environment of ENV_KEPT only, then `isolation.enter` with
+    cwd/HOME/TMPDIR a new directory under `scratch_root`."""
     scratch = tempfile.mkdtemp(prefix="tool_", dir=scratch_root)
-    os.chdir(scratch)
     keep = {k: os.environ[k] for k in ENV_KEPT if k in os.environ}
     os.environ.clear()  # nothing of the run's environment (its token, keys, paths) reaches tool code
     _wipe_start_environment()
-    os.environ.update(keep, HOME=scratch, TMPDIR=scratch, JAXRL_TOOL_NETNS="1" if netns else "0")
+    os.environ.update(keep, HOME=scratch, TMPDIR=scratch)
+    isolation.enter(scratch, memory_mb, file_mb, processes, *layers)
     tempfile.tempdir = scratch
-    if memory_mb:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-    if file_mb:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb << 20, file_mb << 20))
+
+
+class _FdOutput:
+    """For one call: file descriptors 1 and 2 of this worker (and of every process tool code
+    starts) write to a pipe, drained by a thread that keeps the first `limit` bytes."""
+
+    def __init__(self, limit: int):
+        self.limit, self.kept, self.dropped = limit, bytearray(), 0
+        sys.stdout.flush(), sys.stderr.flush()
+        self._read, write = os.pipe()
+        self._saved = (os.dup(1), os.dup(2))
+        os.dup2(write, 1), os.dup2(write, 2)
+        os.close(write)
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while chunk := os.read(self._read, 1 << 16):
+            room = max(self.limit - len(self.kept), 0)
+            self.kept += chunk[:room]
+            self.dropped += max(len(chunk) - room, 0)
+
+    def close(self) -> str:
+        """What was written (the pipe's last writer is gone once tool processes are reaped)."""
+        sys.stdout.flush(), sys.stderr.flush()
+        for fd, saved in zip((1, 2), self._saved):
+            os.dup2(saved, fd)
+            os.close(saved)
+        self._thread.join(timeout=2.0)  # a writer that outlived `reap` (no PID namespace) is cut off
+        os.close(self._read)
+        return bytes(self.kept).decode("utf-8", "replace")
 
 
 def _call(tool: Callable, limit: int, *args):
-    """In the worker: the tool's output as text, cut to `limit` bytes, and its seconds."""
+    """In the worker: the tool's output as text (what it returned, then what was written to
+    fds 1 and 2), cut to `limit` bytes, and its seconds. No process it started outlives it."""
     t = time.perf_counter()
-    out = str(tool(*args))
-    return cut(out, limit), time.perf_counter() - t
+    fds = _FdOutput(limit)
+    try:
+        out = str(tool(*args))
+    finally:
+        isolation.reap()
+        written = fds.close()
+    return cut(out + written, limit, fds.dropped), time.perf_counter() - t
 
 
-def cut(text: str, limit: int) -> str:
-    """`text` within `limit` UTF-8 bytes; a cut one ends saying how much was dropped."""
+def cut(text: str, limit: int, dropped: int = 0) -> str:
+    """`text` within `limit` UTF-8 bytes; a cut one ends saying how many bytes were dropped
+    (`dropped` of them before `text`)."""
     data = text.encode("utf-8", "replace")
-    if len(data) <= limit:
+    if len(data) <= limit and not dropped:
         return text
-    note = f"\n[... {len(data) - limit} more bytes cut]"
-    return data[:max(limit - len(note), 0)].decode("utf-8", "ignore") + note
+    kept, note = data[:limit], ""
+    for _ in range(3):  # the note's own length decides how much text fits beside it
+        kept = data[:max(limit - len(note.encode()), 0)].decode("utf-8", "ignore").encode()
+        note = f"\n[... {len(data) - len(kept) + dropped} more bytes cut]"
+    return kept.decode() + note
 
 
-def _network_probe() -> str:
-    return os.environ.get("JAXRL_TOOL_NETNS", "?")
+def _layers_probe() -> tuple:
+    return isolation.layers()
 
 
 class ToolRunner:
     """`submit(tool, [args, ...]) -> Future[list[ToolResult]]` (one job, e.g. one turn's calls);
     `run(tool, *args) -> ToolResult`. `tool` is a module-level function (it is pickled to the
     workers) returning text. Counters: `calls`, `errors`, `timeouts`, `seconds`. `close()`
-    stops the workers and removes their scratch directories."""
+    stops the workers (and every process of theirs) and removes their scratch directories.
+    With `require` (the default) the runner refuses, at once, a kernel that gives its workers
+    fewer than `isolation.FULL` layers; `processes` bounds the tasks a worker's tool may run;
+    `as_nobody` and `namespaces` as in `isolation.enter`."""
 
     def __init__(self, workers: int = 1, timeout: float = 5.0, max_output_bytes: int = 4096, memory_mb: int = 2048,
-                 file_mb: int = 64):
+                 file_mb: int = 64, processes: int = 32, require: bool = True, as_nobody: bool = True,
+                 namespaces: bool = True):
         if max_output_bytes < 64:
             raise ValueError(f"max_output_bytes must be >= 64 (room for the cut note); got {max_output_bytes}")
         self.timeout, self.limit = timeout, max_output_bytes
         self.scratch = tempfile.mkdtemp(prefix="jaxrl_tools_")
         self._pool = WorkerPool(workers, timeout=timeout, default=None,
-                                setup=(isolate, (self.scratch, memory_mb, file_mb)))
+                                setup=(isolate, (self.scratch, memory_mb, file_mb, processes, as_nobody, namespaces)))
         self._lock = threading.Lock()
         self.calls = self.errors = self.timeouts = 0
         self.seconds = 0.0
+        missing = [layer for layer in isolation.FULL if layer not in self.isolation] if require else []
+        if missing:
+            self.close()
+            raise SandboxError(f"tool workers lack {', '.join(missing)} isolation here (the kernel refused "
+                               f"namespaces); set task.tool_isolation=weak to run tools with a socket guard only")
 
     @property
-    def isolation(self) -> str:
-        """"netns" (own network namespace and the socket guard) or "socket-guard" (the guard alone)."""
-        return "netns" if self._pool.call(_network_probe)[0] == "1" else "socket-guard"
+    def isolation(self) -> tuple:
+        """The layers a worker entered: `isolation.FULL` where the kernel allows, else ("socket-guard",)."""
+        layers, error = self._pool.call(_layers_probe)
+        if error is not None:
+            raise SandboxError(f"a tool worker did not answer: {error}")
+        return layers
 
     def submit(self, tool: Callable, args_list: Sequence[tuple]) -> Future:
         inner = self._pool.submit(_call, [(tool, self.limit, *args) for args in args_list])
