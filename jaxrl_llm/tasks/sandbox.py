@@ -12,6 +12,7 @@ stops the run.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import sys
@@ -144,7 +145,9 @@ class ToolRunner:
         self._lock = threading.Lock()
         self.calls = self.errors = self.timeouts = 0
         self.seconds = 0.0
-        missing = [layer for layer in isolation.FULL if layer not in self.isolation] if require else []
+        layers = self.isolation
+        logging.getLogger(__name__).info("tool workers contained by: %s", ", ".join(layers))
+        missing = [layer for layer in isolation.FULL if layer not in layers] if require else []
         if missing:
             self.close()
             raise SandboxError(f"tool workers lack {', '.join(missing)} isolation here (the kernel refused "
