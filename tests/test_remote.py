@@ -156,6 +156,26 @@ def test_leases_expire_back_to_the_front_and_refuse_late_groups():
     assert (lambda x: (x.draw, x.groups))(leases.issue("b", 1)) == (d.draw, [0])
 
 
+def test_a_node_that_heartbeats_but_delivers_nothing_loses_its_leases_after_stall_s():
+    now = [0.0]
+    leases = Leases(_todo(), lease_s=10, clock=lambda: now[0], stall_s=25)
+    slow, honest = leases.issue("slow", 0), leases.issue("honest", 0)
+    for t in range(5, 30, 5):
+        now[0] = t
+        leases.heartbeat("slow"), leases.heartbeat("honest")
+        if t == 20:
+            leases.received(honest.id, "honest", 0)
+        assert leases.expire() == [] or t > 25
+    now[0] = 26
+    assert [x.id for x in leases.expire()] == [slow.id] and (leases.expired, leases.stalled) == (1, 1)
+    assert leases.pending_groups("honest") == 1 and leases.pending_groups("slow") == 0
+    again = leases.issue("slow", 0)
+    assert (again.draw, again.groups) == (slow.draw, slow.groups)  # first in line, and a fresh clock
+    now[0] = 52
+    leases.heartbeat("slow"), leases.heartbeat("honest")
+    assert {x.node for x in leases.expire()} == {"slow", "honest"}  # 26 and 32 s without a group
+
+
 # ---------------------------------------------------------------------- service
 
 
@@ -407,7 +427,7 @@ def test_two_learner_processes_two_nodes_a_node_leaving_by_sigterm_and_a_preempt
     assert records[-1]["weights/publish_bytes"] == 4 * 2 * per_layer  # float32 adapters of 2 layers
 
 
-def _hub(verify_fraction=1.0, task=None, max_new_tokens=4):
+def _hub(verify_fraction=1.0, task=None, max_new_tokens=4, capacity=100):
     import jax
 
     from jaxrl_llm import models
@@ -429,7 +449,7 @@ def _hub(verify_fraction=1.0, task=None, max_new_tokens=4):
     store = WeightStore()
     store.publish(3, models.init_params(mcfg, jax.random.key(0)))
     queue = VersionedQueue(100)
-    return Hub(producer, store, Leases(_todo(), 30.0), queue, cfg, {"task": {}}, capacity=100), task
+    return Hub(producer, store, Leases(_todo(), 30.0), queue, cfg, {"task": {}}, capacity=capacity), task
 
 
 def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
@@ -470,6 +490,18 @@ def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
     with pytest.raises(PermissionError, match="'n' was refused earlier in this run"):
         hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "n"})
     assert hub.rejected == MIN_VERIFIED and len(hub.queue) == 0 and hub.leases.pending_groups() == 0
+
+
+def test_each_node_leases_from_its_own_room_so_a_hoarding_node_starves_no_one():
+    hub, _ = _hub(capacity=4)
+    hi = {"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__}
+    hog, honest = ({k: me[k] for k in ("run_id", "node", "session")} for me in (hub.hello({**hi, "name": "hog"}),
+                                                                              hub.hello({**hi, "name": "honest"})))
+    for _ in range(5):  # the hog asks again and again and uploads nothing
+        hub.lease({**hog, "version": 3, "count": 8})
+    assert hub.leases.pending_groups("hog") == 4  # its room: capacity groups leased or queued
+    got = hub.lease({**honest, "version": 3, "count": 8})["leases"]
+    assert sum(len(x["groups"]) for x in got) == 4 and hub.leases.pending_groups("honest") == 4
 
 
 def test_node_names_are_bounded_labels_and_sessions_cannot_be_taken():

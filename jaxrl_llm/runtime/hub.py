@@ -105,8 +105,9 @@ class Hub:
                 "version": self.store.latest()[0], "lease_s": self.leases.lease_s, **self.node_config}
 
     def lease(self, req: dict) -> dict:
-        """Up to `count` (at most MAX_LEASES) leases while the node's share of the in-flight room
-        lasts: a node on a slow link leases ahead, or the round trip bounds its throughput."""
+        """Up to `count` (at most MAX_LEASES) leases while the node's own room lasts (`capacity`
+        groups leased or queued, so one node never takes another's) and the run's does: a node
+        on a slow link leases ahead, or the round trip bounds its throughput."""
         n = self._node(req)
         self.expire()
         admit = None
@@ -114,7 +115,8 @@ class Hub:
             admit = lambda v, groups: self.admission.try_admit(v, self.store.latest()[0], groups)  # noqa: E731
         out = []
         for _ in range(min(MAX_LEASES, max(1, int(req.get("count", 1))))):
-            room = self.capacity * max(1, self.live()) - len(self.queue) - self.leases.pending_groups()
+            room = min(self.capacity - self.leases.pending_groups(n.name) - self._queued(n.name),
+                       self.capacity * max(1, self.live()) - len(self.queue) - self.leases.pending_groups())
             x = self.leases.issue(n.name, int(req.get("version", -1)), admit) if room > 0 else None
             if x is None:
                 break
@@ -209,6 +211,9 @@ class Hub:
         n.seen = time.monotonic()
         return n
 
+    def _queued(self, node: str) -> int:
+        return sum(1 for v in list(self.made_by.values()) if v == node)
+
     def _revoke(self, leases) -> list:
         if self.admission is not None:
             for x in leases:
@@ -270,7 +275,7 @@ class Hub:
 
     def metrics(self) -> dict:
         m = {"remote/nodes": float(self.live()), "remote/rejected": float(self.rejected),
-             "remote/leases_expired": float(self.leases.expired),
+             "remote/leases_expired": float(self.leases.expired), "remote/leases_stalled": float(self.leases.stalled),
              "remote/refused": float(sum(n.refused for n in self.nodes.values())),
              "remote/replay_failures": float(self.replay_failures)}
         latest = self.store.latest()[0]

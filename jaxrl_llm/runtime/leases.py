@@ -7,7 +7,8 @@ deadline; the node's heartbeats push the deadline on. A group arriving for a lea
 held (expired, released, from before a learner restart) is refused, so nothing is trained
 twice; the groups of a lease that expires or is released go back to the front of the stream and
 are leased again, so nothing is lost. The learner never waits on a dead node longer than
-`lease_s`.
+`lease_s`, nor on a node that heartbeats but delivers nothing longer than `stall_s`: a node
+holding leases whose last group arrived (or whose first lease was issued) longer ago loses them.
 """
 
 from __future__ import annotations
@@ -39,19 +40,23 @@ class Lease:
 
 
 class Leases:
-    def __init__(self, todo: Iterator[tuple[int, list]], lease_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, todo: Iterator[tuple[int, list]], lease_s: float, clock: Callable[[], float] = time.monotonic,
+                 stall_s: float = float("inf")):
         """`todo`: (draw, undelivered groups) in stream order (`DataPosition.todo(0)`)."""
-        self._todo, self.lease_s, self.clock = todo, lease_s, clock
+        self._todo, self.lease_s, self.clock, self.stall_s = todo, lease_s, clock, stall_s
+        self._progress: dict[str, float] = {}  # node -> when it last delivered, or began to hold leases
         self._returned: collections.deque = collections.deque()  # (draw, groups) to lease again first
         self._held: dict[int, Lease] = {}
         self._next = None  # the stream's next draw, once peeked
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.expired = 0  # leases that ran out (their node died or stalled)
+        self.stalled = 0  # of those, leases of a node that heartbeated but delivered nothing
 
-    def pending_groups(self) -> int:
+    def pending_groups(self, node: Optional[str] = None) -> int:
+        """Groups leased and not yet received (`node`'s only, if given)."""
         with self._lock:
-            return sum(len(x.pending) for x in self._held.values())
+            return sum(len(x.pending) for x in self._held.values() if node is None or x.node == node)
 
     def issue(self, node: str, version: int, admit: Optional[Callable[[int, int], bool]] = None) -> Optional[Lease]:
         """A lease on the next draw for `node` (whose weights are at `version`), or None when
@@ -68,6 +73,8 @@ class Leases:
             else:
                 self._next = None
             lease = Lease(next(self._ids), node, draw, list(groups), version, self.clock() + self.lease_s)
+            if not mine:
+                self._progress[node] = self.clock()
             self._held[lease.id] = lease
             return lease
 
@@ -104,6 +111,7 @@ class Leases:
             if group not in lease.pending:
                 raise LeaseError(f"group {group} of draw {lease.draw} is not pending in lease {lease_id}")
             lease.pending.discard(group)
+            self._progress[node] = self.clock()
             if not lease.pending:
                 del self._held[lease_id]
             return lease
@@ -122,11 +130,14 @@ class Leases:
             return lease
 
     def expire(self) -> list[Lease]:
-        """Leases past their deadline end; their pending groups go back to the stream."""
+        """Leases past their deadline end, and every lease of a node that delivered nothing for
+        `stall_s`; their pending groups go back to the stream."""
         with self._lock:
             now = self.clock()
-            gone = [x for x in self._held.values() if x.deadline < now]
+            stalled = {x.node for x in self._held.values() if now - self._progress.get(x.node, now) > self.stall_s}
+            gone = [x for x in self._held.values() if x.deadline < now or x.node in stalled]
             self.expired += len(gone)
+            self.stalled += sum(x.node in stalled for x in gone)
             return self._return(gone)
 
     def release(self, node: Optional[str] = None) -> list[Lease]:

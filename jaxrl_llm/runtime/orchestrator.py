@@ -64,9 +64,11 @@ SECTION = V.Section(
                     max=(8.0, V.non_negative()), value=(1.0, V.non_negative()), weibull_shape=(1.5, V.positive())),
     step_seconds=(1.0, V.positive()),  # simulated: seconds of delay per learner step
     # remote: the learner's service for sampler nodes (remote.py). Beyond loopback it needs the
-    # token (or JAXRL_REMOTE_TOKEN); tls_cert / tls_key: PEM files for TLS.
+    # token (or JAXRL_REMOTE_TOKEN); tls_cert / tls_key: PEM files for TLS. lease_s: a lease lives
+    # that long past a node's last heartbeat; stall_s: a node that delivers no group for that long
+    # loses its leases though it heartbeats.
     remote=V.Section(host=("127.0.0.1", V.text()), port=(8815, V.integer(0, high=65535)), token=("", V.anything()),
-                     lease_s=(30.0, V.positive()), verify_fraction=(0.05, V.unit()), max_mismatch=(0.1, V.unit()),
+                     lease_s=(30.0, V.positive()), stall_s=(600.0, V.positive()), verify_fraction=(0.05, V.unit()), max_mismatch=(0.1, V.unit()),
                      chunk_mb=(16, V.integer(1)), tls_cert=("", V.anything()), tls_key=("", V.anything())),
     advantage=("grpo", V.one_of(*advantages.names())),
     # grpo: A = (r - mean) / (std + advantage_eps) (verl 1e-6, AReaL 1e-5); a prompt group of one

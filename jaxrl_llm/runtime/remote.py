@@ -65,7 +65,7 @@ class RemoteMode:
         queue = VersionedQueue(1 << 20, None if c.max_staleness < 0 else c.max_staleness, c.staleness_policy,
                                on_drop=self._dropped)  # bounded by the leases the hub issues
         capacity = max(c.queue_size, c.max_staleness + 1 if admit else 0) * self.items * distributed.count()
-        leases = Leases(self.position.todo(STREAM), r.lease_s)
+        leases = Leases(self.position.todo(STREAM), r.lease_s, stall_s=r.stall_s)
         self.hub = Hub(self.producer, self.store, leases, queue, c, self.node_config, self.admission,
                        capacity=capacity, lengths=self.lengths)
         self.service = serve(self.hub, r)
