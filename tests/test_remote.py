@@ -187,6 +187,79 @@ class _Echo:
         raise PermissionError("node x was refused")
 
 
+class _Faulty:
+    """A handler whose put_group fails in every way the service must contain."""
+
+    def __init__(self):
+        import collections
+
+        self.refusals, self.streams = collections.Counter(), 0
+
+    def refuse(self, reason):
+        self.refusals[reason] += 1
+
+    def check_session(self, req):
+        if req.get("session") != "ok":
+            e = wire.Rejected("the session key does not match")
+            e.counted = True
+            self.refuse("session")
+            raise e
+        self.streams += 1
+
+    def put_group(self, req):
+        if req["group"] == 1:
+            raise RuntimeError("/secret/server/path.py exploded")  # a bug, not a refusal
+        if req["group"] == 2:
+            raise KeyError("lease")  # not counted by the handler: the service counts it
+        return {"accepted": True}
+
+    def hello(self, req):
+        return {}
+
+
+def test_service_refusals_are_one_line_counted_by_reason_and_a_bad_group_refuses_only_itself():
+    h = _Faulty()
+    svc = Service(h, "127.0.0.1", 0, token="s3cret")
+    try:
+        c = Client(svc.address, token="s3cret")
+        f = _group(rows=2, p=2, new=2, k=0, prompt=(1,))
+        groups = [(wire.group_batch(f), {"lease": 1, "group": g}) for g in range(4)]
+        groups[3] = (groups[3][0], {"lease": 1, "group": 3, "pad": "x" * 5000})  # metadata past MAX_META_BYTES
+        answers = c.put_groups(groups, session="ok")
+        assert answers[0] == {"accepted": True} and answers[1]["rejected"] == (
+            "internal error on the learner (RuntimeError); it is logged there")
+        assert "KeyError" in answers[2]["rejected"] and "at most 4096 bytes" in answers[3]["rejected"]
+        assert all("Traceback" not in str(a) and "/secret" not in str(a) for a in answers)
+        with pytest.raises(flight.FlightServerError, match="session key does not match"):
+            c.put_groups(groups[:1], session="forged")
+        with pytest.raises(flight.FlightServerError, match="at most 65536 bytes"):
+            c.call("hello", pad="x" * (70 << 10))
+        with pytest.raises(flight.FlightServerError, match="unknown action"):
+            c.call("nope")
+        for _ in range(3):
+            with pytest.raises(flight.FlightUnauthenticatedError):
+                Client(svc.address, token="guess").call("hello")
+        assert h.streams == 1 and dict(h.refusals) == {"internal": 1, "request": 4, "session": 1, "token": 3}
+    finally:
+        svc.close()
+
+
+def test_failed_authentication_past_a_burst_waits_before_each_refusal():
+    from jaxrl_llm.runtime.service import TokenCheck
+
+    now, slept, counted = [0.0], [], []
+    check = TokenCheck("s3cret", counted.append, burst=3, delay_s=0.5, clock=lambda: now[0], sleep=slept.append)
+    for i in range(6):
+        with pytest.raises(flight.FlightUnauthenticatedError):
+            check.start_call(None, {"authorization": ["Bearer guess"]})
+    assert slept == [0.5] * 3 and counted == ["token"] * 3 + ["throttled"] * 3
+    assert check.start_call(None, {"authorization": ["Bearer s3cret"]}) is None and len(slept) == 3  # never delayed
+    now[0] = 1.5  # a second later the burst is free again
+    with pytest.raises(flight.FlightUnauthenticatedError):
+        check.start_call(None, {"authorization": ["Bearer guess"]})
+    assert len(slept) == 3 and counted[-1] == "token"
+
+
 def test_service_requires_its_token_and_speaks_tls(tmp_path):
     svc = Service(_Echo(), "127.0.0.1", 0, token="s3cret")
     try:
@@ -317,7 +390,7 @@ def test_learner_and_two_nodes_through_joins_kills_and_a_learner_restart(tmp_pat
             if lease is not None:
                 break
         sc = hello["sampler"]
-        f = _group(rows=sc["num_samples"], p=16, new=sc["max_new_tokens"], k=sc["capture_topk"], prompt=(1,))
+        f = _group(rows=sc["num_samples"], p=7, new=sc["max_new_tokens"], k=sc["capture_topk"], prompt=(1,))  # 7: the run's prompt width
         forged = {"outside the vocabulary": dict(f, tokens=f["tokens"] + 10_000),
                   "the learner is at version": dict(f, versions=f["versions"] + 10_000),
                   "expected \\(16, L\\)": {n: x[:3] for n, x in f.items()}}
@@ -489,7 +562,8 @@ def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
         hub.lease({**s, "version": 3})
     with pytest.raises(PermissionError, match="'n' was refused earlier in this run"):
         hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "n"})
-    assert hub.rejected == MIN_VERIFIED and len(hub.queue) == 0 and hub.leases.pending_groups() == 0
+    assert hub.refusals == {"hello": 2, "session": 1, "lease": 1, "reward": MIN_VERIFIED - 1, "refused": 1}
+    assert hub.rejected == 9 and len(hub.queue) == 0 and hub.leases.pending_groups() == 0
 
 
 def test_each_node_leases_from_its_own_room_so_a_hoarding_node_starves_no_one():
@@ -502,6 +576,39 @@ def test_each_node_leases_from_its_own_room_so_a_hoarding_node_starves_no_one():
     assert hub.leases.pending_groups("hog") == 4  # its room: capacity groups leased or queued
     got = hub.lease({**honest, "version": 3, "count": 8})["leases"]
     assert sum(len(x["groups"]) for x in got) == 4 and hub.leases.pending_groups("honest") == 4
+
+
+def test_oversized_groups_are_refused_before_decoding_and_gone_nodes_leave_the_table_and_metrics():
+    import pyarrow as pa
+
+    from jaxrl_llm.runtime import hub as hub_lib
+
+    hub, task = _hub(verify_fraction=0.0)
+    hi = {"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__}
+    me = hub.hello({**hi, "name": "n"})
+    s = {k: me[k] for k in ("run_id", "node", "session")}
+    lease = hub.lease({**s, "version": 3})["leases"][0]
+    prompt = hub.producer.draw(1, lease["draw"])[0][0]
+    wide = _group(rows=2, p=len(prompt) + 4000, new=4, k=0, prompt=prompt, vocab=task.vocab_size, kept=False)
+    rows = pa.table({n: pa.array([None] * 2_000_000, t) for n, t in zip(wire._SCHEMA.names, wire._SCHEMA.types)})
+    for group, table in enumerate((wire.encode_group(wire.group_batch(wide)), rows)):
+        with pytest.raises(wire.Rejected, match="this run's groups take at most 10 rows and"):
+            hub.put_group({**s, "lease": lease["id"], "group": group, "table": table})
+    assert hub.refusals == {"size": 2} and hub.leases.pending_groups() == len(lease["groups"]) - 2  # leased again
+    for n in range(5):
+        hub.hello({**hi, "name": f"gone{n}"})
+    assert len([k for k in hub.metrics() if k.startswith("remote/gone")]) == 5 * 3
+    for name in list(hub.nodes):
+        if name.startswith("gone"):
+            hub.nodes[name].seen -= hub_lib.PRUNE_LEASES * hub.leases.lease_s + 1
+    assert hub.lease({**s, "version": 3})["leases"]
+    hub.nodes["n"].seen -= hub_lib.PRUNE_LEASES * hub.leases.lease_s + 1  # gone too, but it holds a lease
+    hub.expire()
+    assert sorted(hub.nodes) == ["n"] and not any(k.startswith("remote/gone") for k in hub.metrics())
+    live = __import__("dataclasses").replace(hub.nodes["n"], seen=time.monotonic())
+    hub.nodes.update({f"x{i}": live for i in range(hub_lib.MAX_NODES)})
+    with pytest.raises(PermissionError, match=f"at most {hub_lib.MAX_NODES} nodes"):
+        hub.hello({**hi, "name": "one-more"})
 
 
 def test_node_names_are_bounded_labels_and_sessions_cannot_be_taken():

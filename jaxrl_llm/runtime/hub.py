@@ -30,7 +30,7 @@ import numpy as np
 import jaxrl_llm
 from jaxrl_llm import staleness
 from jaxrl_llm.runtime import wire
-from jaxrl_llm.runtime.leases import Leases
+from jaxrl_llm.runtime.leases import LeaseError, Leases
 from jaxrl_llm.runtime.producer import Origin, Producer, Rollout
 from jaxrl_llm.runtime.queue import VersionedQueue
 from jaxrl_llm.runtime.weights import WeightStore
@@ -42,7 +42,13 @@ STREAM = 0  # the data position's stream the nodes share (draws are Producer.dra
 MIN_VERIFIED = 5
 BASE = -2  # the artifact version of LoRA's frozen base (`manifest(part="base")`)
 MAX_LEASES = 8  # per lease call
+MAX_NODES = 256  # in the node table at once; nodes gone for PRUNE_LEASES lease periods leave it
+PRUNE_LEASES = 4
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a node's display name: bounded, safe in metric keys and logs
+# Why calls were refused (`remote/rejected/<reason>`): the service's (token, throttled, request)
+# and the hub's (hello, session, refused node, lease, size, malformed group, reward, internal error).
+REASONS = ("token", "throttled", "request", "hello", "session", "refused", "lease", "size", "malformed", "reward",
+           "internal")
 
 
 @dataclasses.dataclass
@@ -73,28 +79,48 @@ class Hub:
         self.vocab = vocab or producer.sampler.model_cfg.vocab_size
         self.run_id = uuid.uuid4().hex
         self.nodes: dict[str, NodeStats] = {}
-        self.rejected = self.replay_failures = 0  # replay_failures: multi-turn groups left unverified
+        self.refusals: collections.Counter = collections.Counter()  # reason (REASONS) -> calls refused
+        self.replay_failures = 0  # multi-turn groups left unverified
         self._refused: dict[str, str] = {}  # asked name -> why
         self._artifacts: collections.OrderedDict = collections.OrderedDict()  # version -> (manifest, buffer)
         self._prompts: collections.OrderedDict = collections.OrderedDict()  # draw -> prompts
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # `refuse` is called with it held
         self._rng = np.random.default_rng([cfg.seed, 31])
         self.made_by: dict[tuple, str] = {}  # (draw, group) queued -> its node, until trained or dropped
+        sc = producer.sampler.cfg
+        self.max_width = producer.sampler.bucket(getattr(producer.task, "max_prompt_len", sc.prompt_buckets[-1])) \
+            + sc.max_new_tokens
+        self.group_bytes = wire.max_group_bytes(producer.group_size, self.max_width, sc.capture_topk)
+
+    @property
+    def rejected(self) -> int:
+        return sum(self.refusals.values())
+
+    def refuse(self, reason: str) -> None:
+        """Count a refused call (the service counts its own through this too)."""
+        with self._lock:
+            self.refusals[reason] += 1
+
+    def _refusal(self, e: Exception, reason: str) -> Exception:
+        """`e`, counted under `reason` and marked so (the service counts what is not marked)."""
+        self.refuse(reason)
+        e.counted = True
+        return e
+
+    def check_session(self, req: dict) -> None:
+        """A put stream's session, checked before the service reads its first group."""
+        self._node(req)
 
     # ------------------------------------------------------------------ calls
 
     def hello(self, req: dict) -> dict:
-        mine = {"protocol": wire.PROTOCOL, "package": jaxrl_llm.__version__}
-        theirs = {k: req.get(k) for k in mine}
-        if theirs != mine:
-            raise PermissionError(f"this learner speaks protocol {mine['protocol']} (jaxrl_llm {mine['package']}); "
-                                  f"the node {theirs['protocol']} (jaxrl_llm {theirs['package']})")
-        name = req.get("name") or "node"
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise PermissionError(f"node names are 1 to 64 characters of A-Z a-z 0-9 . _ -; got {str(name)[:80]!r}")
-        if name in self._refused:  # saying hello again does not undo a refusal
-            raise PermissionError(f"node {name!r} was refused earlier in this run: {self._refused[name]}")
+        try:
+            name = self._greet(req)
+        except PermissionError as e:
+            raise self._refusal(e, "hello")
         with self._lock:
+            if len(self.nodes) >= MAX_NODES:
+                raise self._refusal(PermissionError(f"this learner serves at most {MAX_NODES} nodes at once"), "hello")
             node, k = name, 1
             while node in self.nodes:  # a display label, unique in this run
                 node, k = f"{name}-{k}", k + 1
@@ -103,6 +129,21 @@ class Hub:
                                          session=secrets.token_hex(16))
         return {"run_id": self.run_id, "node": node, "session": self.nodes[node].session,
                 "version": self.store.latest()[0], "lease_s": self.leases.lease_s, **self.node_config}
+
+    def _greet(self, req: dict) -> str:
+        """The name a hello asks for, if this learner can take it; else PermissionError."""
+        mine = {"protocol": wire.PROTOCOL, "package": jaxrl_llm.__version__}
+        theirs = {k: req.get(k) for k in mine}
+        if theirs != mine:
+            raise PermissionError(f"this learner speaks protocol {mine['protocol']} (jaxrl_llm {mine['package']}); "
+                                  f"the node {str(theirs['protocol'])[:20]} (jaxrl_llm {str(theirs['package'])[:20]})")
+        name = req.get("name") or "node"
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise PermissionError(f"node names are 1 to 64 characters of A-Z a-z 0-9 . _ -; got {str(name)[:80]!r}")
+        if name in self._refused:  # saying hello again does not undo a refusal
+            raise PermissionError(f"node {name!r} was refused earlier in this run: {self._refused[name]}")
+        self._prune()
+        return name
 
     def lease(self, req: dict) -> dict:
         """Up to `count` (at most MAX_LEASES) leases while the node's own room lasts (`capacity`
@@ -141,11 +182,14 @@ class Hub:
         return self._artifact(self.store.publication())[0]
 
     def chunk(self, req: dict):
-        with self._lock:
-            art = self._artifacts.get(int(req["version"]))
-        if art is None:
-            raise KeyError(f"weights version {req['version']} is no longer served; fetch the newest manifest")
-        c = art[0]["chunks"][int(req["chunk"])]
+        try:
+            with self._lock:
+                art = self._artifacts.get(int(req["version"]))
+            if art is None:
+                raise KeyError(f"weights version {req['version']} is no longer served; fetch the newest manifest")
+            c = art[0]["chunks"][int(req["chunk"])]
+        except (ValueError, LookupError, TypeError) as e:
+            raise self._refusal(e, "request")
         return memoryview(art[1])[c["offset"]:c["offset"] + c["nbytes"]]
 
     def put_group(self, req: dict) -> dict:
@@ -153,23 +197,26 @@ class Hub:
         try:
             lease_id, group = int(req["lease"]), int(req["group"])
             lease = self.leases.held(lease_id, n.name, group)
+            wire.check_size(req["table"], self.group_bytes)  # before a byte of it is decoded
             f = wire.decode_group(req["table"])
             prompt = self._draw_prompts(lease.draw)[group]
             sc = self.producer.sampler.cfg
             wire.check_group(f, rows=self.producer.group_size, prompt=prompt, vocab=self.vocab, topk=sc.capture_topk,
                              max_new_tokens=sc.max_new_tokens, learner_version=self.store.latest()[0],
-                             min_version=max(0, lease.version), kept=sc.dist.truncated)
+                             min_version=max(0, lease.version), kept=sc.dist.truncated, max_width=self.max_width)
             if self.cfg.remote.verify_fraction and self._rng.random() < self.cfg.remote.verify_fraction:
                 self._verify(n, prompt, f)
             self.leases.received(lease_id, n.name, group)
-        except (ValueError, KeyError) as e:  # Rejected and LeaseError too
+        except Exception as e:  # every path: counted by reason, the group leased again at once
             n.rejected += 1
-            self.rejected += 1
             # A refused group of a lease the node holds is leased again at once (the node's
             # heartbeats would otherwise keep it held and its prompts untrained).
             if lease is not None and self.leases.give_back(lease.id, group) and self.admission is not None:
                 self.admission.revoke(lease.version, 1)
-            raise wire.Rejected(str(e)) from None
+            if not isinstance(e, (ValueError, LookupError, TypeError)):
+                log.exception("a group from node %s failed on the learner", n.name)
+                e = wire.Rejected(f"internal error on the learner ({type(e).__name__}); it is logged there")
+            raise self._refusal(wire.Rejected(str(e)), _reason(e)) from None
         batch = wire.group_batch(f)  # advantages: once per learner batch (`RemoteMode`)
         n.groups += 1
         if self.lengths is not None:
@@ -186,6 +233,7 @@ class Hub:
 
     def expire(self) -> None:
         self._revoke(self.leases.expire())
+        self._prune()
 
     def live(self, within: Optional[float] = None) -> int:
         """Nodes heard from within `within` seconds (default: one lease period)."""
@@ -198,18 +246,28 @@ class Hub:
     # ------------------------------------------------------------------ helpers
 
     def _node(self, req: dict) -> NodeStats:
-        if req.get("run_id") != self.run_id:
-            raise wire.Rejected("this learner run does not know the node (it restarted): say hello again")
-        n = self.nodes.get(req.get("node"))
-        if n is None:
-            raise wire.Rejected(f"unknown node {str(req.get('node'))[:80]!r}: say hello first")
-        if not hmac.compare_digest(str(req.get("session", "")).encode(), n.session.encode()):
-            raise wire.Rejected(f"the session key does not match node {n.name!r}'s (hello gives each session its own)")
+        """The calling node, checked: this run's, known, its session key, not refused."""
+        n = self.nodes.get(req.get("node")) if req.get("run_id") == self.run_id else None
+        if n is None or not hmac.compare_digest(str(req.get("session", "")).encode(), n.session.encode()):
+            why = ("this learner run does not know the node (it restarted): say hello again"
+                   if req.get("run_id") != self.run_id else
+                   f"unknown node {str(req.get('node'))[:80]!r}: say hello first" if n is None else
+                   f"the session key does not match node {n.name!r}'s (hello gives each session its own)")
+            raise self._refusal(wire.Rejected(why), "session")
         if n.refused:
-            raise PermissionError(f"node {n.name} was refused: {n.mismatched} of {n.verified} verified groups had "
-                                  "rewards that differ from the learner's")
+            raise self._refusal(PermissionError(f"node {n.name} was refused: {n.mismatched} of {n.verified} verified "
+                                                "groups had rewards that differ from the learner's"), "refused")
         n.seen = time.monotonic()
         return n
+
+    def _prune(self) -> None:
+        """Nodes unheard for PRUNE_LEASES lease periods and holding no lease leave the table (and
+        the metrics); a refused node's name stays refused."""
+        now = time.monotonic()
+        with self._lock:
+            for name, n in list(self.nodes.items()):
+                if now - n.seen > PRUNE_LEASES * self.leases.lease_s and not self.leases.pending_groups(name):
+                    del self.nodes[name]
 
     def _queued(self, node: str) -> int:
         return sum(1 for v in list(self.made_by.values()) if v == node)
@@ -258,7 +316,7 @@ class Hub:
                 self._refused[n.asked] = f"{n.mismatched} of {n.verified} verified groups had differing rewards"
                 self._revoke(self.leases.release(n.name))
             raise wire.Rejected(problem or f"rewards {np.round(f['rewards'], 4).tolist()} differ from the learner's "
-                                f"{np.round(mine, 4).tolist()}")
+                                f"{np.round(mine, 4).tolist()}", reason="reward")
 
     def _replay(self, prompt, f):
         """A multi-turn group's episodes played again against this learner's environment
@@ -275,6 +333,7 @@ class Hub:
 
     def metrics(self) -> dict:
         m = {"remote/nodes": float(self.live()), "remote/rejected": float(self.rejected),
+             **{f"remote/rejected/{r}": float(self.refusals[r]) for r in REASONS},
              "remote/leases_expired": float(self.leases.expired), "remote/leases_stalled": float(self.leases.stalled),
              "remote/refused": float(sum(n.refused for n in self.nodes.values())),
              "remote/replay_failures": float(self.replay_failures)}
@@ -286,3 +345,12 @@ class Hub:
             if n.verified:
                 m[f"remote/{n.name}/mismatch"] = n.mismatched / n.verified
         return m
+
+
+def _reason(e: Exception) -> str:
+    """The REASONS entry a put_group failure counts under."""
+    if isinstance(e, LeaseError):
+        return "lease"
+    if isinstance(e, wire.Rejected):
+        return e.reason
+    return "malformed" if isinstance(e, (ValueError, LookupError, TypeError)) else "internal"

@@ -39,7 +39,25 @@ _SCHEMA = pa.schema([("field", pa.string()), ("dtype", pa.string()), ("shape", p
 
 
 class Rejected(ValueError):
-    """A message from the network that the learner refuses (and counts)."""
+    """A message from the network that the learner refuses (and counts under `reason`)."""
+
+    def __init__(self, message: str, reason: str = "malformed"):
+        super().__init__(message)
+        self.reason = reason
+
+
+def max_group_bytes(rows: int, width: int, topk: int) -> int:
+    """The most bytes an encoded group of `rows` samples of `width` positions can take: every
+    field at once, and room for the field names, dtypes and shapes."""
+    per_position = 6 * 4 + 2 * 4 * topk  # tokens, masks, log-probs, versions, behav_kept; top-K ids and log-probs
+    return rows * (width * per_position + 5) + (16 << 10)
+
+
+def check_size(table: pa.Table, limit: int) -> None:
+    """Refuse a group table before reading it: more rows than fields, or more than `limit` bytes."""
+    if table.num_rows > len(GROUP_FIELDS) or table.nbytes > limit:
+        raise Rejected(f"rollout table of {table.num_rows} rows and {table.nbytes} bytes; this run's groups take at "
+                       f"most {len(GROUP_FIELDS)} rows and {limit} bytes", reason="size")
 
 
 # ---------------------------------------------------------------------- weights
@@ -147,7 +165,7 @@ def decode_group(table: pa.Table) -> dict:
 
 
 def check_group(f: dict, *, rows: int, prompt, vocab: int, topk: int, max_new_tokens: int,
-                learner_version: int, min_version: int = 0, kept: bool = False) -> None:
+                learner_version: int, min_version: int = 0, kept: bool = False, max_width: int = 1 << 30) -> None:
     """Raise Rejected unless `f` (decoded fields) is one group of `rows` samples answering
     `prompt` (token ids, left-padded into the prompt span) with at most `max_new_tokens` new
     tokens each, sampled by versions in [min_version, learner_version]. `kept`: whether the
@@ -157,6 +175,8 @@ def check_group(f: dict, *, rows: int, prompt, vocab: int, topk: int, max_new_to
     if toks.ndim != 2 or toks.shape[0] != rows:
         raise Rejected(f"tokens have shape {toks.shape}, expected ({rows}, L)")
     b, width = toks.shape
+    if width > max_width:
+        raise Rejected(f"rows of width {width}; this run's are at most {max_width} wide", reason="size")
     p = width - max_new_tokens
     shapes = {n: (b, width) for n in ("loss_mask", "behav_logp", "versions", "input_mask", "behav_kept")}
     shapes.update(topk_ids=(b, width, topk), topk_logp=(b, width, topk), rewards=(b,), truncated=(b,))
