@@ -19,11 +19,11 @@ from typing import Optional
 import jax
 import orbax.checkpoint as ocp
 
-from jaxrl_llm import distributed
+from jaxrl_llm import distributed, validation
 from jaxrl_llm.learner import TrainState
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(validation.Refused):
     """Checkpoints exist but none can be restored."""
 
 
@@ -142,6 +142,9 @@ class Checkpointer:
         version = self.latest_version() if version is None else version
         if version is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory!r}")
+        if version not in self.manager.all_steps():
+            raise FileNotFoundError(f"no checkpoint of version {version} in {self.directory!r}; saved versions: "
+                                    f"{sorted(self.manager.all_steps())}")
         return self.manager.restore(version, args=ocp.args.StandardRestore())
 
     def wait(self) -> None:

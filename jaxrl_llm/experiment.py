@@ -14,7 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_llm import checkpoint, distributed, frozen_base, learner, memory, models, paths, preemption, sharding, tasks
+from jaxrl_llm import (checkpoint, distributed, frozen_base, learner, memory, models, paths, preemption, sharding,
+                       tasks, validation)
 from jaxrl_llm import workdir as workdir_lib
 from jaxrl_llm import plan as plan_lib
 from jaxrl_llm.checkpoint import Checkpointer
@@ -25,7 +26,7 @@ from jaxrl_llm.runtime import orchestrator
 from jaxrl_llm.tasks import warmstart
 
 
-class BadStepsError(RuntimeError):
+class BadStepsError(validation.Refused):
     """Too many consecutive training steps with non-finite loss or gradients."""
 
 

@@ -16,7 +16,7 @@ import sys
 
 from absl import app, flags
 
-from jaxrl_llm import checkpoint, frozen_base, models
+from jaxrl_llm import checkpoint, frozen_base, models, validation
 from jaxrl_llm.models import adapters, lora
 from jaxrl_llm.models.config import ModelConfig
 
@@ -61,13 +61,19 @@ WORKDIR = flags.DEFINE_string("workdir", None, "a LoRA run's workdir")
 OUT = flags.DEFINE_string("out", None, "the PEFT adapter directory to write")
 MERGED = flags.DEFINE_string("merged", "", "also write the merged model (an HF checkpoint) here")
 VERSION = flags.DEFINE_integer("version", None, "the checkpoint version (default: the newest)")
+VERBOSE = flags.DEFINE_bool("verbose", False, "print a refusal with its traceback")
 
 
 def main(argv):
     del argv
-    v = export(WORKDIR.value, OUT.value, MERGED.value, VERSION.value)
-    print(f"exported version {v} of {WORKDIR.value} to {OUT.value}" + (f" and {MERGED.value}" if MERGED.value else ""))
-    return 0
+
+    def body() -> int:
+        v = export(WORKDIR.value, OUT.value, MERGED.value, VERSION.value)
+        also = f" and {MERGED.value}" if MERGED.value else ""
+        print(f"exported version {v} of {WORKDIR.value} to {OUT.value}{also}")
+        return 0
+
+    return validation.cli(body, VERBOSE.value, "jaxrl_llm.export")
 
 
 if __name__ == "__main__":

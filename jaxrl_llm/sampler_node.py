@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import jaxrl_llm
-from jaxrl_llm import models, tasks
+from jaxrl_llm import models, tasks, validation
 from jaxrl_llm.models import lora
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 from jaxrl_llm.runtime import wire
@@ -304,6 +304,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tls_root_cert", default="", help="PEM certificate of a TLS learner (e.g. self-signed)")
     ap.add_argument("--cpu_devices", type=int, default=0, help="CPU devices to expose to JAX (0: JAX's default)")
     ap.add_argument("--retry_s", type=float, default=1.0, help="seconds between tries to reach a lost learner")
+    ap.add_argument("--verbose", action="store_true", help="print a start-up refusal with its traceback")
     a = ap.parse_args(argv)
     host, _, port = a.learner.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -313,6 +314,13 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s node %(message)s")
     if a.cpu_devices:
         jax.config.update("jax_num_cpu_devices", a.cpu_devices)
+    return validation.cli(lambda: _serve(a), a.verbose, "jaxrl_llm.sampler_node")
+
+
+def _serve(a) -> int:
+    """The node of parsed arguments `a`, until it is refused, stopped or loses for good."""
+    if a.tls_root_cert and not os.path.isfile(a.tls_root_cert):
+        raise FileNotFoundError(f"--tls_root_cert={a.tls_root_cert!r} does not exist")
     cert = open(a.tls_root_cert, "rb").read() if a.tls_root_cert else None
     node = Node(a.learner, a.token, a.name, cert, a.retry_s)
 

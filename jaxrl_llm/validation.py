@@ -13,11 +13,32 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any, Callable, Optional
-
 
 class ConfigError(ValueError):
     """One or more config values are out of their declared range."""
+
+
+class Refused(RuntimeError):
+    """The run cannot start or go on, for a reason its message names (a busy workdir, no readable
+    checkpoint, no sandbox): a refusal, not a bug, so the CLIs print it without a traceback."""
+
+
+STARTUP_ERRORS = (ValueError, OSError, LookupError, Refused)  # a refused config, path, file, value or state
+
+
+def cli(body: Callable[[], int], verbose: bool, prog: str) -> int:
+    """A command line tool's `body()`, its refusals (STARTUP_ERRORS: a `ConfigError`, a missing
+    file, a value it cannot use, a `Refused`) printed as `prog: error: ...` without a traceback, exit code
+    2; `verbose` lets them raise with it. Anything else (a bug) keeps its traceback."""
+    try:
+        return body()
+    except STARTUP_ERRORS as e:
+        if verbose:
+            raise
+        print(f"{prog}: error: {e}\n{prog}: (--verbose shows the traceback)", file=sys.stderr)
+        return 2
 
 
 @dataclasses.dataclass(frozen=True)

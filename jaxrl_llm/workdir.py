@@ -22,6 +22,8 @@ import socket
 import sys
 from typing import Optional
 
+from jaxrl_llm import validation
+
 LOCK, HISTORY = "run.lock", "config_history.jsonl"
 # Settings a resume may change without saying so: how long, how often to evaluate, save and log.
 FREE = ("train.steps", "train.eval_every", "train.save_every", "train.keep", "train.tensorboard", "train.progress",
@@ -39,7 +41,7 @@ MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "n
               "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm")
 
 
-class WorkdirBusy(RuntimeError):
+class WorkdirBusy(validation.Refused):
     """Another live run holds the workdir."""
 
 

@@ -3,6 +3,7 @@ base referenced and checked on resume, export loaded by PEFT, a start from a PEF
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -75,8 +76,6 @@ def test_kill_9_and_resume_is_bit_identical_and_checkpoints_hold_adapters_only(k
 
 
 def test_resume_refuses_another_base_other_adapters_or_full_weights(killed_and_resumed, tmp_path):
-    import shutil
-
     run = str(tmp_path / "run")
     shutil.copytree(killed_and_resumed[0], run)
     c = shrink(_tiny_lora())
@@ -145,6 +144,15 @@ def test_export_loads_in_peft_with_our_logits_and_a_run_starts_from_it(killed_an
                            adapters, peft_dir.load(out, cfg))
     jax.tree_util.tree_map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), y),
                            seen["adapters"], peft_dir.load(out, cfg))
+    with pytest.raises(FileNotFoundError, match=rf"no checkpoint of version 999 in .*; saved versions: \[.*{version}"):
+        export.export(run, str(tmp_path / "none"), version=999)
+    bad = tmp_path / "bad_adapter"
+    shutil.copytree(out, bad)
+    for text, why in (("{not json", "JSONDecodeError"), ("[1, 2]", "is not a JSON object"),
+                      ('{"peft_type": "LORA", "r": 4, "lora_alpha": "eight"}', "lora_alpha .* has 'eight'")):
+        (bad / "adapter_config.json").write_text(text)
+        with pytest.raises(ValueError, match=rf"model.lora.*{why}"):
+            peft_dir.load(str(bad), cfg)
     c.model.lora.rank = 0
     from jaxrl_llm import config as config_lib
 

@@ -390,7 +390,8 @@ def test_learner_and_two_nodes_through_joins_kills_and_a_learner_restart(tmp_pat
             if lease is not None:
                 break
         sc = hello["sampler"]
-        f = _group(rows=sc["num_samples"], p=7, new=sc["max_new_tokens"], k=sc["capture_topk"], prompt=(1,))  # 7: the run's prompt width
+        p = 7  # the run's prompt width: rows are no wider than it plus max_new_tokens
+        f = _group(rows=sc["num_samples"], p=p, new=sc["max_new_tokens"], k=sc["capture_topk"], prompt=(1,))
         forged = {"outside the vocabulary": dict(f, tokens=f["tokens"] + 10_000),
                   "the learner is at version": dict(f, versions=f["versions"] + 10_000),
                   "expected \\(16, L\\)": {n: x[:3] for n, x in f.items()}}
@@ -689,6 +690,12 @@ def test_remote_options_fail_at_start_up(tmp_path, monkeypatch, capsys):
         with pytest.raises(SystemExit):
             sampler_node.main(argv)
         assert why in capsys.readouterr().err
+    assert sampler_node.main(["--learner=h:1", f"--tls_root_cert={tmp_path}/none.pem"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == f"jaxrl_llm.sampler_node: error: --tls_root_cert='{tmp_path}/none.pem' does not exist"
+    assert "Traceback" not in err
+    with pytest.raises(FileNotFoundError):
+        sampler_node.main(["--learner=h:1", f"--tls_root_cert={tmp_path}/none.pem", "--verbose"])
     c = orchestrator.default_config()
     c.mode = "remote"
     orchestrator.validate(c)  # loopback: no token needed

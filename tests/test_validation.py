@@ -109,3 +109,18 @@ def test_cross_field_rules():
     assert "learner.num_minibatches=3 does not divide the batch's 512 rows" in msg
     assert "model.num_heads=4 is not a multiple of model.num_kv_heads=3" in msg
     assert "mesh / runtime.sampler_devices" in msg and msg.startswith("config problems:")
+
+
+def test_cli_prints_a_refusal_as_one_line_and_lets_a_bug_keep_its_traceback(capsys):
+    V = validation
+    def refused():
+        raise V.ConfigError("runtime.remote.port=70000: expected an integer in [0, 65535]")
+
+    assert V.cli(refused, False, "tool") == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "tool: error: runtime.remote.port=70000: expected an integer in [0, 65535]", "tool: (--verbose shows the traceback)"]
+    with pytest.raises(V.ConfigError):
+        V.cli(refused, True, "tool")
+    with pytest.raises(ZeroDivisionError):
+        V.cli(lambda: 1 // 0, False, "tool")
+    assert V.cli(lambda: 0, False, "tool") == 0

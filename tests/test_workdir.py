@@ -3,6 +3,7 @@ that changed (refused, or allowed with the flag and recorded), one run per workd
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -170,6 +171,9 @@ def test_a_live_run_holds_its_workdir_and_a_killed_one_does_not(tmp_path):
     try:
         with pytest.raises(workdir_lib.WorkdirBusy, match=rf"held by a live run \(.*\"pid\": {p.pid}.*jaxrl_llm"):
             experiment.run(_tiny(), str(tmp_path), log=lambda *_: None)
+        busy = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+        assert busy.returncode == 2 and "Traceback" not in busy.stderr, busy.stderr[-2000:]
+        assert re.search(rf"^jaxrl_llm.main: error: .*held by a live run .*{p.pid}", busy.stderr, re.M), busy.stderr
     finally:
         p.kill()
         p.wait()

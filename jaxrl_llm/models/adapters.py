@@ -51,14 +51,20 @@ def save(path: str, adapters, cfg: ModelConfig, base_model: str = "") -> None:
 def load(path: str, cfg: ModelConfig):
     """A PEFT LoRA directory -> our adapters for `cfg` (float32 host arrays). Its rank, alpha and
     targets must be `cfg`'s: a mismatch is refused naming both, not silently rescaled."""
-    with open(os.path.join(path, CONFIG)) as f:
-        pc = json.load(f)
+    where = os.path.join(path, CONFIG)
+    try:
+        with open(where) as f:
+            pc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model.lora.init_from: cannot read {where}: {type(e).__name__}: {e}") from None
+    if not isinstance(pc, dict):
+        raise ValueError(f"model.lora.init_from: {where} is not a JSON object")
     targets = sorted(lora.TARGETS[t][1].split(".")[-1] for t in cfg.lora_targets)
     theirs = pc.get("target_modules") or []
     theirs = sorted(theirs) if isinstance(theirs, list) else [theirs]
     problems = [f"{k}: {path} has {got!r}, this run {want!r}" for k, got, want in (
         ("peft_type", pc.get("peft_type"), "LORA"), ("r (model.lora.rank)", pc.get("r"), cfg.lora_rank),
-        ("lora_alpha (model.lora.alpha)", float(pc.get("lora_alpha", 0)), float(cfg.lora_alpha)),
+        ("lora_alpha (model.lora.alpha)", _number(pc.get("lora_alpha", 0)), float(cfg.lora_alpha)),
         ("target_modules (model.lora.targets)", theirs, targets),
         ("use_rslora", bool(pc.get("use_rslora")), False), ("use_dora", bool(pc.get("use_dora")), False),
         ("bias", pc.get("bias", "none"), "none")) if got != want]
@@ -80,3 +86,11 @@ def load(path: str, cfg: ModelConfig):
                                  f"{int(np.prod(shape))} values (ours {shape})")
             dst[f"{t}{lora.MARK}{part}"] = w.reshape(shape)
     return out
+
+
+def _number(x):
+    """A config number as a float, or the value itself (reported as a mismatch) when it is not one."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return x

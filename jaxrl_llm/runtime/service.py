@@ -44,7 +44,8 @@ class TokenCheck(flight.ServerMiddlewareFactory):
 
     def __init__(self, token: str, count=lambda reason: None, burst: int = 20, delay_s: float = 0.25,
                  clock=time.monotonic, sleep=time.sleep):
-        self.token, self.count, self.burst, self.delay_s, self.clock, self.sleep = token, count, burst, delay_s, clock, sleep
+        self.token, self.count, self.burst, self.delay_s = token, count, burst, delay_s
+        self.clock, self.sleep = clock, sleep
         self.refused = 0
         self._recent: list = []  # when the latest refusals were
         self._lock = threading.Lock()

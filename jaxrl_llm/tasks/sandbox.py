@@ -22,13 +22,14 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
+from jaxrl_llm import validation
 from jaxrl_llm.tasks import isolation
 from jaxrl_llm.tasks.pool import WorkerPool
 
 ENV_KEPT = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")  # a tool worker's whole environment, with HOME and TMPDIR
 
 
-class SandboxError(RuntimeError):
+class SandboxError(validation.Refused):
     """The kernel gave a tool worker fewer isolation layers than the task requires."""
 
 
