@@ -74,7 +74,7 @@ def _group(rows=2, p=4, new=3, k=2, prompt=(7, 8, 9), vocab=20, kept=True):
 
 def _check(f, **kw):
     args = dict(rows=2, prompt=(7, 8, 9), vocab=20, topk=2, max_new_tokens=3, learner_version=5, min_version=1,
-                kept=True)
+                kept=True, reward_range=(0.0, 1.0), max_width=7)
     wire.check_group(f, **{**args, **kw})
 
 
@@ -100,6 +100,11 @@ def test_rollout_table_roundtrip_and_every_forgery_rejected():
         "top-K: not NaN": dict(f, topk_logp=np.where(f["loss_mask"][..., None] > 0, f["topk_logp"], np.inf)),
         "top-K: not NaN ": dict(f, topk_logp=np.where(f["loss_mask"][..., None] > 0, f["topk_logp"], np.nan)),
         "behav_kept must be in": dict(f, behav_kept=f["behav_kept"] * 10),
+        # finite, but a single such reward skips every minibatch of its batch (the loss overflows)
+        r"rewards span \[0, 3e\+38\]; this task's lie in \[0, 1\]": dict(f, rewards=np.float32([0, 3e38])),
+        r"rewards span \[-0.5, 1\]": dict(f, rewards=np.float32([-0.5, 1])),
+        "rows of width 8; this run's are at most 7 wide": {n: np.pad(x, [(0, 0), (1, 0)] + [(0, 0)] * (x.ndim - 2))
+                                                           if x.ndim > 1 else x for n, x in f.items()},
     }
     for why, g in forged.items():
         with pytest.raises(wire.Rejected, match=why.strip()):

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm import models
+from jaxrl_llm import models, tasks
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 from jaxrl_llm.tasks import arithmetic as A
@@ -154,3 +154,13 @@ def test_warm_start_cache_restores_the_same_weights_and_keys_on_what_it_depends(
     w.cache_dir = ""  # off: computed every time
     warmstart.cached(compute, init, w, key)
     assert len(calls) == 2
+
+
+def test_every_task_declares_its_reward_range_and_a_summed_multi_turn_one_spans_its_turns():
+    from jaxrl_llm.tasks.multiturn import TurnConfig
+    from jaxrl_llm.tasks.tool_arithmetic import ToolArithmetic
+
+    assert tasks.reward_range(A.Arithmetic()) == (0.0, 1.0)
+    assert tasks.reward_range(ToolArithmetic(turn=TurnConfig(turn_reward="last", max_turns=4))) == (0.0, 1.0)
+    assert tasks.reward_range(ToolArithmetic(turn=TurnConfig(turn_reward="sum", max_turns=4))) == (0.0, 4.0)
+    assert tasks.reward_range(object()) == tasks.UNDECLARED_RANGE

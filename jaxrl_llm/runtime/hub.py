@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 
 import jaxrl_llm
-from jaxrl_llm import staleness
+from jaxrl_llm import staleness, tasks
 from jaxrl_llm.runtime import wire
 from jaxrl_llm.runtime.leases import LeaseError, Leases
 from jaxrl_llm.runtime.producer import Origin, Producer, Rollout
@@ -91,6 +91,7 @@ class Hub:
         self.max_width = producer.sampler.bucket(getattr(producer.task, "max_prompt_len", sc.prompt_buckets[-1])) \
             + sc.max_new_tokens
         self.group_bytes = wire.max_group_bytes(producer.group_size, self.max_width, sc.capture_topk)
+        self.reward_range = tasks.reward_range(producer.task)
 
     @property
     def rejected(self) -> int:
@@ -203,7 +204,8 @@ class Hub:
             sc = self.producer.sampler.cfg
             wire.check_group(f, rows=self.producer.group_size, prompt=prompt, vocab=self.vocab, topk=sc.capture_topk,
                              max_new_tokens=sc.max_new_tokens, learner_version=self.store.latest()[0],
-                             min_version=max(0, lease.version), kept=sc.dist.truncated, max_width=self.max_width)
+                             min_version=max(0, lease.version), kept=sc.dist.truncated, max_width=self.max_width,
+                             reward_range=self.reward_range)
             if self.cfg.remote.verify_fraction and self._rng.random() < self.cfg.remote.verify_fraction:
                 self._verify(n, prompt, f)
             self.leases.received(lease_id, n.name, group)

@@ -165,12 +165,14 @@ def decode_group(table: pa.Table) -> dict:
 
 
 def check_group(f: dict, *, rows: int, prompt, vocab: int, topk: int, max_new_tokens: int,
-                learner_version: int, min_version: int = 0, kept: bool = False, max_width: int = 1 << 30) -> None:
+                learner_version: int, min_version: int = 0, kept: bool = False, max_width: int = 1 << 30,
+                reward_range: tuple = (-float("inf"), float("inf"))) -> None:
     """Raise Rejected unless `f` (decoded fields) is one group of `rows` samples answering
     `prompt` (token ids, left-padded into the prompt span) with at most `max_new_tokens` new
     tokens each, sampled by versions in [min_version, learner_version]. `kept`: whether the
     run's sampling truncates (top-k / top-p), so that every group carries `behav_kept` (a batch
-    is assembled from groups of many nodes: one field for all or none)."""
+    is assembled from groups of many nodes: one field for all or none); `reward_range`: the task's
+    (`tasks.reward_range`)."""
     toks = f["tokens"]
     if toks.ndim != 2 or toks.shape[0] != rows:
         raise Rejected(f"tokens have shape {toks.shape}, expected ({rows}, L)")
@@ -201,6 +203,9 @@ def check_group(f: dict, *, rows: int, prompt, vocab: int, topk: int, max_new_to
     if not (np.isfinite(f["behav_logp"]).all() and (f["behav_logp"] <= 1e-3).all() and not np.isnan(top).any()
             and (top <= 1e-3).all()) or not np.isfinite(f["rewards"]).all():
         raise Rejected("log-probs must be finite (top-K: not NaN) and <= 0 at every position, rewards finite")
+    lo, hi = reward_range
+    if not ((f["rewards"] >= lo - 1e-6) & (f["rewards"] <= hi + 1e-6)).all():
+        raise Rejected(f"rewards span [{f['rewards'].min():g}, {f['rewards'].max():g}]; this task's lie in [{lo:g}, {hi:g}]")
     if ("behav_kept" in f) != kept:
         raise Rejected("behav_kept " + ("missing: this run's sampling truncates (top-k / top-p)" if kept else
                                         "given, but this run's sampling does not truncate"))

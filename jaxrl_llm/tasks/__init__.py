@@ -97,6 +97,19 @@ def make(c, hf_path: str = ""):
     return MathDataset(c.path, tokenizer, instruction=c.instruction, **kw)
 
 
+UNDECLARED_RANGE = (-1e6, 1e6)  # a task that declares no `reward_range`: finite, and far from fp32's limits
+
+
+def reward_range(task) -> tuple:
+    """(lowest, highest) reward a sample of `task` can get: its declared per-turn range, over
+    every turn count for a multi-turn task that sums its turns."""
+    lo, hi = getattr(task, "reward_range", UNDECLARED_RANGE)
+    turn = getattr(task, "turn", None)
+    if turn is not None and turn.turn_reward == "sum":
+        lo, hi = min(lo, lo * turn.max_turns), max(hi, hi * turn.max_turns)
+    return float(lo), float(hi)
+
+
 def scorer(task, c) -> Scorer:
     """The scoring stage of `task` under its config section `c` (reward_workers, reward_timeout).
     A multi-turn task scores its episodes through its environment: no checker processes here."""

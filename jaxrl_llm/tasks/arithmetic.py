@@ -54,6 +54,7 @@ class Arithmetic:
     reward_kind: str = "exact"  # exact | digits
     terms: int = 2
     scratchpad: bool = False
+    reward_range = (0.0, 1.0)  # every reward a sample can get (a node's upload is checked against it)
 
     def __post_init__(self):
         bad = sorted(set(self.ops) - set(OPS))

@@ -147,6 +147,8 @@ def _pick(columns: Sequence[str], given: str, candidates: Sequence[str], what: s
 class MathDataset:
     """Task protocol (see runtime/orchestrator.py) over a local math dataset."""
 
+    reward_range = (0.0, 1.0)  # math-verify's verdict
+
     def __init__(self, path: str, tokenizer, split: str = "train", eval_split: str = "test",
                  question_key: str = "", answer_key: str = "", eval_size: int = 64,
                  max_prompt_len: int = 512, max_answer_len: int = 512, instruction: str = INSTRUCTION,
