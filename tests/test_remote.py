@@ -716,3 +716,106 @@ def test_remote_options_fail_at_start_up(tmp_path, monkeypatch, capsys):
     c.remote.tls_key = str(tmp_path / "key.pem")
     with pytest.raises(ValueError, match="cert.pem' does not exist"):
         orchestrator.validate(c)
+
+
+def _table(f: dict):
+    """A group table of exactly the fields, dtypes and shapes in `f` (unlike `wire.encode_group`,
+    which starts from a well-formed batch)."""
+    import pyarrow as pa
+
+    rows = [(n, x.dtype.name, list(x.shape), np.ascontiguousarray(x).tobytes()) for n, x in f.items()]
+    return pa.Table.from_pylist([dict(zip(wire._SCHEMA.names, r)) for r in rows], schema=wire._SCHEMA)
+
+
+_POISON = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf, "huge": 3e38, "neg": -5, "big": 2**31 - 1}
+
+
+def _mutate(f: dict, mutations) -> dict:
+    """`f` with each (field, kind, u, v) applied: a field dropped, retyped, cut by a row or a
+    column, or one value (at position u of its flat array) poisoned; an unknown field added."""
+    f = dict(f)
+    for field, kind, u, v in mutations:
+        if field not in f:
+            continue
+        x = f[field]
+        if kind == "drop":
+            del f[field]
+        elif kind == "dtype":
+            f[field] = x.astype(np.float64 if x.dtype != np.float64 else np.int32)
+        elif kind == "rows":
+            f[field] = x[:-1] if v < 0.5 else np.concatenate([x, x[:1]])
+        elif kind == "width" and x.ndim > 1:
+            f[field] = x[:, 1:] if v < 0.5 else np.concatenate([x, x[:, :1]], 1)
+        elif kind == "extra":
+            f["logits"] = x
+        elif kind in _POISON and x.size and x.dtype != bool:
+            y = x.copy().reshape(-1)
+            value = _POISON[kind]
+            if np.issubdtype(y.dtype, np.integer) and not np.isfinite(value):
+                value = -1
+            y[min(int(u * y.size), y.size - 1)] = np.array(value).astype(y.dtype) if np.isfinite(value) else value
+            f[field] = y.reshape(x.shape)
+    return f
+
+
+def test_fuzzed_groups_through_the_hub_never_stop_a_learner_step_and_no_refused_group_is_trained():
+    """>= 500 groups with random fields missing, retyped or reshaped, NaN / inf / huge values at
+    any position, rows and widths off by one, through `Hub.put_group`: the hub answers each one
+    with acceptance or a `wire.Rejected` (never an internal error), refused groups never reach
+    the queue, and every batch of accepted groups trains one real learner step with finite
+    metrics and no skipped update."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from jaxrl_llm import learner as L
+    from jaxrl_llm import sharding
+    from jaxrl_llm.batch import TrajectoryBatch
+    from jaxrl_llm.runtime.remote import _widen
+
+    hub, task = _hub(verify_fraction=0.0)
+    mcfg, new = hub.producer.sampler.model_cfg, hub.producer.sampler.cfg.max_new_tokens
+    c = L.default_config()
+    c.num_minibatches, c.packing = 1, "off"
+    lrn = L.Learner(mcfg, {"name": "ppo"}, c, mesh=sharding.make_mesh(devices=jax.devices()[:1]))
+    state = [lrn.init(jax.random.key(0))]
+    me = hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "fuzz"})
+    s = {k: me[k] for k in ("run_id", "node", "session")}
+    seen = {"accepted": 0, "refused": 0, "steps": 0}
+    fields = sorted(wire.GROUP_FIELDS)
+    mutation = st.tuples(st.sampled_from(fields), st.sampled_from(["drop", "dtype", "rows", "width", "extra",
+                                                                   *_POISON]),
+                         st.floats(0, 1), st.floats(0, 1))
+
+    @settings(max_examples=500, deadline=None, derandomize=True, database=None)
+    @given(st.lists(mutation, max_size=3), st.floats(0, 1))
+    def one(mutations, reward):
+        lease = hub.lease({**s, "version": 3})["leases"][0]
+        prompt = hub.producer.prompts(1, lease["draw"])[lease["groups"][0]]
+        f = _group(rows=2, p=hub.max_width - new, new=new, k=0, prompt=prompt, vocab=task.vocab_size, kept=False)
+        f["versions"] = np.where(f["loss_mask"] > 0, 3, -1).astype(np.int32)
+        f["rewards"] = np.float32([reward, 1 - reward])
+        queued = len(hub.queue)
+        try:
+            hub.put_group({**s, "lease": lease["id"], "group": lease["groups"][0],
+                           "table": _table(_mutate(f, mutations))})
+            seen["accepted"] += 1
+        except wire.Rejected as e:
+            assert "internal error" not in str(e), (mutations, e)
+            assert len(hub.queue) == queued
+            seen["refused"] += 1
+        hub.release(s)
+        if len(hub.queue) == 2:
+            got = []
+            for _ in range(2):
+                item = hub.queue.get(3)[0]
+                hub.made_by.pop((item.origin.draw, *item.origin.groups))  # trained: out of the node's room
+                got.append(item.batch)
+            width = max(b.shape[1] for b in got)
+            batch = TrajectoryBatch.concat([_widen(b, width, 0) for b in got])
+            state[0], m = lrn.train_step(state[0], hub.producer.with_rewards(batch, np.asarray(batch.rewards)))
+            m = jax.device_get(m)
+            assert m["skipped_updates"] == 0 and all(np.isfinite(v).all() for v in jax.tree_util.tree_leaves(m)), m
+            seen["steps"] += 1
+
+    one()
+    assert seen["accepted"] + seen["refused"] >= 500 and seen["refused"] >= 250 and seen["steps"] >= 20, seen
