@@ -105,9 +105,11 @@ class Node:
         self.session = s = {"run_id": hello["run_id"], "node": hello["node"], "session": hello["session"]}
         self.sessions += 1
         self.lost, self.leased, self.busy_s, self.t0 = None, {}, 0.0, time.monotonic()
+        self.fingerprints, self.base_crcs = {}, ([], 0)  # version -> what it loaded; LoRA's base chunks
         if self.lora:
             manifest = self.client.call("manifest", part="base", **self.session)
-            self.base = jax.device_put(self.client.fetch_weights(manifest, self.like))
+            base, crcs = self.client.fetch_weights(manifest, self.like)
+            self.base, self.base_crcs = jax.device_put(base), (crcs, manifest["nbytes"])
             log.info("fetched the LoRA base (%.1f MB)", manifest["nbytes"] / 1e6)
         self.version, self.params = self._fetch()
         self.latest = (self.version, self.params)
@@ -172,10 +174,17 @@ class Node:
         manifest = self.client.call("manifest", **self.session)
         t = time.perf_counter()
         if self.lora:
-            adapters = self.client.fetch_weights(manifest, self.like_adapters)
+            adapters, crcs = self.client.fetch_weights(manifest, self.like_adapters)
             params = self.producer.sampler.place_params(self._merge(self.base, adapters))
         else:
-            params = self.producer.sampler.place_params(self.client.fetch_weights(manifest, self.like))
+            loaded, crcs = self.client.fetch_weights(manifest, self.like)
+            params = self.producer.sampler.place_params(loaded)
+        # What the groups decoded with this version say they used (the learner compares it with
+        # what it published: weights that never arrived would otherwise pass for staleness).
+        self.fingerprints[manifest["version"]] = wire.fingerprint(crcs + self.base_crcs[0],
+                                                                  manifest["nbytes"] + self.base_crcs[1])
+        for old in sorted(self.fingerprints)[:-64]:
+            del self.fingerprints[old]
         log.info("fetched version %d (%.1f MB%s) in %.2f s", manifest["version"], manifest["nbytes"] / 1e6,
                  ", LoRA adapters" if self.lora else "", time.perf_counter() - t)
         return manifest["version"], params
@@ -265,8 +274,11 @@ class Node:
                 failures = 0
 
     def _put(self, lease, group, batch, failures):
-        """Hand a scored group to the sender thread (decoding goes on while it uploads)."""
-        self.outbox.put((batch, {"lease": lease["id"], "group": group, "failures": failures}))
+        """Hand a scored group to the sender thread (decoding goes on while it uploads), with the
+        fingerprint of each version's weights its tokens were sampled with."""
+        used = np.unique(np.asarray(batch.versions)[np.asarray(batch.loss_mask) > 0]).tolist()
+        weights = {str(v): self.fingerprints.get(v, "") for v in used}
+        self.outbox.put((batch, {"lease": lease["id"], "group": group, "failures": failures, "weights": weights}))
 
     def _send(self):
         """Upload what the generation loop hands over, everything waiting in one stream."""

@@ -531,6 +531,12 @@ def _hub(verify_fraction=1.0, task=None, max_new_tokens=4, capacity=100):
     return Hub(producer, store, Leases(_todo(), 30.0), queue, cfg, {"task": {}}, capacity=capacity), task
 
 
+def _weights(hub, session) -> dict:
+    """The fingerprint an honest node reports for the hub's newest version (as it fetched it)."""
+    manifest = hub.manifest(session)
+    return {str(manifest["version"]): wire.fingerprint(wire.manifest_crcs(manifest), manifest["nbytes"])}
+
+
 def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
     from jaxrl_llm.runtime.hub import MIN_VERIFIED
 
@@ -542,15 +548,24 @@ def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
     with pytest.raises(wire.Rejected, match="restarted"):
         hub.lease({"run_id": "old", "node": me["node"]})
 
-    def group(lease, k, lie):
+    def make(lease, k, lie):
         prompt = hub.producer.draw(1, lease["draw"])[0][k]
         f = _group(rows=2, p=len(prompt) + 1, new=4, k=0, prompt=prompt, vocab=task.vocab_size, kept=False)
         f["versions"] = np.where(f["loss_mask"] > 0, 3, -1).astype(np.int32)
         honest = [task.reward(prompt, t[m > 0].tolist()) for t, m in zip(f["tokens"], f["loss_mask"])]
         f["rewards"] = (1.0 - np.asarray(honest) if lie else np.asarray(honest)).astype(np.float32)
-        return hub.put_group({**s, "lease": lease["id"], "group": k,
+        return f
+
+    def group(lease, k, lie, claimed=None):
+        f = make(lease, k, lie)
+        return hub.put_group({**s, "lease": lease["id"], "group": k, "weights": weights if claimed is None else claimed,
                               "table": wire.encode_group(wire.group_batch(f))}), f
 
+    weights = _weights(hub, s)
+    for claimed, why in (({}, r"\(None\) are not the ones published"), ({"3": "0-1"}, r"\(0-1\) are not the ones")):
+        lease = hub.lease({**s, "version": 3})["leases"][0]
+        with pytest.raises(wire.Rejected, match=f"the weights the node used for version 3 {why}"):
+            group(lease, 0, lie=False, claimed=claimed)  # weights that never arrived are not staleness
     lease = hub.lease({**s, "version": 3})["leases"][0]
     out, f = group(lease, 0, lie=False)
     assert out == {"accepted": True} and len(hub.queue) == 1
@@ -568,8 +583,9 @@ def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
         hub.lease({**s, "version": 3})
     with pytest.raises(PermissionError, match="'n' was refused earlier in this run"):
         hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "n"})
-    assert hub.refusals == {"hello": 2, "session": 1, "lease": 1, "reward": MIN_VERIFIED - 1, "refused": 1}
-    assert hub.rejected == 9 and len(hub.queue) == 0 and hub.leases.pending_groups() == 0
+    assert hub.refusals == {"hello": 2, "session": 1, "weights": 2, "lease": 1, "reward": MIN_VERIFIED - 1,
+                            "refused": 1}
+    assert hub.rejected == 11 and len(hub.queue) == 0 and hub.leases.pending_groups() == 0
 
 
 def test_each_node_leases_from_its_own_room_so_a_hoarding_node_starves_no_one():
@@ -661,7 +677,7 @@ def test_hub_plays_a_multi_turn_group_again_and_refuses_a_forged_observation():
             if forge:  # the first observation's first digit, changed
                 at = p + keep.index(0.0)
                 f["tokens"][1, at] = 3 + (f["tokens"][1, at] - 2) % 10
-            return hub.put_group({**s, "lease": lease["id"], "group": 0,
+            return hub.put_group({**s, "lease": lease["id"], "group": 0, "weights": _weights(hub, s),
                                   "table": wire.encode_group(wire.group_batch(f))})
 
         assert put(forge=False) == {"accepted": True}
@@ -780,6 +796,7 @@ def test_fuzzed_groups_through_the_hub_never_stop_a_learner_step_and_no_refused_
     state = [lrn.init(jax.random.key(0))]
     me = hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "fuzz"})
     s = {k: me[k] for k in ("run_id", "node", "session")}
+    weights = _weights(hub, s)
     seen = {"accepted": 0, "refused": 0, "steps": 0}
     fields = sorted(wire.GROUP_FIELDS)
     mutation = st.tuples(st.sampled_from(fields), st.sampled_from(["drop", "dtype", "rows", "width", "extra",
@@ -796,7 +813,7 @@ def test_fuzzed_groups_through_the_hub_never_stop_a_learner_step_and_no_refused_
         f["rewards"] = np.float32([reward, 1 - reward])
         queued = len(hub.queue)
         try:
-            hub.put_group({**s, "lease": lease["id"], "group": lease["groups"][0],
+            hub.put_group({**s, "lease": lease["id"], "group": lease["groups"][0], "weights": weights,
                            "table": _table(_mutate(f, mutations))})
             seen["accepted"] += 1
         except wire.Rejected as e:

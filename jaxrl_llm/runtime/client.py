@@ -38,16 +38,16 @@ class Client:
         return json.loads(b"".join(r.body.to_pybytes() for r in results))
 
     def fetch_weights(self, manifest: dict, like):
-        """The params of `manifest`'s version, in the tree of `like`; every chunk is checked."""
+        """(params of `manifest`'s version in the tree of `like`, the CRC32Cs of the chunks as
+        received); every chunk is checked."""
         def one(i):
             ticket = flight.Ticket(json.dumps({"version": manifest["version"], "chunk": i}).encode())
             col = self._bulk[i % STREAMS].do_get(ticket, options=self._options).read_all().column("data").chunk(0)
             data = col.buffers()[2]  # an Arrow buffer, read in place
-            wire.check_chunk(manifest, i, memoryview(data)[: manifest["chunks"][i]["nbytes"]])
-            return data
+            return data, wire.check_chunk(manifest, i, memoryview(data)[: manifest["chunks"][i]["nbytes"]])
 
-        chunks = list(self._pool.map(one, range(len(manifest["chunks"]))))
-        return wire.unpack_params(manifest, chunks, like)
+        got = list(self._pool.map(one, range(len(manifest["chunks"]))))
+        return wire.unpack_params(manifest, [data for data, _ in got], like), [crc for _, crc in got]
 
     def put_groups(self, groups, **session) -> list:
         """Upload scored prompt groups [(host batch, {"lease", "group", ...})] in one stream;

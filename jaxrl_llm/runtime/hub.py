@@ -46,9 +46,9 @@ MAX_NODES = 256  # in the node table at once; nodes gone for PRUNE_LEASES lease 
 PRUNE_LEASES = 4
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a node's display name: bounded, safe in metric keys and logs
 # Why calls were refused (`remote/rejected/<reason>`): the service's (token, throttled, request)
-# and the hub's (hello, session, refused node, lease, size, malformed group, reward, internal error).
-REASONS = ("token", "throttled", "request", "hello", "session", "refused", "lease", "size", "malformed", "reward",
-           "internal")
+# and the hub's (hello, session, refused node, lease, size, malformed group, weights, reward, internal).
+REASONS = ("token", "throttled", "request", "hello", "session", "refused", "lease", "size", "malformed", "weights",
+           "reward", "internal")
 
 
 @dataclasses.dataclass
@@ -83,6 +83,7 @@ class Hub:
         self.replay_failures = 0  # multi-turn groups left unverified
         self._refused: dict[str, str] = {}  # asked name -> why
         self._artifacts: collections.OrderedDict = collections.OrderedDict()  # version -> (manifest, buffer)
+        self._packed: collections.OrderedDict = collections.OrderedDict()  # version -> (chunk CRCs, bytes)
         self._prompts: collections.OrderedDict = collections.OrderedDict()  # draw -> prompts
         self._lock = threading.RLock()  # `refuse` is called with it held
         self._rng = np.random.default_rng([cfg.seed, 31])
@@ -206,6 +207,7 @@ class Hub:
                              max_new_tokens=sc.max_new_tokens, learner_version=self.store.latest()[0],
                              min_version=max(0, lease.version), kept=sc.dist.truncated, max_width=self.max_width,
                              reward_range=self.reward_range)
+            self._check_weights(req.get("weights"), f)
             if self.cfg.remote.verify_fraction and self._rng.random() < self.cfg.remote.verify_fraction:
                 self._verify(n, prompt, f)
             self.leases.received(lease_id, n.name, group)
@@ -294,10 +296,29 @@ class Hub:
         with self._lock:
             if version not in self._artifacts:
                 self._artifacts[version] = wire.pack_params(params, version, self.cfg.remote.chunk_mb << 20)
+                manifest = self._artifacts[version][0]
+                self._packed[version] = (wire.manifest_crcs(manifest), manifest["nbytes"])
+                while len(self._packed) > 256:
+                    self._packed.popitem(last=False)
                 versions = [v for v in self._artifacts if v != BASE]  # the base stays for the run
                 for old in versions[:-2]:  # the newest, and the one nodes may still be fetching
                     del self._artifacts[old]
             return self._artifacts[version]
+
+    def _check_weights(self, claimed, f) -> None:
+        """Each version a group's tokens name must come with the fingerprint of the weights the
+        node loaded for it (`wire.fingerprint`), equal to what this learner published."""
+        claimed = claimed if isinstance(claimed, dict) else {}
+        for v in np.unique(f["versions"][f["loss_mask"] > 0]).tolist():
+            with self._lock:
+                mine = self._packed.get(v)
+                base = self._packed.get(BASE, ([], 0)) if self.node_config.get("lora") else ([], 0)
+            if mine is None:
+                raise wire.Rejected(f"weights version {v} was not published to nodes by this learner run", "weights")
+            want = wire.fingerprint(mine[0] + base[0], mine[1] + base[1])
+            if claimed.get(str(v)) != want:
+                raise wire.Rejected(f"the weights the node used for version {v} ({str(claimed.get(str(v)))[:40]}) are "
+                                    f"not the ones published ({want})", "weights")
 
     def _verify(self, n: NodeStats, prompt, f) -> None:
         if self.producer.multi_turn:

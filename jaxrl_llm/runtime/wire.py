@@ -90,12 +90,24 @@ def pack_params(params, version: int, chunk_bytes: int = CHUNK_BYTES):
     return {"version": int(version), "nbytes": offset, "leaves": entries, "chunks": chunks}, buf
 
 
-def check_chunk(manifest: dict, index: int, data) -> None:
-    """Raise if chunk `index` is not what the manifest says."""
-    want = manifest["chunks"][index]
-    if len(data) != want["nbytes"] or crc32c.crc32c(data) != want["crc32c"]:
+def check_chunk(manifest: dict, index: int, data) -> int:
+    """Raise if chunk `index` is not what the manifest says; else its CRC32C, as computed here."""
+    want, crc = manifest["chunks"][index], crc32c.crc32c(data)
+    if len(data) != want["nbytes"] or crc != want["crc32c"]:
         raise ValueError(f"weights version {manifest['version']}: chunk {index} fails its checksum "
                          f"({len(data)} bytes, expected {want['nbytes']})")
+    return crc
+
+
+def fingerprint(crcs, nbytes: int) -> str:
+    """What identifies a set of weights on the wire: a CRC32C of their chunks' CRC32Cs (a version's
+    artifact, then LoRA's base), and their size. The learner's from what it packed; a node's from
+    the chunks it received and loaded."""
+    return f"{crc32c.crc32c(np.asarray(list(crcs), '<u4').tobytes()):08x}-{int(nbytes)}"
+
+
+def manifest_crcs(manifest: dict) -> list:
+    return [c["crc32c"] for c in manifest["chunks"]]
 
 
 def unpack_params(manifest: dict, chunks: list, like):
