@@ -1,7 +1,7 @@
 """Sampler nodes over a real network stack (loopback): weight transfer, training with a node
 against local sampler threads, and staleness behind an injected delay (not a test).
 
-    python experiments/bench_remote.py [--json experiments/results/bench_remote_cpu.json] [--parts transfer,train,delay]
+    python experiments/bench_remote.py [--json experiments/results/bench_remote_cpu.json] [--parts transfer,train,delay,adversary]
 
 (a) transfer: a Qwen2.5-0.5B-shaped bf16 sampler copy (about 1 GB) served by the learner's
     service (`runtime/service.py`, Arrow Flight) and fetched by the node's client in parallel
@@ -15,11 +15,19 @@ against local sampler threads, and staleness behind an injected delay (not a tes
     seconds (each way) and caps the bandwidth, with room for `--delay_queue_size` batches in
     flight: the mean staleness the learner trains at, next to what the simulated mode's model
     predicts (staleness = delay / seconds per learner step, on top of the undelayed run's).
+(d) adversary: the train part's remote run, clean and beside a second node that misbehaves
+    (`--adversaries`): `hoard` leases all it may and heartbeats without ever uploading; `flood`
+    uploads a `--flood_mb` group after group under a lease it holds, and comes back under a new
+    name each time it is refused; `flood_sink`, the control, floods a service of its own (what
+    the flood costs this shared machine without the learner receiving it). The honest node's
+    trained tokens per second with each, over the clean run's, interleaved `--repeats` times:
+    `remote_adversary_vs_clean` (the worst of hoard and flood; the limit is 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -156,8 +164,9 @@ def _records(workdir):
 NODE_ENV = {}  # --node_xla_flags
 
 
-def _run(mode: str, steps: int, extra=(), node_via=None) -> list:
-    """One embedded-default run (`mode` async or remote, with one node); its step records."""
+def _run(mode: str, steps: int, extra=(), node_via=None, adversary=None) -> list:
+    """One embedded-default run (`mode` async or remote, with one node, and `adversary` (a kind
+    of `_adversary`) beside it); its step records."""
     wd = tempfile.mkdtemp(prefix=f"bench_remote_{mode}_")
     port = free_port()
     cmd = [sys.executable, "-m", "jaxrl_llm.main", "--config=configs/default.py", f"--workdir={wd}",
@@ -174,6 +183,10 @@ def _run(mode: str, steps: int, extra=(), node_via=None) -> list:
         node = subprocess.Popen([sys.executable, "-m", "jaxrl_llm.sampler_node", f"--learner=127.0.0.1:{target}",
                                  "--name=n", "--retry_s=0.5"], cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, env={**os.environ, **NODE_ENV})
+    bad = None
+    if adversary is not None:
+        bad = mp.get_context("spawn").Process(target=_adversary, args=(adversary, port, FLOOD_MB[0]), daemon=True)
+        bad.start()
     try:
         _, err = learner.communicate(timeout=1800)
         if learner.returncode:
@@ -182,9 +195,105 @@ def _run(mode: str, steps: int, extra=(), node_via=None) -> list:
         for p in (node, learner):
             if p is not None and p.poll() is None:
                 p.kill()
+        if bad is not None:
+            bad.kill()
         if relay is not None:
             relay.close()
     return _records(wd)
+
+
+FLOOD_MB = [1024]  # --flood_mb
+
+
+def _adversary(kind: str, port: int, flood_mb: int) -> None:
+    """A node with the token that misbehaves until killed: `hoard` leases all it may and only
+    heartbeats; `flood` puts one huge group after another under a lease it holds and, refused for
+    it, says hello again under a new name (as often as the learner lets a host)."""
+    import pyarrow as pa
+    import pyarrow.flight as flight
+
+    import jaxrl_llm
+    from jaxrl_llm.runtime import wire
+    from jaxrl_llm.runtime.client import Client
+
+    if kind == "flood_sink":  # the control: the same flood, into a service of its own, not the learner's
+        from jaxrl_llm.runtime.service import Service
+
+        sink = Service(_Sink(), "127.0.0.1", 0)
+        port, kind = sink.port, "flood"
+    client = Client(f"127.0.0.1:{port}")
+    blob = np.zeros(flood_mb << 20, np.uint8) if kind == "flood" else None
+    table = pa.table({"field": ["tokens"], "dtype": ["int32"], "shape": [[(flood_mb << 20) // 4]],
+                      "data": pa.array([blob.data if blob is not None else b""], pa.large_binary())})
+    for k in itertools.count():  # refused for good, it comes back under a new name
+        hello = None
+        while hello is None:
+            try:
+                hello = client.call("hello", protocol=wire.PROTOCOL, package=jaxrl_llm.__version__, name=f"{kind}{k}")
+            except flight.FlightUnavailableError:  # not serving yet, or the run ended
+                time.sleep(0.2)
+            except flight.FlightError:  # too many new sessions: it waits its turn
+                time.sleep(1.0)
+        s, held = {k: hello[k] for k in ("run_id", "node", "session")}, []  # held: (lease, group) not flooded yet
+        try:
+            while True:
+                for x in client.call("lease", version=hello["version"], count=8, **s)["leases"]:
+                    held += [(x["id"], g) for g in x["groups"]]
+                client.call("heartbeat", version=hello["version"], **s)
+                if kind == "flood" and held:
+                    lease, group = held.pop(0)
+                    desc = flight.FlightDescriptor.for_command(json.dumps(s).encode())
+                    writer, reader = client._flight.do_put(desc, table.schema)
+                    writer.write_with_metadata(table.to_batches()[0], pa.py_buffer(json.dumps(
+                        {"lease": lease, "group": group}).encode()))
+                    writer.done_writing()
+                    reader.read()
+                    writer.close()
+                else:
+                    time.sleep(0.2)
+        except flight.FlightUnavailableError:  # the run ended
+            return
+        except flight.FlightError:  # refused: a new identity
+            pass
+
+
+class _Sink:
+    """A learner stand-in that leases one group forever and refuses every upload by its size."""
+
+    def hello(self, req):
+        return {"run_id": "sink", "node": req["name"], "session": "s", "version": 0}
+
+    def lease(self, req):
+        return {"leases": [{"id": 1, "draw": 0, "groups": [0]}]}
+
+    def heartbeat(self, req):
+        return {}
+
+    def put_group(self, req):
+        from jaxrl_llm.runtime import wire
+
+        wire.check_size(req["table"], 1 << 20)
+
+
+def adversary(steps: int, skip: int, repeats: int, kinds) -> dict:
+    runs, seen = {k: [] for k in ("clean", *kinds)}, {}
+    for _ in range(repeats):  # interleaved
+        for k in runs:
+            records = _run("remote", steps, adversary=None if k == "clean" else k)
+            runs[k].append(_rates(records, skip))
+            # Evidence that the adversary was there: the nodes the learner heard, what it refused.
+            seen[f"adversary_{k}_nodes_max"] = max(r["remote/nodes"] for r in records)
+            for reason in ("size", "lease"):
+                seen[f"adversary_{k}_refused_{reason}"] = records[-1].get(f"remote/rejected/{reason}", 0.0)
+    best = {k: max(r["tokens_per_s"] for r in v) for k, v in runs.items()}
+    out = {f"adversary_{k}_trained_tokens_per_s": v for k, v in best.items()}
+    out.update(seen)
+    out.update({f"adversary_{k}_vs_clean": best[k] / best["clean"] for k in kinds})
+    out["remote_adversary_vs_clean"] = min(best[k] / best["clean"] for k in kinds if k != "flood_sink")
+    if {"flood", "flood_sink"} <= set(kinds):  # the learner's own share of the flood's cost
+        out["adversary_flood_vs_flood_sink"] = best["flood"] / best["flood_sink"]
+    out["adversary_flood_mb"] = FLOOD_MB[0]
+    return out
 
 
 def _rows() -> int:
@@ -313,7 +422,13 @@ def main():
     ap.add_argument("--delay_queue_size", type=int, default=8, help="(c): runtime.queue_size behind the relay")
     ap.add_argument("--merge", action="store_true", help="keep the other parts' figures already in --json")
     ap.add_argument("--node_xla_flags", default="", help="XLA_FLAGS of the node process (e.g. its threads)")
+    ap.add_argument("--adversaries", default="hoard,flood,flood_sink", help="(d): the misbehaving nodes, one run each")
+    ap.add_argument("--flood_mb", type=int, default=1024, help="(d): the size of each flooding group")
+    ap.add_argument("--adversary", action="store_true", help="run part (d) alone (--parts adversary)")
     a = ap.parse_args()
+    FLOOD_MB[0] = a.flood_mb
+    if a.adversary:
+        a.parts = "adversary"
     if a.node_xla_flags:
         NODE_ENV["XLA_FLAGS"] = a.node_xla_flags
     parts = a.parts.split(",")
@@ -322,6 +437,8 @@ def main():
         out.update(transfer(max(a.repeats, 3)))
     if "train" in parts:
         out.update(train(a.steps, a.skip, a.repeats))
+    if "adversary" in parts:
+        out.update(adversary(a.steps, a.skip, a.repeats, a.adversaries.split(",")))
     if "delay" in parts:
         out.update(delay(a.steps, a.skip, [float(x) for x in a.delays.split(",")], a.mbps, a.delay_queue_size))
     if a.merge and a.json and os.path.exists(a.json):  # a rerun of some parts keeps the others' figures

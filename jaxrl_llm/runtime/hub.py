@@ -33,6 +33,7 @@ from jaxrl_llm.runtime import wire
 from jaxrl_llm.runtime.leases import LeaseError, Leases
 from jaxrl_llm.runtime.producer import Origin, Producer, Rollout
 from jaxrl_llm.runtime.queue import VersionedQueue
+from jaxrl_llm.runtime.throttle import Buckets
 from jaxrl_llm.runtime.weights import WeightStore
 from jaxrl_llm.tasks import multiturn
 
@@ -44,6 +45,7 @@ BASE = -2  # the artifact version of LoRA's frozen base (`manifest(part="base")`
 MAX_LEASES = 8  # per lease call
 MAX_NODES = 256  # in the node table at once; nodes gone for PRUNE_LEASES lease periods leave it
 PRUNE_LEASES = 4
+HELLO_BURST, HELLO_EVERY_S = 16, 10.0  # new sessions per peer host: a burst, then one per period
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a node's display name: bounded, safe in metric keys and logs
 # Why calls were refused (`remote/rejected/<reason>`): the service's (token, throttled, request)
 # and the hub's (hello, session, refused node, lease, size, malformed group, weights, reward, internal).
@@ -93,6 +95,7 @@ class Hub:
             + sc.max_new_tokens
         self.group_bytes = wire.max_group_bytes(producer.group_size, self.max_width, sc.capture_topk)
         self.reward_range = tasks.reward_range(producer.task)
+        self.hellos = Buckets(HELLO_BURST, HELLO_EVERY_S)
 
     @property
     def rejected(self) -> int:
@@ -120,9 +123,14 @@ class Hub:
             name = self._greet(req)
         except PermissionError as e:
             raise self._refusal(e, "hello")
+        host = str(req.get("peer", "")).rsplit(":", 1)[0]
+        if not self.hellos.take(host):  # a node refused for good cannot come back as a new one at will
+            raise self._refusal(wire.Rejected(f"too many new sessions from {host[:80]}; try again in "
+                                              f"{self.hellos.wait_s(host):.0f} s"), "throttled")
         with self._lock:
             if len(self.nodes) >= MAX_NODES:
-                raise self._refusal(PermissionError(f"this learner serves at most {MAX_NODES} nodes at once"), "hello")
+                full = wire.Rejected(f"this learner serves at most {MAX_NODES} nodes at once; try again later")
+                raise self._refusal(full, "hello")  # not a refusal for good: the node says hello again
             node, k = name, 1
             while node in self.nodes:  # a display label, unique in this run
                 node, k = f"{name}-{k}", k + 1
@@ -217,9 +225,11 @@ class Hub:
             # heartbeats would otherwise keep it held and its prompts untrained).
             if lease is not None and self.leases.give_back(lease.id, group) and self.admission is not None:
                 self.admission.revoke(lease.version, 1)
+            if getattr(e, "reason", "") == "size":  # no honest node sends more than its config allows
+                self._refuse_node(n, "it sent a group larger than this run's groups can be")
             if not isinstance(e, (ValueError, LookupError, TypeError)):
                 log.exception("a group from node %s failed on the learner", n.name)
-                e = wire.Rejected(f"internal error on the learner ({type(e).__name__}); it is logged there")
+                e = wire.Rejected(f"internal error on the learner ({type(e).__name__}); it is logged there", "internal")
             raise self._refusal(wire.Rejected(str(e)), _reason(e)) from None
         batch = wire.group_batch(f)  # advantages: once per learner batch (`RemoteMode`)
         n.groups += 1
@@ -259,10 +269,17 @@ class Hub:
                    f"the session key does not match node {n.name!r}'s (hello gives each session its own)")
             raise self._refusal(wire.Rejected(why), "session")
         if n.refused:
-            raise self._refusal(PermissionError(f"node {n.name} was refused: {n.mismatched} of {n.verified} verified "
-                                                "groups had rewards that differ from the learner's"), "refused")
+            raise self._refusal(PermissionError(f"node {n.name} was refused: {self._refused[n.asked]}"), "refused")
         n.seen = time.monotonic()
         return n
+
+    def _refuse_node(self, n: NodeStats, why: str) -> None:
+        """Refuse node `n` for good (and its name for the rest of the run); its leases go back."""
+        n.refused = True
+        self._refused[n.asked] = why
+        while len(self._refused) > 4096:  # bounded: the oldest refusals are forgotten first
+            del self._refused[next(iter(self._refused))]
+        self._revoke(self.leases.release(n.name))
 
     def _prune(self) -> None:
         """Nodes unheard for PRUNE_LEASES lease periods and holding no lease leave the table (and
@@ -335,9 +352,7 @@ class Hub:
         if problem or not np.allclose(mine, f["rewards"], atol=1e-5):
             n.mismatched += 1
             if n.verified >= MIN_VERIFIED and n.mismatched > self.cfg.remote.max_mismatch * n.verified:
-                n.refused = True
-                self._refused[n.asked] = f"{n.mismatched} of {n.verified} verified groups had differing rewards"
-                self._revoke(self.leases.release(n.name))
+                self._refuse_node(n, f"{n.mismatched} of {n.verified} verified groups had differing rewards")
             raise wire.Rejected(problem or f"rewards {np.round(f['rewards'], 4).tolist()} differ from the learner's "
                                 f"{np.round(mine, 4).tolist()}", reason="reward")
 

@@ -32,7 +32,7 @@ import pyarrow.flight as flight
 
 ACTIONS = ("hello", "lease", "heartbeat", "release", "manifest")
 MAX_REQUEST_BYTES = 64 << 10  # an action's JSON body or a ticket
-MAX_META_BYTES = 4 << 10  # a put group's JSON metadata
+MAX_META_BYTES = 16 << 10  # a put group's JSON metadata (its weights fingerprints: one per version)
 log = logging.getLogger(__name__)
 
 

@@ -179,8 +179,9 @@ def _visible() -> list:
     a workdir or a dataset beside the code stays out)."""
     import jaxrl_llm
 
-    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, "/usr")}
-    paths = set(prefixes) | {os.path.dirname(os.path.realpath(jaxrl_llm.__file__))}
+    given = (sys.prefix, sys.base_prefix, sys.exec_prefix, "/usr")
+    prefixes = {os.path.realpath(p) for p in given}
+    paths = prefixes | set(given) | {os.path.dirname(os.path.realpath(jaxrl_llm.__file__))}  # a symlinked prefix too
     for entry in sys.path:
         entry = os.path.realpath(entry or os.getcwd())
         if not os.path.isdir(entry) or any(entry == p or entry.startswith(p + "/") for p in prefixes):
@@ -190,7 +191,11 @@ def _visible() -> list:
             if name.endswith(".py") or os.path.isfile(os.path.join(full, "__init__.py")):
                 paths.add(full)
     paths.add("/etc/ld.so.cache")
-    return sorted(p for p in paths if os.path.exists(p) and p != "/")
+    out = []
+    for p in sorted(p for p in paths if os.path.exists(p) and p != "/"):
+        if not any(p.startswith(q + "/") for q in out):  # inside a bind already
+            out.append(p)
+    return out
 
 
 def _bind(source: str, target: str, read_only: bool) -> None:
