@@ -792,8 +792,8 @@ def _mutate(f: dict, mutations) -> dict:
         elif kind in _POISON and x.size and x.dtype != bool:
             y = x.copy().reshape(-1)
             value = _POISON[kind]
-            if np.issubdtype(y.dtype, np.integer) and not np.isfinite(value):
-                value = -1
+            if np.issubdtype(y.dtype, np.integer):  # its own extremes: no float cast of inf or 3e38
+                value = -1 if not np.isfinite(value) else int(min(max(value, -2**31), 2**31 - 1))
             y[min(int(u * y.size), y.size - 1)] = np.array(value).astype(y.dtype) if np.isfinite(value) else value
             f[field] = y.reshape(x.shape)
     return f
@@ -819,10 +819,14 @@ def test_fuzzed_groups_through_the_hub_never_stop_a_learner_step_and_no_refused_
     c.num_minibatches, c.packing = 1, "off"
     lrn = L.Learner(mcfg, {"name": "ppo"}, c, mesh=sharding.make_mesh(devices=jax.devices()[:1]))
     state = [lrn.init(jax.random.key(0))]
-    me = hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "fuzz"})
-    s = {k: me[k] for k in ("run_id", "node", "session")}
-    weights = _weights(hub, s)
-    seen = {"accepted": 0, "refused": 0, "steps": 0}
+    from jaxrl_llm.runtime.throttle import Buckets
+
+    hub.hellos = Buckets(10**6, 1.0)  # a node refused for an oversized group comes back as a new one
+    hi = {"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__}
+    me = hub.hello({**hi, "name": "fuzz"})
+    node = [{k: me[k] for k in ("run_id", "node", "session")}]
+    weights = _weights(hub, node[0])
+    seen = {"accepted": 0, "refused": 0, "steps": 0, "nodes_refused": 0}
     fields = sorted(wire.GROUP_FIELDS)
     mutation = st.tuples(st.sampled_from(fields), st.sampled_from(["drop", "dtype", "rows", "width", "extra",
                                                                    *_POISON]),
@@ -831,6 +835,7 @@ def test_fuzzed_groups_through_the_hub_never_stop_a_learner_step_and_no_refused_
     @settings(max_examples=500, deadline=None, derandomize=True, database=None)
     @given(st.lists(mutation, max_size=3), st.floats(0, 1))
     def one(mutations, reward):
+        s = node[0]
         lease = hub.lease({**s, "version": 3})["leases"][0]
         prompt = hub.producer.prompts(1, lease["draw"])[lease["groups"][0]]
         f = _group(rows=2, p=hub.max_width - new, new=new, k=0, prompt=prompt, vocab=task.vocab_size, kept=False)
@@ -845,6 +850,11 @@ def test_fuzzed_groups_through_the_hub_never_stop_a_learner_step_and_no_refused_
             assert "internal error" not in str(e), (mutations, e)
             assert len(hub.queue) == queued
             seen["refused"] += 1
+        if hub.nodes[s["node"]].refused:  # an oversized group: no honest node sends one
+            seen["nodes_refused"] += 1
+            me = hub.hello({**hi, "name": f"fuzz{seen['nodes_refused']}"})  # its name stays refused
+            node[0] = {k: me[k] for k in ("run_id", "node", "session")}
+            return
         hub.release(s)
         if len(hub.queue) == 2:
             got = []
@@ -861,3 +871,4 @@ def test_fuzzed_groups_through_the_hub_never_stop_a_learner_step_and_no_refused_
 
     one()
     assert seen["accepted"] + seen["refused"] >= 500 and seen["refused"] >= 250 and seen["steps"] >= 20, seen
+    assert seen["nodes_refused"] > 0 and hub.leases.pending_groups() == 0, seen  # their leases went back
