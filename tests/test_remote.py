@@ -805,7 +805,7 @@ def test_fuzzed_groups_through_the_hub_never_stop_a_learner_step_and_no_refused_
     with acceptance or a `wire.Rejected` (never an internal error), refused groups never reach
     the queue, and every batch of accepted groups trains one real learner step with finite
     metrics and no skipped update."""
-    from hypothesis import given, settings
+    from hypothesis import example, given, settings
     from hypothesis import strategies as st
 
     from jaxrl_llm import learner as L
@@ -834,6 +834,7 @@ def test_fuzzed_groups_through_the_hub_never_stop_a_learner_step_and_no_refused_
 
     @settings(max_examples=500, deadline=None, derandomize=True, database=None)
     @given(st.lists(mutation, max_size=3), st.floats(0, 1))
+    @example([("tokens", "width", 0.0, 0.9)], 0.5)  # rows wider than the run's: its node is refused for good
     def one(mutations, reward):
         s = node[0]
         lease = hub.lease({**s, "version": 3})["leases"][0]
