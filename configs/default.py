@@ -10,8 +10,10 @@ steps with a cosine learning rate. Runs on a 2-core CPU in about 2.5 minutes wit
 
 import ml_collections
 
-from jaxrl_llm import config as config_lib
-from jaxrl_llm import distributed, learner, objectives, sharding, tasks
+from jaxrl_llm.run import config as config_lib
+from jaxrl_llm import objectives, tasks
+from jaxrl_llm.learner import learner
+from jaxrl_llm.parallel import distributed, sharding
 from jaxrl_llm.rollout import sampling
 from jaxrl_llm.runtime import orchestrator
 from jaxrl_llm.tasks import warmstart

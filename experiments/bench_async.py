@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from configs import default  # noqa: E402
-from jaxrl_llm import experiment  # noqa: E402
+from jaxrl_llm.run import experiment  # noqa: E402
 
 from common import across_isas, cpu_kind, parse_args, report  # noqa: E402
 

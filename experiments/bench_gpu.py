@@ -11,7 +11,7 @@ On a GPU, at Qwen2.5-0.5B shapes (random weights, nothing downloaded):
     (6 x matmul FLOPs per token + attention, over the device's dense bf16 peak);
   * decode: generated tokens/s of the static sampler against the HBM roofline (each decode
     step reads the bf16 weights once plus every row's KV cache);
-  * the memory plan (`jaxrl_llm/memory.py`) of that learner step and sampler call against the
+  * the memory plan (`jaxrl_llm/run/memory.py`) of that learner step and sampler call against the
     device's `bytes_limit`, and the compiled programs' own peaks.
 `--dry` (the default off an accelerator) runs the same code at tiny shapes on CPU — parity of
 XLA's kernel with the einsums, one learner step, one decode call — and the 0.5B plan against
@@ -118,8 +118,9 @@ def _reference(q, k, v, mask):
 def learner_step(cfg, rows: int, seq_len: int, repeats: int) -> tuple:
     import jax
 
-    from jaxrl_llm import learner as L
-    from jaxrl_llm import sharding, testing
+    from jaxrl_llm.learner import learner as L
+    from jaxrl_llm import testing
+    from jaxrl_llm.parallel import sharding
 
     c = L.default_config()
     c.lr, c.num_minibatches, c.packing = 1e-5, 1, "off"
@@ -185,7 +186,7 @@ def main():
 
     import jax
 
-    from jaxrl_llm import memory
+    from jaxrl_llm.run import memory
     from jaxrl_llm.models.config import ModelConfig
 
     dev = jax.devices()[0]

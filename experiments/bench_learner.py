@@ -23,7 +23,7 @@ import time
 import jax
 import numpy as np
 
-from jaxrl_llm import learner as L
+from jaxrl_llm.learner import learner as L
 from jaxrl_llm import models, testing
 from jaxrl_llm.objectives import ppo
 
@@ -71,7 +71,7 @@ def time_heavy_tail(cfg, params, repeats):
             times.append(time.perf_counter() - t)
             runs[mode][1] = state
     ratios = np.array(runs["off"][2]) / np.array(runs["auto"][2])
-    from jaxrl_llm import packing as packing_lib
+    from jaxrl_llm.learner import packing as packing_lib
     plan = packing_lib.plan(batch.input_mask, MINIBATCHES)
     rows = plan.rows * MINIBATCHES if plan is not None else B
     return {

@@ -46,7 +46,7 @@ def write_setup(path: str, problems: int = 2000) -> None:
     from transformers import PreTrainedTokenizerFast
 
     from configs import default
-    from jaxrl_llm import experiment
+    from jaxrl_llm.run import experiment
     from jaxrl_llm.models import hf
     from jaxrl_llm.tasks import arithmetic as A
 
@@ -96,7 +96,7 @@ def ours(path: str, mode: str, reward: str, a) -> dict:
     import numpy as np
 
     from configs import default
-    from jaxrl_llm import experiment
+    from jaxrl_llm.run import experiment
     from jaxrl_llm.tasks import scoring
 
     c = default.get_config()
@@ -217,7 +217,7 @@ def main():
     import numpy as np
 
     import common
-    from jaxrl_llm import experiment
+    from jaxrl_llm.run import experiment
 
     if a.sampler_devices:
         experiment.set_cpu_devices(-1)

@@ -1,5 +1,5 @@
 """The memory plan at real size: a Qwen2.5-0.5B-shaped model's learner step and sampler call
-against the budget of `jaxrl_llm/memory.py` (not a test).
+against the budget of `jaxrl_llm/run/memory.py` (not a test).
 
     python experiments/bench_scale.py [--json out.json] [--remat full] [--dtype bfloat16]
                                       [--cache_dtype bfloat16] [--tiny]
@@ -101,8 +101,10 @@ def compiled_peak(compiled) -> int:
 def run_learner(a, lora: bool = False) -> dict:
     import jax
 
-    from jaxrl_llm import learner as L
-    from jaxrl_llm import memory, sharding, testing
+    from jaxrl_llm.learner import learner as L
+    from jaxrl_llm import testing
+    from jaxrl_llm.parallel import sharding
+    from jaxrl_llm.run import memory
     from jaxrl_llm.models import decoder
     from jaxrl_llm.runtime.weights import WeightStore
 
@@ -150,7 +152,7 @@ def run_sampler(a) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrl_llm import memory
+    from jaxrl_llm.run import memory
     from jaxrl_llm.models import decoder
     from jaxrl_llm.rollout import Sampler, SamplerConfig
 
@@ -228,7 +230,7 @@ def run_end_to_end(a) -> dict:
     """The main CLI for 2 steps per dtype, in a child process whose peak RSS is its own."""
     import re
 
-    from jaxrl_llm import memory
+    from jaxrl_llm.run import memory
 
     out = {}
     with tempfile.TemporaryDirectory() as d:

@@ -7,7 +7,7 @@ run one gloo call per buffer of a combined (tuple) all-reduce, so many small ten
 round trip each where one buffer of the same total size costs about one.
 
 Each case runs twice: under the default scheduling policy and under SCHED_BATCH, which
-`jaxrl_llm.distributed` sets on CPU (`batch_scheduling`: gloo's I/O thread otherwise preempts
+`jaxrl_llm.parallel.distributed` sets on CPU (`batch_scheduling`: gloo's I/O thread otherwise preempts
 the sending thread and spins until the next scheduler tick). `--pin` puts each process on a core
 of its own (`taskset`), where that stall hits about every call.
 """
@@ -25,7 +25,7 @@ CASES = ((1, 1), (1, 30), (3000, 30), (90000, 1))  # (floats per buffer, buffers
 
 def worker(pid: int, port: str, calls: int, batch: bool) -> None:
     if batch:
-        from jaxrl_llm import distributed
+        from jaxrl_llm.parallel import distributed
 
         distributed.batch_scheduling()
     import jax
@@ -62,7 +62,7 @@ def main():
     if args.worker:
         return worker(int(args.worker[0]), args.worker[1], args.calls, args.worker[2] == "1")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from jaxrl_llm.launch import free_port
+    from jaxrl_llm.parallel.launch import free_port
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     cores = sorted(os.sched_getaffinity(0))

@@ -34,7 +34,7 @@ def _startup_s() -> float:
     """One fresh process importing the project and starting JAX's CPU backend: each launched
     process pays it."""
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import jax, jaxrl_llm.experiment; jax.devices()"], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-c", "import jax, jaxrl_llm.run.experiment; jax.devices()"], check=True, cwd=ROOT)
     return time.perf_counter() - t
 
 

@@ -8,7 +8,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxrl_llm import experiment, validation
+from jaxrl_llm import validation
+from jaxrl_llm.run import experiment
 
 CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "experiment config file")
 WORKDIR = flags.DEFINE_string("workdir", "runs/default", "metrics, checkpoints; resumed if present")

@@ -7,7 +7,7 @@ rows, with group ids numbered from 0 as each process's sampler numbers them; the
 (gathered onto its devices) and every step's metrics to OUT (.npz); many processes compute the
 metrics on a gathered copy of the rows (`minibatches.replicate_rows`), one process does not.
 With N=1 the one process feeds all rows: the reference the many-process run must equal. Its
-rows come in the order that gives it the two-process minibatches (`jaxrl_llm.minibatches`:
+rows come in the order that gives it the two-process minibatches (`jaxrl_llm.learner.minibatches`:
 minibatch m holds every process's m-th chunk of its rows). Each objective of the list trains
 its own learner in turn (keys prefixed `<objective>/`), in the same processes.
 """
@@ -20,7 +20,7 @@ import jax
 
 def main(pid, n, port, devices, out, objectives="decoupled_ppo"):
     jax.config.update("jax_num_cpu_devices", int(devices))
-    from jaxrl_llm import distributed
+    from jaxrl_llm.parallel import distributed
 
     cfg = distributed.default_config()
     if int(n) > 1:
@@ -29,8 +29,9 @@ def main(pid, n, port, devices, out, objectives="decoupled_ppo"):
     distributed.initialize(cfg)
     import numpy as np
 
-    from jaxrl_llm import learner as L
-    from jaxrl_llm import models, sharding, testing
+    from jaxrl_llm.learner import learner as L
+    from jaxrl_llm import models, testing
+    from jaxrl_llm.parallel import sharding
     from jaxrl_llm.models.config import ModelConfig
 
     model = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

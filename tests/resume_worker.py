@@ -10,8 +10,9 @@ import sys
 import jax
 import numpy as np
 
-from jaxrl_llm import checkpoint, models, testing
-from jaxrl_llm import learner as L
+from jaxrl_llm import models, testing
+from jaxrl_llm.store import checkpoint
+from jaxrl_llm.learner import learner as L
 from jaxrl_llm.models.config import ModelConfig
 
 CFG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import learner as L
-from jaxrl_llm import objectives, sharding, testing
+from jaxrl_llm.learner import learner as L
+from jaxrl_llm import objectives, testing
+from jaxrl_llm.parallel import sharding
 from jaxrl_llm.models import decoder
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.objectives import common

@@ -22,7 +22,8 @@ def test_dry_run_on_cpu(tmp_path):
     assert r["attention_valid_queries"] > 0
     assert r["einsum_vs_float32_reference"] < 0.05 and r["default_kernel_max_abs_diff"] < 0.05  # bf16 inputs
     assert r["learner_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
-    from jaxrl_llm import learner, memory
+    from jaxrl_llm.learner import learner
+    from jaxrl_llm.run import memory
     from jaxrl_llm.models.config import ModelConfig
 
     big = ModelConfig(**bench_gpu.QWEN25_05B, dtype="bfloat16")

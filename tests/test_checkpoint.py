@@ -4,8 +4,9 @@ import sys
 import jax
 import numpy as np
 
-from jaxrl_llm import checkpoint, testing
-from jaxrl_llm import learner as L
+from jaxrl_llm import testing
+from jaxrl_llm.store import checkpoint
+from jaxrl_llm.learner import learner as L
 from jaxrl_llm.models.config import ModelConfig
 from tests import processes
 

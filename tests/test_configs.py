@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from jaxrl_llm import experiment
+from jaxrl_llm.run import experiment
 from jaxrl_llm.research import sweep
 from tests.test_experiment import shrink
 

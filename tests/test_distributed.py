@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm import launch
+from jaxrl_llm.parallel import launch
 from tests import processes
 
 ROOT = processes.ROOT
@@ -58,7 +58,7 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path):
 def test_batch_scheduling_reaches_the_threads_started_after_it():
     import threading
 
-    from jaxrl_llm import distributed
+    from jaxrl_llm.parallel import distributed
     seen = {}
 
     def child():
@@ -80,7 +80,7 @@ def test_batch_scheduling_reaches_the_threads_started_after_it():
 def test_batch_scheduling_is_for_cpu_runs_only(monkeypatch, tmp_path):
     """SCHED_BATCH follows the backend JAX will pick: the first platform named, else CPU unless an
     accelerator plugin is installed (found as JAX finds it, under the jax_plugins namespace)."""
-    from jaxrl_llm import distributed
+    from jaxrl_llm.parallel import distributed
     before = jax.config.jax_platforms  # read from JAX_PLATFORMS at import: "cpu" in the tests
     jax.config.update("jax_platforms", None)
     try:
@@ -163,8 +163,8 @@ def test_preemption_a_lost_process_and_kill_9_each_stop_every_process_and_resume
     procs = _start([*args, f"--workdir={run}", "--config.train.steps=100000"])
     try:
         _wait(lambda: _steps(run), procs)
-        from jaxrl_llm import experiment
-        from jaxrl_llm.workdir import WorkdirBusy
+        from jaxrl_llm.run import experiment
+        from jaxrl_llm.store.workdir import WorkdirBusy
         from tests.test_experiment import _tiny
 
         with pytest.raises(WorkdirBusy, match=rf'held by a live run \(.*"pid": {procs[0].pid}'):
@@ -231,7 +231,7 @@ def test_launcher_forwards_sigterm_and_lets_every_process_save():
     child = ("import signal, sys, time\n"
              "def done(*_):\n    time.sleep(1.0 + float(sys.argv[1])); print('saved', flush=True); sys.exit(143)\n"
              "signal.signal(signal.SIGTERM, done)\nprint('ready', flush=True)\ntime.sleep(60)\n")
-    parent = (f"import sys; from jaxrl_llm import launch; child = {child!r}\n"
+    parent = (f"import sys; from jaxrl_llm.parallel import launch; child = {child!r}\n"
               "sys.exit(launch.run([[sys.executable, '-c', child, str(i)] for i in range(2)]))")
     p = subprocess.Popen([sys.executable, "-c", parent], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
     seen = [p.stdout.readline() for _ in range(2)]  # both children have their handler installed

@@ -6,8 +6,8 @@ import os
 import pytest
 
 from configs.default import get_config
-from jaxrl_llm import config as config_lib
-from jaxrl_llm import experiment
+from jaxrl_llm.run import config as config_lib
+from jaxrl_llm.run import experiment
 from jaxrl_llm import objectives
 
 

@@ -14,7 +14,9 @@ import time
 import jax.numpy as jnp
 import pytest
 
-from jaxrl_llm import checkpoint, experiment, objectives
+from jaxrl_llm import objectives
+from jaxrl_llm.run import experiment
+from jaxrl_llm.store import checkpoint
 from tests.test_experiment import _tiny
 
 STEPS = 4

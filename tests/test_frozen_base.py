@@ -12,7 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm import checkpoint, experiment, export, frozen_base, learner, models
+from jaxrl_llm import models
+from jaxrl_llm.learner import learner
+from jaxrl_llm.run import experiment
+from jaxrl_llm.store import checkpoint, export, frozen_base
 from jaxrl_llm.models import adapters as peft_dir
 from jaxrl_llm.models import lora
 from tests import hf_fixtures as F
@@ -154,7 +157,7 @@ def test_export_loads_in_peft_with_our_logits_and_a_run_starts_from_it(killed_an
         with pytest.raises(ValueError, match=rf"model.lora.*{why}"):
             peft_dir.load(str(bad), cfg)
     c.model.lora.rank = 0
-    from jaxrl_llm import config as config_lib
+    from jaxrl_llm.run import config as config_lib
 
     with pytest.raises(ValueError, match=r"model.lora.init_from=.* needs LoRA on"):
         config_lib.validate(c)

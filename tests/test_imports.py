@@ -32,8 +32,17 @@ def test_the_main_classes_stay_small():
     """Learner, Orchestrator and Sampler own one job each; their parts live in modules of their own."""
     import ast
 
-    wanted = {"learner.py": "Learner", "runtime/orchestrator.py": "Orchestrator", "rollout/sampler.py": "Sampler"}
+    wanted = {"learner/learner.py": "Learner", "runtime/orchestrator.py": "Orchestrator",
+              "rollout/sampler.py": "Sampler"}
     for path, name in wanted.items():
         tree = ast.parse((PACKAGE / path).read_text())
         (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
         assert cls.end_lineno - cls.lineno + 1 <= 150, (name, cls.end_lineno - cls.lineno + 1)
+
+
+def test_every_package_says_what_it_owns_and_what_it_may_import():
+    import ast
+
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(doc) > 80 and "import" in doc, (init.parent.name, doc)

@@ -4,8 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import advantages, models, update
-from jaxrl_llm import learner as L
+from jaxrl_llm import advantages, models
+from jaxrl_llm.learner import update
+from jaxrl_llm.learner import learner as L
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm import learner as L
-from jaxrl_llm import forward, models, sharding, testing
+from jaxrl_llm.learner import learner as L
+from jaxrl_llm import models, testing
+from jaxrl_llm.learner import forward
+from jaxrl_llm.parallel import sharding
 from jaxrl_llm.models.config import ModelConfig
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -170,7 +172,7 @@ def test_hf_checkpoint_loads_straight_into_shardings(tmp_path):
 def test_abstract_state_is_init_without_the_arrays(objective, aux, tmp_path):
     """The restore template: every leaf's shape, dtype and sharding as `init` makes them (params
     and moments on fsdp x tensor, the rest replicated); a checkpoint restores into it."""
-    from jaxrl_llm import checkpoint
+    from jaxrl_llm.store import checkpoint
 
     mesh = sharding.make_mesh(dict(data=2, fsdp=2, tensor=2, rules=sharding.DEFAULT_RULES))
     lrn = L.Learner(CFG, objective, L.default_config(), mesh=mesh,

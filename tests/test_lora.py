@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import learner as L
-from jaxrl_llm import models, objectives, sharding, testing
+from jaxrl_llm.learner import learner as L
+from jaxrl_llm import models, objectives, testing
+from jaxrl_llm.parallel import sharding
 from jaxrl_llm.models import adapters as peft_dir
 from jaxrl_llm.models import decoder, lora
 from jaxrl_llm.models.config import ModelConfig
@@ -99,7 +100,7 @@ def test_only_adapters_train_and_one_update_matches_numpy_adam():
     batch = testing.model_batch(lrn.policy_params(st), PLAIN, seed=0, version=0)
     # The gradient the step will take, computed independently of the optimizer.
     prepared, _, _ = lrn.prepare(st, batch)
-    from jaxrl_llm import update
+    from jaxrl_llm.learner import update
 
     (value, _), g = jax.value_and_grad(update.loss, has_aux=True)(
         st.params, prepared, st.version, jax.random.fold_in(st.rng, st.step), plan=lrn.plan, base=lrn.base)

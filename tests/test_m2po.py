@@ -8,9 +8,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl_llm import learner as L
+from jaxrl_llm.learner import learner as L
 from jaxrl_llm import objectives as O
-from jaxrl_llm import sharding, testing
+from jaxrl_llm import testing
+from jaxrl_llm.parallel import sharding
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.objectives.m2po import second_moment_mask
 from tests import reference as R

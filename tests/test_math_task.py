@@ -198,7 +198,7 @@ def test_rewards_through_the_scorer_and_failures_counted(tokenizer_dir, tmp_path
 
 
 def test_end_to_end_on_a_local_hf_model_and_dataset(tokenizer_dir, tmp_path):
-    from jaxrl_llm import experiment
+    from jaxrl_llm.run import experiment
     from tests.test_experiment import _tiny
 
     c = _tiny("ppo")
@@ -227,7 +227,7 @@ def test_hf_checkpoint_in_bfloat16_samples_with_bf16_weights(tokenizer_dir, tmp_
     import jax
     import jax.numpy as jnp
 
-    from jaxrl_llm import experiment
+    from jaxrl_llm.run import experiment
 
     c = _hf_config(tokenizer_dir, tmp_path)
     c.model.dtype = "bfloat16"
@@ -244,8 +244,8 @@ def test_hf_checkpoint_in_bfloat16_samples_with_bf16_weights(tokenizer_dir, tmp_
 
 
 def test_a_plan_beyond_the_memory_available_fails_at_start_up(tokenizer_dir, tmp_path, monkeypatch):
-    from jaxrl_llm import experiment, memory
-    from jaxrl_llm import plan as plan_lib
+    from jaxrl_llm.run import experiment, memory
+    from jaxrl_llm.run import plan as plan_lib
 
     c = _hf_config(tokenizer_dir, tmp_path)
     plan = memory.total(memory.run_plan(c, tasks.make(c.task, c.model.hf_path),
@@ -270,7 +270,9 @@ def test_lora_on_a_local_hf_checkpoint_references_it_and_resumes_only_on_it(toke
     import os
     import shutil
 
-    from jaxrl_llm import experiment, frozen_base, models
+    from jaxrl_llm import models
+    from jaxrl_llm.run import experiment
+    from jaxrl_llm.store import frozen_base
 
     base = str(tmp_path / "base")
     shutil.copytree(tokenizer_dir, base)

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import forward, models, tasks
+from jaxrl_llm import models, tasks
+from jaxrl_llm.learner import forward
 from jaxrl_llm.models.policy_dist import PolicyDist
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 from jaxrl_llm.tasks import envs, math_tools, multiturn

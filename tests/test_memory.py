@@ -1,4 +1,4 @@
-"""The memory plan (`jaxrl_llm/memory.py`) against what is really allocated, through the code
+"""The memory plan (`jaxrl_llm/run/memory.py`) against what is really allocated, through the code
 of `experiments/bench_scale.py` on a tiny model (the benchmark runs it at 0.5B shapes)."""
 
 import argparse
@@ -8,7 +8,7 @@ import sys
 import jax
 import numpy as np
 
-from jaxrl_llm import memory
+from jaxrl_llm.run import memory
 from jaxrl_llm.models.config import ModelConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))

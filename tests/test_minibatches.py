@@ -10,8 +10,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from jaxrl_llm import learner as L
-from jaxrl_llm import minibatches, sharding, testing
+from jaxrl_llm.learner import learner as L
+from jaxrl_llm import testing
+from jaxrl_llm.learner import minibatches
+from jaxrl_llm.parallel import sharding
 from jaxrl_llm.models.config import ModelConfig
 
 

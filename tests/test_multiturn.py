@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from configs.tool_arithmetic import get_config
-from jaxrl_llm import experiment, plan, staleness, testing
+from jaxrl_llm import staleness, testing
+from jaxrl_llm.run import experiment, plan
 from jaxrl_llm import objectives as O
 from tests.test_experiment import shrink
 

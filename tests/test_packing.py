@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import learner as L
-from jaxrl_llm import forward, objectives, packing, sharding, testing, update
+from jaxrl_llm.learner import learner as L
+from jaxrl_llm import objectives, testing
+from jaxrl_llm.learner import forward, packing, update
+from jaxrl_llm.parallel import sharding
 from jaxrl_llm.batch import PolicyOutput
 from jaxrl_llm.models import decoder
 from jaxrl_llm.models.config import ModelConfig

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from configs.default import get_config
-from jaxrl_llm import config as config_lib
-from jaxrl_llm import experiment, paths
+from jaxrl_llm.run import config as config_lib
+from jaxrl_llm.run import experiment, paths
 
 
 def _model(d, config='{"model_type": "qwen2"}', weights=True):

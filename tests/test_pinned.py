@@ -16,9 +16,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm import learner as L
+from jaxrl_llm.learner import learner as L
 from jaxrl_llm import objectives as O
-from jaxrl_llm import sharding, testing
+from jaxrl_llm import testing
+from jaxrl_llm.parallel import sharding
 from jaxrl_llm.models.config import ModelConfig
 
 PATH = os.path.join(os.path.dirname(__file__), "pinned.json")

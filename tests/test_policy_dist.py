@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import learner as L
-from jaxrl_llm import models, objectives, sharding
+from jaxrl_llm.learner import learner as L
+from jaxrl_llm import models, objectives
+from jaxrl_llm.parallel import sharding
 from jaxrl_llm.batch import PolicyOutput
 from jaxrl_llm.models import heads
 from jaxrl_llm.models.policy_dist import PolicyDist

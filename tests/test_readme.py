@@ -34,6 +34,17 @@ def test_the_readme_is_a_door_and_every_link_resolves():
         _example(tag)
 
 
+def test_the_readme_layout_names_every_package_and_top_level_module_and_nothing_else():
+    block = re.search(r"## Layout\n\n```\n(.*?)```", README.read_text(), re.S).group(1)
+    named = {w for line in block.splitlines()[1:] if line.startswith("  ") for w in line.split()
+             if re.fullmatch(r"[a-z_]+(/|\.py)", w)}
+    pkg = ROOT / "jaxrl_llm"
+    tree = {f"{d.name}/" for d in pkg.iterdir() if (d / "__init__.py").exists()}
+    tree |= {f.name for f in pkg.glob("*.py") if f.name != "__init__.py"}
+    assert named == tree, (sorted(named - tree), sorted(tree - named))
+    assert len({f for f in tree if f.endswith(".py")}) <= 10  # the top level stays a door too
+
+
 def test_write_your_own_objective_example(capsys):
     namespace = {}
     try:

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow.flight as flight
 import pytest
 
-from jaxrl_llm.launch import free_port
+from jaxrl_llm.parallel.launch import free_port
 from jaxrl_llm.runtime import wire
 from jaxrl_llm.runtime.client import Client
 from jaxrl_llm.runtime.leases import LeaseError, Leases
@@ -453,7 +453,7 @@ class _Mute(flight.FlightServerBase):
 
 
 def test_a_stopping_node_waits_for_its_leases_release_a_bounded_time():
-    from jaxrl_llm import sampler_node
+    from jaxrl_llm.runtime import node as sampler_node
 
     server = _Mute("grpc+tcp://127.0.0.1:0")
     try:
@@ -716,7 +716,7 @@ def test_hub_plays_a_multi_turn_group_again_and_refuses_a_forged_observation():
 
 
 def test_remote_options_fail_at_start_up(tmp_path, monkeypatch, capsys):
-    from jaxrl_llm import sampler_node
+    from jaxrl_llm.runtime import node as sampler_node
     from jaxrl_llm import validation as V
     from jaxrl_llm.runtime import orchestrator, remote
 
@@ -808,8 +808,8 @@ def test_fuzzed_groups_through_the_hub_never_stop_a_learner_step_and_no_refused_
     from hypothesis import example, given, settings
     from hypothesis import strategies as st
 
-    from jaxrl_llm import learner as L
-    from jaxrl_llm import sharding
+    from jaxrl_llm.learner import learner as L
+    from jaxrl_llm.parallel import sharding
     from jaxrl_llm.batch import TrajectoryBatch
     from jaxrl_llm.runtime.remote import _widen
 

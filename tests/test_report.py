@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from jaxrl_llm import experiment
+from jaxrl_llm.run import experiment
 from jaxrl_llm.research import report
 from tests.test_experiment import _tiny
 
@@ -106,7 +106,7 @@ def test_resume_drops_records_written_after_the_checkpoint(tiny_run, tmp_path):
     steps <= 2 in metrics.jsonl and rebuilds TensorBoard from them."""
     import shutil
 
-    from jaxrl_llm.metrics import MetricsWriter
+    from jaxrl_llm.run.metrics import MetricsWriter
 
     shutil.copytree(tiny_run, tmp_path / "run")
     before = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

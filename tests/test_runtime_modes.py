@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as hst
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxrl_llm import learner as L
-from jaxrl_llm import sharding
+from jaxrl_llm.learner import learner as L
+from jaxrl_llm.parallel import sharding
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 from jaxrl_llm.runtime import orchestrator as O
@@ -444,7 +444,7 @@ def test_a_preemption_ends_the_async_learner_s_wait_for_samples(monkeypatch):
     ends it with `Preempted`, so the run saves instead of outwaiting its grace period."""
     import signal
 
-    from jaxrl_llm import preemption
+    from jaxrl_llm.parallel import preemption
     from jaxrl_llm.runtime import async_mode
     from jaxrl_llm.runtime.queue import VersionedQueue
 

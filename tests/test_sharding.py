@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxrl_llm import sharding
+from jaxrl_llm.parallel import sharding
 
 
 def _pointers(x):

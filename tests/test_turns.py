@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import forward, objectives
+from jaxrl_llm import objectives
+from jaxrl_llm.learner import forward
 from jaxrl_llm.batch import PolicyOutput
 from jaxrl_llm.models import decoder
 from jaxrl_llm.models.config import ModelConfig

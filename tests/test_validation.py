@@ -11,7 +11,7 @@ import pytest
 
 from configs.default import get_config
 from configs.staleness_sweep import get_config as sweep_config
-from jaxrl_llm import config as config_lib
+from jaxrl_llm.run import config as config_lib
 from jaxrl_llm import validation
 from jaxrl_llm.research import sweep
 from jaxrl_llm.validation import ConfigError

@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from jaxrl_llm import experiment, models
-from jaxrl_llm import plan as plan_lib
-from jaxrl_llm import workdir as workdir_lib
+from jaxrl_llm import models
+from jaxrl_llm.run import experiment
+from jaxrl_llm.run import plan as plan_lib
+from jaxrl_llm.store import workdir as workdir_lib
 from tests import hf_fixtures
 from tests.test_experiment import _tiny
 from tests.test_math_task import TEST, TRAIN, tokenizer_dir  # noqa: F401  (a fixture)

@@ -1,4 +1,6 @@
-"""Flax decoder (Qwen2 / Qwen3 / Llama), HF safetensors in/out, float32 log-prob heads."""
+"""Flax decoder (Qwen2 / Qwen3 / Llama), HF safetensors in/out, float32 log-prob heads.
+
+It imports only `validation` from this package: every layer above builds on it."""
 
 from jaxrl_llm.models import lora  # noqa: F401
 from jaxrl_llm.models.config import ModelConfig  # noqa: F401

@@ -3,7 +3,9 @@
     loss, metrics = registry()[name](policy: PolicyOutput, batch: TrajectoryBatch, cfg)
 
 `cfg` is the frozen config from `make_config` (hashable: pass it as a jit static argument).
-Importing this package registers the nine built-ins.
+Importing this package registers the nine built-ins. It imports `models`, `batch`,
+`advantages`, `groups`, `staleness` and `validation` only: an objective never sees a run, its
+runtime or its files.
 """
 
 from jaxrl_llm.objectives.registry import (  # noqa: F401

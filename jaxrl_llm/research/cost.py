@@ -27,8 +27,9 @@ def prox_costs(seeds, rows: int = 4, seq_len: int = 1024, shapes: dict = QWEN25_
     import jax
     import jax.numpy as jnp
 
-    from jaxrl_llm import learner as L
-    from jaxrl_llm import sharding, testing
+    from jaxrl_llm.learner import learner as L
+    from jaxrl_llm import testing
+    from jaxrl_llm.parallel import sharding
     from jaxrl_llm.models.config import ModelConfig
     from jaxrl_llm.objectives.ppo import time_a3po_prox
 

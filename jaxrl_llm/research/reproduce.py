@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from jaxrl_llm import config as config_lib
-from jaxrl_llm import experiment
+from jaxrl_llm.run import config as config_lib
+from jaxrl_llm.run import experiment
 from jaxrl_llm.research import claims as C
 from jaxrl_llm.research import cost, report, stats, sweep
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import os
 
-from jaxrl_llm import config as config_lib
-from jaxrl_llm import experiment, objectives
+from jaxrl_llm.run import config as config_lib
+from jaxrl_llm import objectives
+from jaxrl_llm.run import experiment
 from jaxrl_llm import validation as V
 from jaxrl_llm.research import report, stats
 from jaxrl_llm.runtime import delay as delay_lib

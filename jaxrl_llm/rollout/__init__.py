@@ -1,4 +1,7 @@
-"""Rollout: the jitted sampler that produces version-tagged TrajectoryBatches."""
+"""Rollout: the jitted sampler that produces version-tagged TrajectoryBatches.
+
+It imports `models`, `parallel`, `batch` and `validation`; never the learner, the runtime, a run
+or its files (a backend serves any driver)."""
 
 from jaxrl_llm.rollout.decode import DecodeState  # noqa: F401
 from jaxrl_llm.rollout.sampler import Sampler  # noqa: F401

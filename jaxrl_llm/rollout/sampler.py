@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_llm import sharding
+from jaxrl_llm.parallel import sharding
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.rollout import continuous, decode

@@ -34,7 +34,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from jaxrl_llm import advantages, distributed, staleness
+from jaxrl_llm import advantages, staleness
+from jaxrl_llm.parallel import distributed
 from jaxrl_llm import validation as V
 from jaxrl_llm.runtime import delay as delay_lib
 from jaxrl_llm.runtime import modes, remote

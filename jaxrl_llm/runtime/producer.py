@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import advantages, distributed
+from jaxrl_llm import advantages
+from jaxrl_llm.parallel import distributed
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.rollout.sampler import to_batch
 from jaxrl_llm.tasks import envs, multiturn

@@ -20,7 +20,8 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
-from jaxrl_llm import distributed, preemption, staleness
+from jaxrl_llm import staleness
+from jaxrl_llm.parallel import distributed, preemption
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.runtime.admission import Admission
 from jaxrl_llm.runtime.hub import STREAM, Hub

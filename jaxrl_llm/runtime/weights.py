@@ -24,7 +24,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm import distributed, sharding
+from jaxrl_llm.parallel import distributed, sharding
 from jaxrl_llm.models import lora
 
 

@@ -6,6 +6,9 @@ A task has `prompts(rng, n)`, `eval_prompts()`, `reward(prompt_ids, completion_i
 Embedded: `arithmetic` (no download) and `tool_arithmetic` (multi-turn: a calculator tool, see
 `multiturn`). From a local dataset: `math` (GSM8K / MATH style, math-verify reward) and
 `math_tools` (the same, multi-turn with a sandboxed Python tool in the chat template's format).
+
+It imports the rollout (multi-turn generation), `models`, `batch` and `validation`; never the
+learner, the runtime or a run.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ import crc32c
 import jax
 import numpy as np
 
-from jaxrl_llm import distributed, models
+from jaxrl_llm import models
+from jaxrl_llm.parallel import distributed
 from jaxrl_llm.models.config import ModelConfig
 
 RECORD, COPY = "lora_base.json", "lora_base"

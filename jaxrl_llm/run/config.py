@@ -10,7 +10,10 @@ import os
 
 import jax
 
-from jaxrl_llm import distributed, learner, models, objectives, paths, sharding, tasks
+from jaxrl_llm import models, objectives, tasks
+from jaxrl_llm.learner import learner
+from jaxrl_llm.parallel import distributed, sharding
+from jaxrl_llm.run import paths
 from jaxrl_llm import validation as V
 from jaxrl_llm.objectives.registry import RULES as OBJECTIVE_RULES
 from jaxrl_llm.rollout import sampling

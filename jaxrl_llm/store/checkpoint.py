@@ -19,8 +19,9 @@ from typing import Optional
 import jax
 import orbax.checkpoint as ocp
 
-from jaxrl_llm import distributed, validation
-from jaxrl_llm.learner import TrainState
+from jaxrl_llm import validation
+from jaxrl_llm.parallel import distributed
+from jaxrl_llm.learner.learner import TrainState
 
 
 class CheckpointError(validation.Refused):

@@ -16,7 +16,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm import minibatches, packing, sharding
+from jaxrl_llm.learner import minibatches, packing
+from jaxrl_llm.parallel import sharding
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.models import heads, lora
 from jaxrl_llm.models.config import ModelConfig

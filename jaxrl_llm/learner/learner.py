@@ -17,15 +17,17 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm import distributed, minibatches, objectives, packing, sharding, train_state, update
+from jaxrl_llm import objectives
+from jaxrl_llm.learner import minibatches, packing, train_state, update
+from jaxrl_llm.parallel import distributed, sharding
 from jaxrl_llm import validation as V
 from jaxrl_llm.batch import TrajectoryBatch
-from jaxrl_llm.forward import Forward
+from jaxrl_llm.learner.forward import Forward
 from jaxrl_llm.models import decoder, lora
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.policy_dist import PolicyDist
 from jaxrl_llm.objectives.auxiliary import AuxContext
-from jaxrl_llm.train_state import AuxState, TrainState  # noqa: F401  (the learner's state types)
+from jaxrl_llm.learner.train_state import AuxState, TrainState  # noqa: F401  (the learner's state types)
 
 
 SECTION = V.Section(

@@ -14,12 +14,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_llm import (checkpoint, distributed, frozen_base, learner, memory, models, paths, preemption, sharding,
-                       tasks, validation)
-from jaxrl_llm import workdir as workdir_lib
-from jaxrl_llm import plan as plan_lib
-from jaxrl_llm.checkpoint import Checkpointer
-from jaxrl_llm.metrics import MetricsWriter, Progress
+from jaxrl_llm import models, tasks, validation
+from jaxrl_llm.learner import learner
+from jaxrl_llm.parallel import distributed, preemption, sharding
+from jaxrl_llm.run import memory, paths
+from jaxrl_llm.store import checkpoint, frozen_base
+from jaxrl_llm.store import workdir as workdir_lib
+from jaxrl_llm.run import plan as plan_lib
+from jaxrl_llm.store.checkpoint import Checkpointer
+from jaxrl_llm.run.metrics import MetricsWriter, Progress
 from jaxrl_llm.models import adapters as peft_adapters
 from jaxrl_llm.rollout import Sampler
 from jaxrl_llm.runtime import orchestrator

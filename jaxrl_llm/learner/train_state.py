@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jaxrl_llm import distributed, sharding
+from jaxrl_llm.parallel import distributed, sharding
 from jaxrl_llm.models import lora
 
 

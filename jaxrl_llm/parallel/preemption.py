@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from jaxrl_llm import distributed
+from jaxrl_llm.parallel import distributed
 
 
 _installed: Optional["Grace"] = None  # the running experiment's, from install to uninstall

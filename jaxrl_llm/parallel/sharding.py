@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxrl_llm import distributed
+from jaxrl_llm.parallel import distributed
 from jaxrl_llm import validation as V
 
 MESH_AXES = ("data", "fsdp", "tensor")

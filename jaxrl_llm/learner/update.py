@@ -25,11 +25,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl_llm import forward, minibatches, packing, sharding, step_metrics
+from jaxrl_llm.learner import forward, minibatches, packing, step_metrics
+from jaxrl_llm.parallel import sharding
 from jaxrl_llm.batch import PolicyOutput, TrajectoryBatch
 from jaxrl_llm.models import lora
 from jaxrl_llm.objectives.auxiliary import AuxContext, AuxInputs
-from jaxrl_llm.train_state import AuxState, TrainState
+from jaxrl_llm.learner.train_state import AuxState, TrainState
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,10 @@ from typing import Any, Mapping, Optional
 
 import ml_collections
 
-from jaxrl_llm import config as config_lib
-from jaxrl_llm import distributed, memory, models, objectives, paths, tasks
+from jaxrl_llm.run import config as config_lib
+from jaxrl_llm import models, objectives, tasks
+from jaxrl_llm.parallel import distributed
+from jaxrl_llm.run import memory, paths
 from jaxrl_llm.rollout import SamplerConfig
 
 _MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
