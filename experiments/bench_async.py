@@ -37,7 +37,7 @@ def run(mode, params, samplers, sampler_devices=0):
     c = default.get_config()
     c.runtime.mode, c.runtime.num_samplers, c.runtime.sampler_devices = mode, samplers, sampler_devices
     b = experiment.build(c)
-    lrn, orch = b["learner"], b["orchestrator"]
+    lrn, orch = b.learner, b.orchestrator
     state = lrn.init(jax.random.key(0), params=params)
     state, _ = orch.run(state, 3)  # compile everything
     t = time.perf_counter()
@@ -59,7 +59,7 @@ def main():
     experiment.set_cpu_devices(args.cpu_devices)
     c = default.get_config()
     b = experiment.build(c)
-    params = experiment._initial_params(c, None, b["model_cfg"], b["task"], jax.random.key(c.seed))
+    params = experiment.initial_params(c, None, b.model_cfg, b.task, jax.random.key(c.seed), b.greedy, [])
     best, all_tps = {}, {"sync": [], "async": []}
     for _ in range(args.repeats):  # modes alternate so drifts in machine load hit both
         for mode in ("sync", "async"):

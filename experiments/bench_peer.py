@@ -52,7 +52,7 @@ def write_setup(path: str, problems: int = 2000) -> None:
 
     c = default.get_config()
     b = experiment.build(c)
-    params = experiment._initial_params(c, None, b["model_cfg"], b["task"], jax.random.key(c.seed), b["greedy"], [])
+    params = experiment.initial_params(c, None, b.model_cfg, b.task, jax.random.key(c.seed), b.greedy, [])
     vocab = {"<pad>": A.PAD, "<bos>": A.BOS, "<eos>": A.EOS, **A.VOCAB}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per character
     tok.decoder = decoders.Fuse()
@@ -60,8 +60,8 @@ def write_setup(path: str, problems: int = 2000) -> None:
                                    unk_token="<pad>",  # no new token: the vocabulary is the task's
                                    padding_side="left")
     fast.chat_template = "{{ bos_token }}{{ messages[-1]['content'] }}"
-    hf.save_params(path, params, b["model_cfg"], fast)
-    task, rng = b["task"], np.random.default_rng(1)
+    hf.save_params(path, params, b.model_cfg, fast)
+    task, rng = b.task, np.random.default_rng(1)
     with open(os.path.join(path, "train.jsonl"), "w") as f:
         for _ in range(problems):
             q = A.decode(task.prompts(rng, 1)[0][1:])
@@ -112,17 +112,17 @@ def ours(path: str, mode: str, reward: str, a) -> dict:
         c.task.update(name="math", path=os.path.join(path, "train.jsonl"), instruction="", eval_size=64,
                       max_answer_len=4)
     b = experiment.build(c)
-    orch = b["orchestrator"]
+    orch = b.orchestrator
     if reward == "table":
-        orch.producer.scorer = scoring.Scorer(TableTask(b["task"], path))
-    state = b["learner"].init(jax.random.key(0), params=b["params"])
+        orch.producer.scorer = scoring.Scorer(TableTask(b.task, path))
+    state = b.learner.init(jax.random.key(0), params=b.params)
     try:
         state, warm = orch.run(state, WARMUP)
         t = time.perf_counter()
         state, hist = orch.run(state, a.steps)
         wall = time.perf_counter() - t
     finally:
-        b["scorer"].close()
+        b.scorer.close()
         orch.producer.scorer.close()
     tokens = sum(m["tokens_per_s"] * m["step_time_s"] for m in hist)
     s = orch.producer.scorer

@@ -80,11 +80,11 @@ def test_sampler_devices_split_learner_and_samplers(tmp_path):
     c.runtime.sampler_devices = 6
     b = experiment.build(c)
     devices = jax.devices()
-    assert list(b["learner"].mesh.devices.flat) == devices[:2]
-    assert list(b["orchestrator"].sampler.mesh.devices.flat) == devices[2:]
-    state = b["learner"].init(jax.random.key(0))
-    state, hist = b["orchestrator"].run(state, 2)
-    _, params = b["orchestrator"].store.latest()
+    assert list(b.learner.mesh.devices.flat) == devices[:2]
+    assert list(b.orchestrator.sampler.mesh.devices.flat) == devices[2:]
+    state = b.learner.init(jax.random.key(0))
+    state, hist = b.orchestrator.run(state, 2)
+    _, params = b.orchestrator.store.latest()
     leaf = jax.tree_util.tree_leaves(params)[0]
     assert leaf.sharding.device_set == set(devices[2:])
     # CPU sampler devices alias one host copy of each published version (sharding.put)
@@ -129,9 +129,9 @@ def test_build_reads_the_config_and_writes_nothing_back():
     given = c.to_dict()
     b = experiment.build(c)
     assert c.to_dict() == given
-    lrn = b["learner"]
+    lrn = b.learner
     assert lrn.temperature == 0.7 and lrn.aux.name == "actor"
-    assert b["orchestrator"].sampler.model_cfg == lrn.rollout_model_cfg == b["aux_cfg"]  # the actor samples
+    assert b.orchestrator.sampler.model_cfg == lrn.rollout_model_cfg == b.aux_cfg  # the actor samples
     c.objective.name = "ppo"
     with pytest.raises(ValueError, match="config.aux_model sets a second model, but objective 'ppo' trains none; "
                                          "objectives that do: jackpot"):
@@ -175,7 +175,7 @@ def test_start_up_resolves_the_objective_once_and_hands_out_frozen_sections(monk
     c = _tiny("decoupled_ppo")
     b = experiment.build(c)
     assert calls == ["decoupled_ppo"]
-    plan, lrn, orch = b["plan"], b["learner"], b["orchestrator"]
+    plan, lrn, orch = b.plan, b.learner, b.orchestrator
     assert lrn.plan.obj_cfg is plan.objective and plan.passes == {"prox_logp"}
     with pytest.raises(AttributeError):  # immutable, unlike the user's config
         plan.config.learner.lr = 1.0

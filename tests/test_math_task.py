@@ -232,10 +232,10 @@ def test_hf_checkpoint_in_bfloat16_samples_with_bf16_weights(tokenizer_dir, tmp_
     c = _hf_config(tokenizer_dir, tmp_path)
     c.model.dtype = "bfloat16"
     b = experiment.build(c)
-    assert b["model_cfg"].dtype == "bfloat16" and b["orchestrator"].sampler.cfg.cache_dtype == "bfloat16"
-    state = b["learner"].init(jax.random.key(0), params=b["params"])
+    assert b.model_cfg.dtype == "bfloat16" and b.orchestrator.sampler.cfg.cache_dtype == "bfloat16"
+    state = b.learner.init(jax.random.key(0), params=b.params)
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype("float32")}
-    orch = b["orchestrator"]
+    orch = b.orchestrator
     state, hist = orch.run(state, 1)
     version, weights = orch.store.latest()
     assert version == 1 and {x.dtype for x in jax.tree.leaves(weights)} == {np.dtype(jnp.bfloat16)}
@@ -261,7 +261,7 @@ def test_a_plan_beyond_the_memory_available_fails_at_start_up(tokenizer_dir, tmp
     monkeypatch.undo()
     monkeypatch.setattr(memory, "available", lambda: (plan // 2, "host RAM"))
     b = experiment.build(c)  # the escape hatch
-    assert b["memory_plan"]["learner_params"] == 4 * b["model_cfg"].num_params
+    assert b.memory_plan["learner_params"] == 4 * b.model_cfg.num_params
 
 
 def test_lora_on_a_local_hf_checkpoint_references_it_and_resumes_only_on_it(tokenizer_dir, tmp_path):

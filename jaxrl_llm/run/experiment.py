@@ -1,5 +1,6 @@
-"""Assemble and run an experiment from a config: task, model, sampler, learner, runtime,
-evaluation, metrics, checkpoints (resumed automatically from the workdir)."""
+"""Run an experiment from a config: its parts (`parts.build`), resumed from the workdir's
+newest checkpoint or started afresh, trained in chunks between evaluations and saves, stopped
+cleanly on Ctrl-C or SIGTERM (saved, resumable), and closed."""
 
 from __future__ import annotations
 
@@ -12,20 +13,16 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_llm import models, tasks, validation
-from jaxrl_llm.learner import learner
-from jaxrl_llm.parallel import distributed, preemption, sharding
+from jaxrl_llm import validation
+from jaxrl_llm.models import adapters as peft_adapters
+from jaxrl_llm.parallel import distributed, preemption
 from jaxrl_llm.run import memory, paths
+from jaxrl_llm.run.metrics import MetricsWriter, Progress
+from jaxrl_llm.run.parts import Parts, build, initial_params  # noqa: F401  (build: the run's parts, public here)
 from jaxrl_llm.store import checkpoint, frozen_base
 from jaxrl_llm.store import workdir as workdir_lib
-from jaxrl_llm.run import plan as plan_lib
 from jaxrl_llm.store.checkpoint import Checkpointer
-from jaxrl_llm.run.metrics import MetricsWriter, Progress
-from jaxrl_llm.models import adapters as peft_adapters
-from jaxrl_llm.rollout import Sampler
-from jaxrl_llm.runtime import orchestrator
 from jaxrl_llm.tasks import warmstart
 
 
@@ -61,48 +58,6 @@ def set_cpu_devices(n: int) -> None:
         jax.config.update("jax_num_cpu_devices", os.cpu_count() if n < 0 else n)
 
 
-def _load(m, cfg):
-    """The checkpoint's weights (float32 master copies) or None for a random model."""
-    return models.load_params(m.hf_path, cfg.without_lora())[0] if m.hf_path else None
-
-
-def build(config) -> dict:
-    """The run's parts, from its plan (`plan.resolve`: validated, resolved, memory checked)."""
-    p = plan_lib.resolve(config)
-    c = p.config
-    params, aux_params = _load(c.model, p.model), p.aux_model and _load(c.aux_model, p.aux_model)
-    lrn = learner.Learner(p.model, p.objective, c.learner, mesh=sharding.make_mesh(c.mesh, p.learner_devices),
-                          mesh_cfg=c.mesh, aux_model_cfg=p.aux_model, dist=p.sampler.dist)
-    # Samplers split rows over their devices (data parallel); with devices of their own, the
-    # weight store publishes each version onto them.
-    mesh = Mesh(np.asarray(p.sampler_devices), ("data",))
-    placement = NamedSharding(mesh, PartitionSpec()) if p.own_sampler_devices else None
-    scorer = tasks.scorer(p.task, c.task)
-    orch = orchestrator.Orchestrator(lrn, Sampler(lrn.rollout_model_cfg, p.sampler, mesh), p.task, c.runtime,
-                                     placement=placement, scorer=scorer,
-                                     node_config={"task": c.task.to_dict(), "hf_path": c.model.hf_path})
-    # A sampling auxiliary (a rollout model) is evaluated beside the policy; any auxiliary may be warm-started.
-    return dict(plan=p, task=p.task, scorer=scorer, model_cfg=p.model, params=params, memory_plan=p.memory,
-                aux_cfg=p.aux_model, aux_params=aux_params, learner=lrn, orchestrator=orch,
-                greedy=Sampler(p.model.without_lora(), p.greedy, mesh),
-                aux_greedy=p.aux_model and Sampler(p.aux_model, p.greedy, mesh),
-                aux_eval=lrn.aux is not None and lrn.aux.samples)
-
-
-def _initial_params(config, params, cfg, task, key, greedy, notes, role="policy"):
-    """Given weights, or random ones warm-started on the task (tasks with `supervised`)."""
-    if params is not None:
-        return params
-    params = models.init_params(cfg, key)
-    w = config.warm_start
-    if w.steps and hasattr(task, "supervised") and distributed.is_main():  # the others take process 0's
-        params, note = warmstart.cached(
-            lambda p: warmstart.to_target(p, cfg, task, greedy, w, config.seed), params, w,
-            warmstart.cache_key(cfg, config.task, w, config.seed, role))
-        notes.append(note)
-    return distributed.broadcast(params)  # every process starts from process 0's weights
-
-
 def run(config, workdir: str, log=None) -> dict:
     """Train `config` in `workdir` (resuming from its checkpoints) and return a summary.
     `log(line)` receives progress lines; by default they go beside a tqdm bar on a terminal."""
@@ -135,121 +90,159 @@ def _hold(workdir: str):
 def _run(config, workdir: str, log) -> dict:
     t_start = time.time()
     b = build(config)
-    user_config, config = config, b["plan"].config  # from here on the resolved, immutable one
-    task, lrn, orch = b["task"], b["learner"], b["orchestrator"]
-    ckdir, notes = os.path.join(workdir, "checkpoints"), []
+    user_config, config = config, b.plan.config  # from here on the resolved, immutable one
     have, what = memory.available()
-    notes.append(f"memory plan (GiB): {memory.describe(b['memory_plan'])}; {what}: {have / memory.GB:.1f} GiB")
-    notes.extend(f"warning: {w}" for w in b["plan"].warnings)
+    notes = [f"memory plan (GiB): {memory.describe(b.memory_plan)}; {what}: {have / memory.GB:.1f} GiB"]
+    notes.extend(f"warning: {w}" for w in b.plan.warnings)
+    ckpt = _checkpointer(config, workdir, notes)
+    state, resumed, changed, shape = _resume_or_init(b, user_config, workdir, ckpt, notes)
+    b = b.without_weights()  # the learner holds its own copy now
+    out = _Output(b, user_config, workdir, state, resumed, log)
+    out.start(notes, ckpt, state, resumed, changed, shape)
+    evaluate = _Evaluator(b, out, t_start)
+    summary = {}
+    if int(state.version) == 0:
+        summary["eval/reward_start"] = evaluate(state)["eval/reward"]
+    state = _train(b, state, ckpt, out, evaluate, summary, t_start)
+    summary.update(version=int(state.version), time_s=time.time() - t_start,
+                   reward_failures=b.orchestrator.reward_failures)
+    return summary
+
+
+def _checkpointer(config, workdir: str, notes: list) -> Checkpointer:
+    """The run's checkpoints; with `train.resume=fresh`, earlier ones moved aside first."""
+    ckdir = os.path.join(workdir, "checkpoints")
     if config.train.get("resume", "auto") == "fresh" and distributed.is_main():
         aside = checkpoint.move_all_aside(ckdir)
         if aside:
             notes.append(f"starting afresh: earlier checkpoints moved to {aside}")
     distributed.agree(0)  # nobody opens the directory while process 0 moves it
-    ckpt = Checkpointer(ckdir, save_every=config.train.save_every, keep=config.train.keep)
-    key = jax.random.key(config.seed)
-    lora, mcfg = bool(b["model_cfg"].lora_rank), b["model_cfg"]
+    return Checkpointer(ckdir, save_every=config.train.save_every, keep=config.train.keep)
+
+
+def _resume_or_init(b: Parts, user_config, workdir: str, ckpt: Checkpointer, notes: list):
+    """The learner's state: the newest readable checkpoint (its LoRA base from the workdir's
+    record) or a new one from the loaded or warm-started weights. Returns (state, resumed,
+    the config changes since the saved run, the model's shape record)."""
+    config, lrn, mcfg = b.plan.config, b.learner, b.model_cfg
+    key, lora = jax.random.key(config.seed), bool(mcfg.lora_rank)
     saved = ckpt.manager.all_steps()
     frozen_base.check_resumable(workdir, mcfg, bool(saved))
     shape = {k: getattr(mcfg, k) for k in workdir_lib.MODEL_KEYS}
     changed = workdir_lib.check_resume(workdir, user_config, shape, max(saved)) if saved else []
     restored = ckpt.restore_newest_readable(lrn.abstract_state(), log=notes.append)
-    resumed = restored is not None
-    loaded, loaded_aux = b.pop("params"), b.pop("aux_params")  # dropped once the learner holds its copy
-    if resumed:
+    if restored is not None:
         if lora:  # the adapters' frozen base: referenced by the workdir, not in the checkpoint
-            lrn.hold_base(frozen_base.restore(workdir, config.model.hf_path, loaded, mcfg))
-        state = lrn.place(restored)
-    else:
-        params = _initial_params(config, loaded, mcfg.without_lora(), task, key, b["greedy"], notes)
-        aux = (_initial_params(config, loaded_aux, b["aux_cfg"], task, jax.random.fold_in(key, 1),
-                               b["aux_greedy"], notes, role="actor")
-               if b["aux_cfg"] else None)
-        adapters = None
-        if lora:
-            frozen_base.record(workdir, config.model.hf_path, params, mcfg)
-            if config.model.lora.init_from:
-                adapters = peft_adapters.load(config.model.lora.init_from, mcfg)
-                notes.append(f"LoRA adapters start from {config.model.lora.init_from}")
-        state = lrn.init(key, params=params, aux_params=aux, adapters=adapters)
-        del params, aux, adapters
-    del loaded, loaded_aux, restored
-    main = distributed.is_main()  # process 0 alone writes and prints
-    if main:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(workdir_lib.public(user_config), f, indent=2)  # the config the user ran, secrets redacted
-        workdir_lib.record(workdir, user_config, shape, int(state.version), changed if resumed else [])
-    # Records past the restored version (or all, starting afresh) belong to a run that died.
-    writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=main,
-                           resume_at=int(state.version) if resumed else -1)
-    progress = Progress(config.train.steps, int(state.version),
-                        enabled=None if config.train.progress and log is None and main else False)  # None: a tty
-    log = log or (progress.write if main else (lambda line: None))
-    for note in notes:
-        log(note)
-    if resumed:
-        log(f"resumed from {workdir} at version {int(state.version)}")
-        if changed:  # allowed by train.allow_changes (or free but worth saying), and recorded
-            log("resumed with changes: " + "; ".join(changed))
-            writer.write({"step": int(state.version), "config_changes": changed})
-        saved = ckpt.runtime(int(state.version))
-        if saved is not None:
-            note = orch.load_runtime_state(saved)
-        else:
-            note = (f"no runtime state was saved with version {int(state.version)} (an older checkpoint, or "
-                    "one from fewer processes): async samplers start their prompt streams from the beginning")
-        if note:
-            log(note)
-    # Each process evaluates its share of the held-out set; the mean is over all of it.
-    eval_prompts = task.eval_prompts()[distributed.index()::distributed.count()]
+            lrn.hold_base(frozen_base.restore(workdir, config.model.hf_path, b.params, mcfg))
+        return lrn.place(restored), True, changed, shape
+    params = initial_params(config, b.params, mcfg.without_lora(), b.task, key, b.greedy, notes)
+    aux = (initial_params(config, b.aux_params, b.aux_cfg, b.task, jax.random.fold_in(key, 1), b.aux_greedy, notes,
+                          role="actor") if b.aux_cfg else None)
+    adapters = None
+    if lora:
+        frozen_base.record(workdir, config.model.hf_path, params, mcfg)
+        if config.model.lora.init_from:
+            adapters = peft_adapters.load(config.model.lora.init_from, mcfg)
+            notes.append(f"LoRA adapters start from {config.model.lora.init_from}")
+    return lrn.init(key, params=params, aux_params=aux, adapters=adapters), False, changed, shape
 
-    def accuracy(params, sampler) -> float:
-        local = warmstart.accuracy(distributed.to_local(params), sampler, task, eval_prompts, scorer=b["scorer"])
-        total, n = distributed.host_sum(np.array([local * len(eval_prompts), len(eval_prompts)]))
+
+class _Output:
+    """Where the run reports: the workdir's records, the metrics writer, the progress bar and
+    `log` (process 0 alone writes and prints)."""
+
+    def __init__(self, b: Parts, user_config, workdir: str, state, resumed: bool, log):
+        config, self.main = b.plan.config, distributed.is_main()
+        self.user_config, self.workdir, self.orchestrator = user_config, workdir, b.orchestrator
+        # Records past the restored version (or all, starting afresh) belong to a run that died.
+        self.writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=self.main,
+                                    resume_at=int(state.version) if resumed else -1)
+        self.progress = Progress(config.train.steps, int(state.version),  # None: a terminal decides
+                                 enabled=None if config.train.progress and log is None and self.main else False)
+        self.log = log or (self.progress.write if self.main else (lambda line: None))
+
+    def start(self, notes: list, ckpt: Checkpointer, state, resumed: bool, changed: list, shape: dict) -> None:
+        """The workdir's config and history records, the start-up notes, and a resume's runtime state."""
+        if self.main:
+            with open(os.path.join(self.workdir, "config.json"), "w") as f:
+                json.dump(workdir_lib.public(self.user_config), f, indent=2)  # as the user ran it, secrets redacted
+            workdir_lib.record(self.workdir, self.user_config, shape, int(state.version), changed if resumed else [])
+        for note in notes:
+            self.log(note)
+        if not resumed:
+            return
+        self.log(f"resumed from {self.workdir} at version {int(state.version)}")
+        if changed:  # allowed by train.allow_changes (or free but worth saying), and recorded
+            self.log("resumed with changes: " + "; ".join(changed))
+            self.writer.write({"step": int(state.version), "config_changes": changed})
+        saved = ckpt.runtime(int(state.version))
+        note = (self.orchestrator.load_runtime_state(saved) if saved is not None else
+                f"no runtime state was saved with version {int(state.version)} (an older checkpoint, or one from "
+                "fewer processes): async samplers start their prompt streams from the beginning")
+        if note:
+            self.log(note)
+
+
+class _Evaluator:
+    """`evaluate(state)`: the greedy reward on the held-out set (each process its share; the mean
+    is over all of it), of the policy and of a sampling auxiliary, written and logged."""
+
+    def __init__(self, b: Parts, out: _Output, t_start: float):
+        self.b, self.out, self.t_start = b, out, t_start
+        self.prompts = b.task.eval_prompts()[distributed.index()::distributed.count()]
+
+    def accuracy(self, params, sampler) -> float:
+        local = warmstart.accuracy(distributed.to_local(params), sampler, self.b.task, self.prompts,
+                                   scorer=self.b.scorer)
+        total, n = distributed.host_sum(np.array([local * len(self.prompts), len(self.prompts)]))
         return float(total / n)
 
-    def evaluate(state) -> dict:
-        rec = {"eval/reward": accuracy(lrn.policy_params(state), b["greedy"])}
-        if b["aux_eval"]:
-            rec[f"eval/{lrn.aux.name}_reward"] = accuracy(state.aux.params, b["aux_greedy"])
-        rec.update(step=int(state.version), time_s=time.time() - t_start)
-        writer.write(rec)
-        log(f"step {rec['step']} " + " ".join(f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("eval/")))
+    def __call__(self, state) -> dict:
+        b = self.b
+        rec = {"eval/reward": self.accuracy(b.learner.policy_params(state), b.greedy)}
+        if b.aux_eval:
+            rec[f"eval/{b.learner.aux.name}_reward"] = self.accuracy(state.aux.params, b.aux_greedy)
+        rec.update(step=int(state.version), time_s=time.time() - self.t_start)
+        self.out.writer.write(rec)
+        self.out.log(f"step {rec['step']} " + " ".join(f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("eval/")))
         return rec
 
-    summary = {}
-    if int(state.version) == 0:
-        summary["eval/reward_start"] = evaluate(state)["eval/reward"]
 
-    bad = {"run": 0, "skipped": int(state.skipped)}
+class _StepRecords:
+    """`on_metrics(m)` for each trained step: written, shown, checked for a run of bad steps
+    (`learner.max_bad_steps` steps in a row with a skipped update stop the run instead of
+    training on forever), and a preemption honoured with the step recorded."""
 
-    def stop_after_bad_steps(m):
-        """Non-finite updates are skipped; `learner.max_bad_steps` steps in a row with a skipped
-        update stop the run instead of training on forever."""
+    def __init__(self, config, out: _Output, ckpt: Checkpointer, grace, skipped: int, t_start: float):
+        self.limit, self.out, self.ckpt, self.grace = config.learner.max_bad_steps, out, ckpt, grace
+        self.t_start, self.run, self.skipped = t_start, 0, skipped
+
+    def __call__(self, m) -> None:
         skipped = int(m["skipped_updates"])
-        bad["run"] = bad["run"] + 1 if skipped > bad["skipped"] else 0
-        bad["skipped"] = skipped
-        limit = config.learner.max_bad_steps
-        if limit and bad["run"] >= limit:
+        self.run, self.skipped = (self.run + 1 if skipped > self.skipped else 0), skipped
+        if self.limit and self.run >= self.limit:
             raise BadStepsError(
-                f"{bad['run']} consecutive steps up to step {int(m['version'])} had a non-finite loss or gradient "
-                f"(their updates were skipped); last good checkpoint: version {ckpt.latest_version()} in "
-                f"{ckpt.directory}. Check the rewards, the learning rate and the data; raise "
+                f"{self.run} consecutive steps up to step {int(m['version'])} had a non-finite loss or gradient "
+                f"(their updates were skipped); last good checkpoint: version {self.ckpt.latest_version()} in "
+                f"{self.ckpt.directory}. Check the rewards, the learning rate and the data; raise "
                 "--config.learner.max_bad_steps (0: never stop) to tolerate more")
-
-    def on_metrics(m):
-        stop_after_bad_steps(m)
-        rec = {"step": int(m["version"]), "time_s": time.time() - t_start}
+        rec = {"step": int(m["version"]), "time_s": time.time() - self.t_start}
         rec.update({k: v for k, v in m.items() if isinstance(v, (int, float, list))})
-        writer.write(rec)
-        progress.update(rec["step"], m)
-        if not progress.enabled:
+        self.out.writer.write(rec)
+        self.out.progress.update(rec["step"], m)
+        if not self.out.progress.enabled:
             g = lambda k: m.get(k, float("nan"))  # noqa: E731  (an objective may log less)
-            log(f"step {rec['step']:4d} reward={g('reward/mean'):.3f} loss={g('loss'):+.4f} "
-                f"staleness={g('staleness/mean'):.2f} tok/s={g('tokens_per_s'):.0f}")
-        grace.check()  # preempted: stop here, with this step trained and recorded
+            self.out.log(f"step {rec['step']:4d} reward={g('reward/mean'):.3f} loss={g('loss'):+.4f} "
+                         f"staleness={g('staleness/mean'):.2f} tok/s={g('tokens_per_s'):.0f}")
+        self.grace.check()  # preempted: stop here, with this step trained and recorded
 
+
+def _train(b: Parts, state, ckpt: Checkpointer, out: _Output, evaluate, summary: dict, t_start: float):
+    """Train to `train.steps` in chunks that end on save and eval intervals; on Ctrl-C or
+    SIGTERM save and return; in every case close what the run opened. Returns the last state."""
+    config, orch = b.plan.config, b.orchestrator
     grace = preemption.Grace(config.train.get("preempt_grace_s", 30.0))
+    on_metrics = _StepRecords(config, out, ckpt, grace, int(state.skipped), t_start)
     try:
         grace.install()
         while int(state.version) < config.train.steps:
@@ -263,28 +256,31 @@ def _run(config, workdir: str, log) -> dict:
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (preemption) through `preemption.Grace`
         grace.start(e)
         state = orch.state or state  # `state` itself may have been donated mid-chunk
-        log(f"interrupted ({grace.signal_name}) at version {int(state.version)}: saving a checkpoint")
+        out.log(f"interrupted ({grace.signal_name}) at version {int(state.version)}: saving a checkpoint")
         ckpt.save(state, force=True, runtime=orch.runtime_state())
         summary["interrupted_by"] = grace.signal_name
     finally:
-        inflight = sys.exc_info()[1]  # an error already on its way out is the one to report
-        grace.uninstall()
-        progress.close()
-        try:
-            ckpt.close()
-        except Exception:
-            if inflight is None:
-                raise
-        finally:
-            writer.close()
-            orch.close()  # e.g. the remote mode's service
-            b["scorer"].close()  # e.g. the math task's checker processes
-            if hasattr(task, "close"):
-                task.close()
-            grace.cancel()
-    summary.update(version=int(state.version), time_s=time.time() - t_start,
-                   reward_failures=orch.reward_failures)
-    return summary
+        _finish(b, ckpt, out, grace, inflight=sys.exc_info()[1])
+    return state
+
+
+def _finish(b: Parts, ckpt: Checkpointer, out: _Output, grace, inflight) -> None:
+    """Close what the run opened; a failure while closing is raised only when no error is
+    already on its way out (that one is the one to report)."""
+    grace.uninstall()
+    out.progress.close()
+    try:
+        ckpt.close()
+    except Exception:
+        if inflight is None:
+            raise
+    finally:
+        out.writer.close()
+        b.orchestrator.close()  # e.g. the remote mode's service
+        b.scorer.close()  # e.g. the math task's checker processes
+        if hasattr(b.task, "close"):
+            b.task.close()
+        grace.cancel()
 
 
 def main(config, workdir: str) -> int:

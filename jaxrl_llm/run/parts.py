@@ -1,0 +1,94 @@
+"""A run's parts, built from its plan: the task and its scorer, the learner, the orchestrator
+with its sampler, the greedy evaluation samplers, and the weights the run starts from.
+
+`build(config) -> Parts` is what `experiment` runs and what benchmarks and tests take apart;
+`initial_params` gives a run's starting weights (loaded, or random and warm-started).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl_llm import models, tasks
+from jaxrl_llm.learner import learner
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.parallel import distributed, sharding
+from jaxrl_llm.rollout import Sampler
+from jaxrl_llm.run import plan as plan_lib
+from jaxrl_llm.runtime import orchestrator
+from jaxrl_llm.tasks import warmstart
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    plan: plan_lib.RunPlan  # validated, resolved, memory checked (`plan.resolve`)
+    task: Any
+    scorer: Any  # the task's scoring stage (closed with the run)
+    learner: learner.Learner
+    orchestrator: orchestrator.Orchestrator
+    greedy: Sampler  # the policy's evaluation sampler
+    params: Any = None  # the policy's loaded weights (None: random); dropped once the learner holds them
+    aux_params: Any = None  # the auxiliary's, likewise
+    aux_greedy: Optional[Sampler] = None  # a sampling auxiliary's evaluation sampler
+    aux_eval: bool = False  # whether that auxiliary is evaluated beside the policy
+
+    @property
+    def model_cfg(self) -> ModelConfig:
+        return self.plan.model
+
+    @property
+    def aux_cfg(self) -> Optional[ModelConfig]:
+        return self.plan.aux_model
+
+    @property
+    def memory_plan(self) -> dict:
+        return self.plan.memory
+
+    def without_weights(self) -> "Parts":
+        """These parts without the loaded weights (the learner holds its own copy by then)."""
+        return dataclasses.replace(self, params=None, aux_params=None)
+
+
+def _load(m, cfg):
+    """The checkpoint's weights (float32 master copies) or None for a random model."""
+    return models.load_params(m.hf_path, cfg.without_lora())[0] if m.hf_path else None
+
+
+def build(config) -> Parts:
+    """The run's parts, from its plan (`plan.resolve`: validated, resolved, memory checked)."""
+    p = plan_lib.resolve(config)
+    c = p.config
+    params, aux_params = _load(c.model, p.model), p.aux_model and _load(c.aux_model, p.aux_model)
+    lrn = learner.Learner(p.model, p.objective, c.learner, mesh=sharding.make_mesh(c.mesh, p.learner_devices),
+                          mesh_cfg=c.mesh, aux_model_cfg=p.aux_model, dist=p.sampler.dist)
+    # Samplers split rows over their devices (data parallel); with devices of their own, the
+    # weight store publishes each version onto them.
+    mesh = Mesh(np.asarray(p.sampler_devices), ("data",))
+    placement = NamedSharding(mesh, PartitionSpec()) if p.own_sampler_devices else None
+    scorer = tasks.scorer(p.task, c.task)
+    orch = orchestrator.Orchestrator(lrn, Sampler(lrn.rollout_model_cfg, p.sampler, mesh), p.task, c.runtime,
+                                     placement=placement, scorer=scorer,
+                                     node_config={"task": c.task.to_dict(), "hf_path": c.model.hf_path})
+    # A sampling auxiliary (a rollout model) is evaluated beside the policy; any auxiliary may be warm-started.
+    return Parts(plan=p, task=p.task, scorer=scorer, learner=lrn, orchestrator=orch,
+                 greedy=Sampler(p.model.without_lora(), p.greedy, mesh), params=params, aux_params=aux_params,
+                 aux_greedy=p.aux_model and Sampler(p.aux_model, p.greedy, mesh),
+                 aux_eval=lrn.aux is not None and lrn.aux.samples)
+
+
+def initial_params(config, params, cfg, task, key, greedy, notes, role="policy"):
+    """Given weights, or random ones warm-started on the task (tasks with `supervised`)."""
+    if params is not None:
+        return params
+    params = models.init_params(cfg, key)
+    w = config.warm_start
+    if w.steps and hasattr(task, "supervised") and distributed.is_main():  # the others take process 0's
+        params, note = warmstart.cached(
+            lambda p: warmstart.to_target(p, cfg, task, greedy, w, config.seed), params, w,
+            warmstart.cache_key(cfg, config.task, w, config.seed, role))
+        notes.append(note)
+    return distributed.broadcast(params)  # every process starts from process 0's weights
