@@ -20,6 +20,7 @@ the same tokens, log-probs and top-K in any slot, at any slot count, as in a sta
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
 import types
@@ -182,51 +183,21 @@ class SlotEngine:
         10 ms. `refresh` as in `Sampler.generate`, asked before every segment but the first. `stop()`: end at the
         next boundary (rows still decoding are dropped). `turns` (`turns.Turns`): multi-turn
         rows; a row then finishes when its episode does. Ends when nothing waits or decodes."""
-        n, s, g = self.sampler.cfg.max_new_tokens, self.slots, self.groups
-        local = s // g
         params = self.sampler.place_params(params)
-        st = self._empty(p)
-        waiting = [collections.deque() for _ in range(g)]  # per device: ids in arrival order
-        rows = {}  # id -> (prompt, mask, limit, key data): what a (re-)prefill needs
-        pools = []  # [pool, {id: index in the pool}]
-        row_of = np.full(s, -1)  # the id each slot holds (-1: idle); slot j is on device j // local
-        holding = np.zeros(s, bool)  # multi-turn, hold: the slot's row waits for its reply
-        steps = np.zeros(s, np.int64)
-        start = {}  # id -> the step a resumed row re-enters its slot at
-        decoded = useful = 0  # decode steps run (summed over segments), tokens generated
+        st, s = self._empty(p), _Slots.idle(self.slots, self.groups)
         fed_all, first = False, True
         while True:
             if stop is not None and stop():
                 return
             if refresh is not None and not first:
-                newer = refresh()
-                if newer is not None and newer[0] > version:
-                    version, params = newer[0], self.sampler.place_params(newer[1])
-                    fresh = [collections.deque(i for i in q if i not in start) for q in waiting]
-                    pools = [pl for pl in pools if start.keys() & pl[1].keys()]  # parked rows keep their cache
-                    if any(fresh):
-                        pools.append(self._pool(params, fresh, rows, version))
+                params, version = self._refreshed(refresh, params, version, s)
             if turns is not None:  # replies that came: rows go on, or their episodes end
-                st, ended = self._replies(params, st, turns, rows, row_of, holding, waiting, pools, start)
+                st, ended = self._replies(params, st, turns, s)
                 for ids, got in ended:
-                    useful += int(got["valid_BxN"].sum())
+                    s.useful += int(got["valid_BxN"].sum())
                     yield ids, got
-            while not fed_all and sum(map(len, waiting)) < s:
-                new = feed()
-                if new is None:
-                    fed_all = True
-                if not new:
-                    break
-                fresh = [collections.deque() for _ in range(g)]
-                for i, row in enumerate(zip(*new)):
-                    d = min(range(g), key=lambda d: len(waiting[d]) + len(fresh[d]))  # balance the devices
-                    rows[int(row[0])] = row[1:]
-                    fresh[d].append(int(row[0]))
-                pools.append(self._pool(params, fresh, rows, version))
-                for d in range(g):
-                    waiting[d].extend(fresh[d])
-            live = (row_of >= 0) & ~holding
-            if not any(waiting) and not live.any():
+            fed_all = fed_all or self._take_new(feed, params, version, s)
+            if not any(s.waiting) and not ((s.row_of >= 0) & ~s.holding).any():
                 if turns is not None and turns.waiting:  # every row in flight waits for a reply
                     futures.wait([w.reply for w in turns.waiting.values()], timeout=0.05,
                                  return_when=futures.FIRST_COMPLETED)
@@ -238,30 +209,68 @@ class SlotEngine:
                 yield np.empty(0, np.int64), {}  # idle: the caller may act meanwhile (hand over scored groups)
                 continue
             first = False
-            st = self._fill(st, pools, waiting, row_of, steps, local, start)
-            reach = steps[row_of >= 0].max() + self.seg
-            width = int(p + min(n, -(-reach // self.seg) * self.seg))  # a Python int: one static key
-            st = self._segment(params, st, version, p=p, width=width)
-            before = steps.copy()
-            done, steps = (np.array(x) for x in jax.device_get((st.done_B, st.step)))
-            decoded += int((steps - before)[row_of >= 0].max(initial=0))
-            finished = np.flatnonzero((row_of >= 0) & done & ~holding)
-            if finished.size:
-                got = {f: x[finished] for f, x in jax.device_get({f: getattr(st, f) for f in OUTPUTS}).items()}
-                ids = row_of[finished].copy()
-                if turns is not None:  # a turn's end is not the row's: it waits for its reply
-                    paused = turns.ended_turns(ids, got, lambda i: rows[i][2])
-                    st = self._wait(st, turns, ids[paused], finished[paused], got, paused, row_of, holding)
-                    ids, finished, got = ids[~paused], finished[~paused], {f: x[~paused] for f, x in got.items()}
-                row_of[finished] = -1
-                for i in ids:
-                    del rows[int(i)]
-                useful += int(got["valid_BxN"].sum())
-                if ids.size:
-                    yield ids, got
-        self.occupancy.append(useful / max(1, s * decoded))
+            st, ids, got = self._decode_segment(params, st, version, p, turns, s)
+            if ids.size:
+                yield ids, got
+        self.occupancy.append(s.useful / max(1, self.slots * s.decoded))
 
-    def _wait(self, st, turns, ids, slots, got, paused, row_of, holding):
+    def _refreshed(self, refresh, params, version: int, s: "_Slots"):
+        """(params, version), newer if `refresh` has newer weights: the rows still waiting are
+        prefilled again with them (parked rows keep their cache)."""
+        newer = refresh()
+        if newer is not None and newer[0] > version:
+            version, params = newer[0], self.sampler.place_params(newer[1])
+            fresh = [collections.deque(i for i in q if i not in s.start) for q in s.waiting]
+            s.pools = [pl for pl in s.pools if s.start.keys() & pl[1].keys()]
+            if any(fresh):
+                s.pools.append(self._pool(params, fresh, s.rows, version))
+        return params, version
+
+    def _take_new(self, feed, params, version: int, s: "_Slots") -> bool:
+        """Ask `feed` for rows while fewer wait than there are slots, spread over the devices and
+        prefilled into a pool; True once it has none ever."""
+        g = self.groups
+        while sum(map(len, s.waiting)) < self.slots:
+            new = feed()
+            if not new:
+                return new is None
+            fresh = [collections.deque() for _ in range(g)]
+            for row in zip(*new):
+                d = min(range(g), key=lambda d: len(s.waiting[d]) + len(fresh[d]))  # balance the devices
+                s.rows[int(row[0])] = row[1:]
+                fresh[d].append(int(row[0]))
+            s.pools.append(self._pool(params, fresh, s.rows, version))
+            for d in range(g):
+                s.waiting[d].extend(fresh[d])
+        return False
+
+    def _decode_segment(self, params, st, version: int, p: int, turns, s: "_Slots"):
+        """Fill free slots, decode one segment, and take out the rows that finished (a multi-turn
+        row that ended a turn waits for its reply instead): (state, their ids, their outputs)."""
+        n = self.sampler.cfg.max_new_tokens
+        st = self._fill(st, s)
+        reach = s.steps[s.row_of >= 0].max() + self.seg
+        width = int(p + min(n, -(-reach // self.seg) * self.seg))  # a Python int: one static key
+        st = self._segment(params, st, version, p=p, width=width)
+        before = s.steps.copy()
+        done, s.steps = (np.array(x) for x in jax.device_get((st.done_B, st.step)))
+        s.decoded += int((s.steps - before)[s.row_of >= 0].max(initial=0))
+        finished = np.flatnonzero((s.row_of >= 0) & done & ~s.holding)
+        if not finished.size:
+            return st, np.empty(0, np.int64), {}
+        got = {f: x[finished] for f, x in jax.device_get({f: getattr(st, f) for f in OUTPUTS}).items()}
+        ids = s.row_of[finished].copy()
+        if turns is not None:  # a turn's end is not the row's: it waits for its reply
+            paused = turns.ended_turns(ids, got, lambda i: s.rows[i][2])
+            st = self._wait(st, turns, ids[paused], finished[paused], got, paused, s)
+            ids, finished, got = ids[~paused], finished[~paused], {f: x[~paused] for f, x in got.items()}
+        s.row_of[finished] = -1
+        for i in ids:
+            del s.rows[int(i)]
+        s.useful += int(got["valid_BxN"].sum())
+        return st, ids, got
+
+    def _wait(self, st, turns, ids, slots, got, paused, s: "_Slots"):
         """Rows `ids` (in `slots`) ended a turn: ask their environment, and hold their slots or
         park them and free the slots."""
         where = np.flatnonzero(paused)
@@ -270,16 +279,16 @@ class SlotEngine:
             reply = turns.respond(i, got["tokens_BxN"][j][:k].copy(), got["obs_BxN"][j][:k].copy())
             turns.waiting[i] = turns_lib.Waiting(reply, slot=slot)
         if not turns.release:
-            holding[slots] = True
+            s.holding[slots] = True
             return st
         park = self._park_bare if self.sampler.cfg.turn_cache == "recompute" else self._park
         pool = [park(st, self._put(slots.astype(np.int32))), {i: j for j, i in enumerate(ids.tolist())}]
         for i in ids.tolist():
             turns.waiting[i].pool, turns.waiting[i].slot = pool, -1
-        row_of[slots] = -1
+        s.row_of[slots] = -1
         return st
 
-    def _replies(self, params, st, turns, rows, row_of, holding, waiting, pools, start):
+    def _replies(self, params, st, turns, s: "_Slots"):
         """Apply the replies that came: a row goes on with its observation forced at its next
         columns (in its held slot, or queued first to re-enter one with its parked state, its
         cache rebuilt first under turn_cache="recompute"), or its episode ends (returned as
@@ -289,26 +298,26 @@ class SlotEngine:
             w = turns.waiting.pop(i)
             state, at = (st, w.slot) if w.pool is None else (w.pool[0], w.pool[1][i])
             step = int(jax.device_get(jnp.broadcast_to(state.step, state.done_B.shape)[at]))
-            room = int(rows[i][2]) - step
+            room = int(s.rows[i][2]) - step
             if reply.done or room <= 0 or not len(reply.obs_ids):
                 got = jax.device_get({f: getattr(state, f)[at:at + 1] for f in OUTPUTS})  # this row only
                 ended.append((np.asarray([i]), got))
                 if w.pool is None:
-                    row_of[w.slot], holding[w.slot] = -1, False
-                del rows[i]
+                    s.row_of[w.slot], s.holding[w.slot] = -1, False
+                del s.rows[i]
                 continue
             obs, lens = turns.obs_arrays([reply], [room])
             state = self._resume(state, self._put(np.asarray([at], np.int32)), self._put(obs), self._put(lens))
             if w.pool is None:
-                st, holding[w.slot] = state, False
+                st, s.holding[w.slot] = state, False
             else:
                 w.pool[0] = state
                 if state.cache is None:  # turn_cache="recompute"
-                    pools.append([self._rebuilt(params, state, at, rows[i]), {i: 0}])
+                    s.pools.append([self._rebuilt(params, state, at, s.rows[i]), {i: 0}])
                 else:
-                    pools.append([state, {i: at}])
-                waiting[0].appendleft(i)
-                start[i] = step
+                    s.pools.append([state, {i: at}])
+                s.waiting[0].appendleft(i)
+                s.start[i] = step
         return st, ended
 
     def _rebuilt(self, params, pool, at: int, row):
@@ -337,16 +346,16 @@ class SlotEngine:
                              self._put(keys), version)
         return [pool, {int(i): j for q in per_device for j, i in enumerate(q)}]
 
-    def _fill(self, st, pools, waiting, row_of, steps, local, start):
+    def _fill(self, st, s: "_Slots"):
         """Move waiting rows into free slots (device d's rows into device d's slots): one
         insert per pool that holds some of them, of a power-of-two count per device."""
-        g = len(waiting)
-        free = [np.flatnonzero(row_of[d * local:(d + 1) * local] < 0)[:len(waiting[d])] for d in range(g)]
-        take = [[waiting[d].popleft() for _ in free[d]] for d in range(g)]
+        g, local = self.groups, self.slots // self.groups
+        free = [np.flatnonzero(s.row_of[d * local:(d + 1) * local] < 0)[:len(s.waiting[d])] for d in range(g)]
+        take = [[s.waiting[d].popleft() for _ in free[d]] for d in range(g)]
         for d in range(g):
-            row_of[d * local + free[d]] = take[d]
-            steps[d * local + free[d]] = [start.pop(i, 0) for i in take[d]]
-        for pool, where in pools:
+            s.row_of[d * local + free[d]] = take[d]
+            s.steps[d * local + free[d]] = [s.start.pop(i, 0) for i in take[d]]
+        for pool, where in s.pools:
             mine = [[(where[i], f) for i, f in zip(t, fr) if i in where] for t, fr in zip(take, free)]
             if not any(mine):
                 continue
@@ -354,6 +363,27 @@ class SlotEngine:
             pad = lambda pairs, col, fill: [x[col] for x in pairs] + [fill] * (k - len(pairs))
             st = self._insert(st, pool, self._put(np.concatenate([pad(m, 0, 0) for m in mine]).astype(np.int32)),
                               self._put(np.concatenate([pad(m, 1, local) for m in mine]).astype(np.int32)))
-        still = {i for q in waiting for i in q}
-        pools[:] = [[pool, where] for pool, where in pools if still & where.keys()]
+        still = {i for q in s.waiting for i in q}
+        s.pools[:] = [[pool, where] for pool, where in s.pools if still & where.keys()]
         return st
+
+
+@dataclasses.dataclass
+class _Slots:
+    """One stream's host-side bookkeeping: which row each slot holds, what waits for a slot, and
+    what a (re-)prefill of a row needs."""
+
+    waiting: list  # per device: ids in arrival order
+    row_of: np.ndarray  # the id each slot holds (-1: idle); slot j is on device j // (slots / devices)
+    holding: np.ndarray  # multi-turn, hold: the slot's row waits for its reply
+    steps: np.ndarray  # each slot's decode step
+    rows: dict = dataclasses.field(default_factory=dict)  # id -> (prompt, mask, limit, key data)
+    pools: list = dataclasses.field(default_factory=list)  # [prefilled pool, {id: index in the pool}]
+    start: dict = dataclasses.field(default_factory=dict)  # id -> the step a resumed row re-enters its slot at
+    decoded: int = 0  # decode steps run (summed over segments)
+    useful: int = 0  # tokens generated
+
+    @classmethod
+    def idle(cls, slots: int, devices: int) -> "_Slots":
+        return cls([collections.deque() for _ in range(devices)], np.full(slots, -1), np.zeros(slots, bool),
+                   np.zeros(slots, np.int64))
