@@ -46,3 +46,14 @@ def test_every_package_says_what_it_owns_and_what_it_may_import():
     for init in sorted(PACKAGE.glob("*/__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert len(doc) > 80 and "import" in doc, (init.parent.name, doc)
+
+
+def test_no_function_is_longer_than_80_lines():
+    import ast
+
+    long = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long[f"{path.relative_to(ROOT)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert not long, long

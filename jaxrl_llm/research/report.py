@@ -135,6 +135,15 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
 
     colors = (plt.rcParams["axes.prop_cycle"].by_key()["color"] if len(runs) <= 10
               else [plt.cm.tab20(i % 20) for i in range(20)])
+    for panel in (_plot_rewards, _plot_is_weight, _plot_mismatch, _plot_prox, _plot_clip_and_entropy):
+        panel(plt, runs, colors, save)
+    if any("episode/turns" in r for run in runs for r in run["steps"]):
+        paths.append(plot_episodes(runs, out, colors))
+    _plot_staleness(plt, runs, colors, save)
+    return paths
+
+
+def _plot_rewards(plt, runs, colors, save) -> None:
     for xkey, name in (("step", "reward_vs_step"), ("time_s", "reward_vs_time")):
         fig, ax = plt.subplots(figsize=(7, 4))
         for i, run in enumerate(runs):
@@ -151,6 +160,8 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
         save(fig, ax, name, "learner step" if xkey == "step" else "wall-clock (s)", "reward",
              "held-out eval/reward (markers); thin: training reward (EMA)")
 
+
+def _plot_is_weight(plt, runs, colors, save) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, run in enumerate(runs):
         col = colors[i % len(colors)]
@@ -162,6 +173,8 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
     save(fig, ax, "is_weight", "learner step", "importance weight (log scale)",
          "is_weight max (solid) / min (dashed)", which="both")
 
+
+def _plot_mismatch(plt, runs, colors, save) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))  # learner/sampler numerics on fresh tokens (d = 0)
     for i, run in enumerate(runs):
         fresh = [r for r in run["steps"] if r.get("mismatch/fresh_tokens", 0) > 0]
@@ -173,23 +186,28 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
     save(fig, ax, "mismatch", "learner step", "|log pi_theta - log pi_behav| (log scale)",
          "learner vs sampler on fresh tokens: mean (o) / max (x); exact 0 drawn at 1e-12", which="both")
 
-    # A-3PO's proximal approximation against the recomputed pi_prox (a3po.prox_metrics runs).
+
+def _plot_prox(plt, runs, colors, save) -> None:
+    """A-3PO's proximal approximation against the recomputed pi_prox (a3po.prox_metrics runs)."""
     prox_keys = sorted({k for run in runs for r in run["steps"] for k in r
                         if k.startswith("a3po_prox/abs_err/d")}, key=lambda k: int(k.split("/d")[-1].split("-")[0].rstrip("+")))
-    if prox_keys:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        styles = ["-", "--", ":", "-.", (0, (1, 3)), (0, (5, 1))]
-        for i, run in enumerate(runs):
-            for j, key in enumerate(prox_keys):
-                n_key = key.replace("/abs_err/", "/tokens/")
-                pts = [(r["step"], max(r[key], 1e-12)) for r in run["steps"] if r.get(n_key, 0) > 0]
-                if pts:
-                    ax.plot(*zip(*pts), linestyle=styles[j % len(styles)], color=colors[i % len(colors)],
-                            label=f"{run['name']} {key.split('/')[-1]}")
-        ax.set_yscale("log")
-        save(fig, ax, "prox_approx", "learner step", "|log pi_prox approx - recomputed| (log scale)",
-             "A-3PO proximal approximation error by staleness d", which="both")
+    if not prox_keys:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    styles = ["-", "--", ":", "-.", (0, (1, 3)), (0, (5, 1))]
+    for i, run in enumerate(runs):
+        for j, key in enumerate(prox_keys):
+            n_key = key.replace("/abs_err/", "/tokens/")
+            pts = [(r["step"], max(r[key], 1e-12)) for r in run["steps"] if r.get(n_key, 0) > 0]
+            if pts:
+                ax.plot(*zip(*pts), linestyle=styles[j % len(styles)], color=colors[i % len(colors)],
+                        label=f"{run['name']} {key.split('/')[-1]}")
+    ax.set_yscale("log")
+    save(fig, ax, "prox_approx", "learner step", "|log pi_prox approx - recomputed| (log scale)",
+         "A-3PO proximal approximation error by staleness d", which="both")
 
+
+def _plot_clip_and_entropy(plt, runs, colors, save) -> None:
     for key, name, label in (("clip_frac", "clipped_tokens", "fraction of tokens clipped"),
                              ("entropy", "entropy", "policy entropy (nats/token)")):
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -199,9 +217,8 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
                 ax.plot(x, y, color=colors[i % len(colors)], label=run["name"])
         save(fig, ax, name, "learner step", label)
 
-    if any("episode/turns" in r for run in runs for r in run["steps"]):
-        paths.append(plot_episodes(runs, out, colors))
 
+def _plot_staleness(plt, runs, colors, save) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(len(runs), 1)
     for i, run in enumerate(runs):
@@ -213,7 +230,6 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
     ax.set_xticks(range(longest))
     save(fig, ax, "staleness_hist", "staleness (learner steps between sampling and training)",
          "fraction of trained tokens", "staleness histogram", axis="y")
-    return paths
 
 
 def plot_episodes(runs: Sequence[dict], out: str, colors) -> str:
