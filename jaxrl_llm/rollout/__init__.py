@@ -1,4 +1,5 @@
-"""Rollout: the jitted sampler that produces version-tagged TrajectoryBatches.
+"""Rollout: the jitted sampler that produces version-tagged TrajectoryBatches, behind the
+rollout backend interface the runtime uses (`backend.RolloutBackend`, backends by name).
 
 It imports `models`, `parallel`, `batch` and `validation`; never the learner, the runtime, a run
 or its files (a backend serves any driver)."""

@@ -32,6 +32,7 @@ SECTION = V.Section(  # the experiment's `sampler` section (the plan turns it in
     # drops it and has it rebuilt from its tokens when it resumes (recompute: less memory, one
     # forward per resume, its behaviour log-prob mismatch logged)
     turn_cache=("keep", V.one_of(*TURN_CACHE)),
+    backend=("jax", V.text()),  # the rollout backend (`rollout/backend.py`): "jax", or a registered one
 )
 default_config = SECTION.config
 RULES = SECTION.rules
@@ -58,6 +59,7 @@ class SamplerConfig:
     batching: str = _DEFAULT["batching"]  # static: a batch decodes until its longest row ends | continuous: slots
     slots: int = _DEFAULT["slots"]  # continuous: decode slots (0: one per row of the batch)
     turn_stop_ids: tuple = ()  # multi-turn: drawn tokens that end a turn (the environment answers)
+    backend: str = _DEFAULT["backend"]  # which rollout backend samples (`rollout.backend.make`)
     turn_cache: str = _DEFAULT["turn_cache"]  # multi-turn, continuous: keep | recompute a waiting row's cache
 
     def __post_init__(self):

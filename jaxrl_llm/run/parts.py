@@ -17,7 +17,8 @@ from jaxrl_llm import models, tasks
 from jaxrl_llm.learner import learner
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.parallel import distributed, sharding
-from jaxrl_llm.rollout import Sampler
+from jaxrl_llm.rollout import backend
+from jaxrl_llm.rollout.backend import RolloutBackend
 from jaxrl_llm.run import plan as plan_lib
 from jaxrl_llm.runtime import orchestrator
 from jaxrl_llm.tasks import warmstart
@@ -30,10 +31,10 @@ class Parts:
     scorer: Any  # the task's scoring stage (closed with the run)
     learner: learner.Learner
     orchestrator: orchestrator.Orchestrator
-    greedy: Sampler  # the policy's evaluation sampler
+    greedy: RolloutBackend  # the policy's evaluation sampler
     params: Any = None  # the policy's loaded weights (None: random); dropped once the learner holds them
     aux_params: Any = None  # the auxiliary's, likewise
-    aux_greedy: Optional[Sampler] = None  # a sampling auxiliary's evaluation sampler
+    aux_greedy: Optional[RolloutBackend] = None  # a sampling auxiliary's evaluation sampler
     aux_eval: bool = False  # whether that auxiliary is evaluated beside the policy
 
     @property
@@ -70,13 +71,13 @@ def build(config) -> Parts:
     mesh = Mesh(np.asarray(p.sampler_devices), ("data",))
     placement = NamedSharding(mesh, PartitionSpec()) if p.own_sampler_devices else None
     scorer = tasks.scorer(p.task, c.task)
-    orch = orchestrator.Orchestrator(lrn, Sampler(lrn.rollout_model_cfg, p.sampler, mesh), p.task, c.runtime,
+    orch = orchestrator.Orchestrator(lrn, backend.make(lrn.rollout_model_cfg, p.sampler, mesh), p.task, c.runtime,
                                      placement=placement, scorer=scorer,
                                      node_config={"task": c.task.to_dict(), "hf_path": c.model.hf_path})
     # A sampling auxiliary (a rollout model) is evaluated beside the policy; any auxiliary may be warm-started.
     return Parts(plan=p, task=p.task, scorer=scorer, learner=lrn, orchestrator=orch,
-                 greedy=Sampler(p.model.without_lora(), p.greedy, mesh), params=params, aux_params=aux_params,
-                 aux_greedy=p.aux_model and Sampler(p.aux_model, p.greedy, mesh),
+                 greedy=backend.make(p.model.without_lora(), p.greedy, mesh), params=params, aux_params=aux_params,
+                 aux_greedy=p.aux_model and backend.make(p.aux_model, p.greedy, mesh),
                  aux_eval=lrn.aux is not None and lrn.aux.samples)
 
 

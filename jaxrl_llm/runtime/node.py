@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 import jaxrl_llm
 from jaxrl_llm import models, tasks, validation
 from jaxrl_llm.models import lora
-from jaxrl_llm.rollout import Sampler, SamplerConfig
+from jaxrl_llm.rollout import SamplerConfig, backend
 from jaxrl_llm.runtime import wire
 from jaxrl_llm.runtime.client import Client
 from jaxrl_llm.runtime.hub import STREAM
@@ -143,8 +143,8 @@ class Node:
         task_cfg = ml_collections.ConfigDict(hello["task"])
         task = tasks.make(task_cfg, hello["hf_path"])
         mcfg = models.ModelConfig.from_dict(hello["model"])
-        sampler = Sampler(mcfg, SamplerConfig(**_tuples(hello["sampler"])),
-                          Mesh(np.asarray(jax.local_devices()), ("data",)))
+        sampler = backend.make(mcfg, SamplerConfig(**_tuples(hello["sampler"])),
+                               Mesh(np.asarray(jax.local_devices()), ("data",)))
         self.producer = Producer(sampler, task, ml_collections.ConfigDict(hello["runtime"]),
                                  tasks.scorer(task, task_cfg))
         self.like = jax.eval_shape(lambda: models.init_params(mcfg, jax.random.key(0)))
