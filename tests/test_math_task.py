@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl_llm import tasks
+from jaxrl_llm import models, tasks
 from jaxrl_llm.tasks import math_dataset
 from jaxrl_llm.tasks.pool import WorkerPool
 from jaxrl_llm.tasks.scoring import Scorer
@@ -252,7 +252,7 @@ def test_a_plan_beyond_the_memory_available_fails_at_start_up(tokenizer_dir, tmp
                                         plan_lib.model_cfg(c.model, tasks.make(c.task, c.model.hf_path))))
     monkeypatch.setattr(memory, "available", lambda: (plan // 2, "host RAM"))
     loaded = []
-    monkeypatch.setattr(experiment.models, "load_params", lambda *a, **k: loaded.append(a))
+    monkeypatch.setattr(models, "load_params", lambda *a, **k: loaded.append(a))  # what run/parts.py calls
     with pytest.raises(MemoryError, match=r"memory plan needs .* GiB but host RAM offers .*learner_params.*"
                                           r"--config.model.remat=full .*--config.learner.num_minibatches=4"):
         experiment.run(c, str(tmp_path / "run"), log=lambda *_: None)
@@ -270,7 +270,6 @@ def test_lora_on_a_local_hf_checkpoint_references_it_and_resumes_only_on_it(toke
     import os
     import shutil
 
-    from jaxrl_llm import models
     from jaxrl_llm.run import experiment
     from jaxrl_llm.store import frozen_base
 
