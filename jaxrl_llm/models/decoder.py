@@ -258,7 +258,7 @@ def recomputed_block(cfg: ModelConfig):
     depends only on the saved inputs, and when the update needs every gradient first (global-norm
     clipping, the non-finite check) XLA:CPU's scheduler hoists every layer's recomputation and
     defers its weight-gradient matmuls: all layers' MLP and attention intermediates were live at
-    once (a 0.5B-shaped learner step peaked at 13.6 GiB against a 10.1 GiB plan; 9.2 GiB here)."""
+    once, well past the memory plan (the figures: CHANGELOG, "remat")."""
 
     def bwd(res, g):
         params, x, sin, cos, mask = res

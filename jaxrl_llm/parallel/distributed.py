@@ -104,9 +104,8 @@ def batch_scheduling() -> bool:
     while that thread holds the connection's lock; the I/O thread then retries the lock from a
     level-triggered epoll loop, spinning until the scheduler tick (4 ms at HZ=250) hands the CPU
     back. Where no idle core is left for the I/O thread (a process on a core of its own, or
-    busy cores), about every collective paid that tick: with two processes on a 2-core VM, each
-    on its own core, a 305 KB all-reduce took a median 4.0 ms, 0.16 ms under SCHED_BATCH
-    (experiments/README.md "Many hosts"). Returns whether the policy was set."""
+    busy cores), about every collective paid that tick, many times a small all-reduce's own cost
+    (measured: experiments/README.md "Many hosts"). Returns whether the policy was set."""
     if not hasattr(os, "sched_setscheduler"):
         return False
     try:
