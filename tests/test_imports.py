@@ -57,3 +57,36 @@ def test_no_function_is_longer_than_80_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
                 long[f"{path.relative_to(ROOT)}:{node.name}"] = node.end_lineno - node.lineno + 1
     assert not long, long
+
+
+def _self_targets(node):
+    """`self.x` names a statement assigns directly (tuple targets included)."""
+    import ast
+
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    out = []
+    for t in targets:
+        for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
+            if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                out.append(e.attr)
+    return out
+
+
+def test_no_class_creates_attributes_outside_init():
+    """A reader finds every attribute of an object in its `__init__` (methods may rebind them)."""
+    import ast
+
+    late = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            methods = [f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            init = next((f for f in methods if f.name == "__init__"), None)
+            if init is None:
+                continue
+            kinds = (ast.Assign, ast.AugAssign, ast.AnnAssign)
+            assigned = lambda f: {a for n in ast.walk(f) if isinstance(n, kinds) for a in _self_targets(n)}  # noqa: E731
+            declared = assigned(init)
+            for f in methods:
+                if f is not init and (extra := assigned(f) - declared):
+                    late[f"{path.relative_to(ROOT)}:{cls.name}.{f.name}"] = sorted(extra)
+    assert not late, late

@@ -136,7 +136,8 @@ def test_a_multi_turn_episode_runs_through_the_producer_on_a_registered_backend(
         p = batch.tokens.shape[1] - 24
         obs = (batch.input_mask[:, p:] > 0) & (batch.loss_mask[:, p:] == 0)
         assert obs.any(axis=1).all()  # every episode got the environment's observations
-        assert (batch.versions[:, p:][obs] == -1).all() and (batch.versions[:, p:][batch.loss_mask[:, p:] > 0] == 3).all()
+        drawn = batch.loss_mask[:, p:] > 0
+        assert (batch.versions[:, p:][obs] == -1).all() and (batch.versions[:, p:][drawn] == 3).all()
         ends = (batch.tokens[:, p:] == END) & (batch.loss_mask[:, p:] > 0)
         assert (ends.sum(1) == 3).all()  # three turns each: the turn limit ended every episode
         assert batch.rewards.shape == (4,) and batch.truncated.all()  # flagged: ended by the turn limit

@@ -148,6 +148,10 @@ class AsyncMode:
         self.items = cfg.prompts_per_batch if producer.streams else 1  # queue entries per learner batch
         self.workers: list[SamplerWorker] = []
         self._retired_failures = 0
+        # per run() call (`start`): admission, queue and stop flag of its workers; its start time,
+        # idle seconds, steps trained and the batch in hand
+        self.admission, self.queue, self.stop_event = None, None, None
+        self._start, self._idle, self._trained, self._got = 0.0, 0.0, 0, []
 
     @property
     def reward_failures(self) -> int:

@@ -29,6 +29,7 @@ class Sequential(abc.ABC):
     def __init__(self, producer: Producer, store: WeightStore):
         self.producer, self.store = producer, store
         self.reward_failures = 0
+        self._start, self._sampling, self._scoring, self._steps = 0.0, 0.0, 0.0, 0  # per run() call (`start`)
 
     def start(self) -> None:
         self._start, self._sampling, self._scoring, self._steps = time.perf_counter(), 0.0, 0.0, 0

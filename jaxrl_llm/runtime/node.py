@@ -59,6 +59,15 @@ class Node:
         self.parts, self.session, self.producer, self.lost = None, None, None, None
         self.uploaded = self.rejected = self.sessions = 0
         self.refused = None  # the learner's refusal, which ends the node
+        # Built from a learner's hello (`_build`: kept while its config stays the same)
+        self.like = self.like_adapters = self.lora = self._merge = None
+        self.mid = False
+        # Per session (`_session`): leases, time, the weights decoded with (and each version's
+        # fingerprint), LoRA's base, the hand-over queues of its threads
+        self.leased, self.busy_s, self.t0 = {}, 0.0, 0.0
+        self.fingerprints, self.base_crcs, self.base = {}, ([], 0), None
+        self.version, self.params, self.latest = -1, None, (-1, None)
+        self.outbox, self.ready = queue.Queue(), queue.Queue()
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -70,7 +70,8 @@ SECTION = V.Section(
     # loses its leases though it heartbeats.
     remote=V.Section(host=("127.0.0.1", V.text()), port=(8815, V.integer(0, high=65535)), token=("", V.anything()),
                      lease_s=(30.0, V.positive()), stall_s=(600.0, V.positive()), verify_fraction=(0.05, V.unit()),
-                     max_mismatch=(0.1, V.unit()), chunk_mb=(16, V.integer(1)), tls_cert=("", V.anything()), tls_key=("", V.anything())),
+                     max_mismatch=(0.1, V.unit()), chunk_mb=(16, V.integer(1)), tls_cert=("", V.anything()),
+                     tls_key=("", V.anything())),
     advantage=("grpo", V.one_of(*advantages.names())),
     # grpo: A = (r - mean) / (std + advantage_eps) (verl 1e-6, AReaL 1e-5); a prompt group of one
     # gets 0 (zero) or its reward over 1 + eps (reward: verl's mean 0 / std 1 for singletons).

@@ -49,6 +49,8 @@ class RemoteMode:
         self.hub: Optional[Hub] = None  # process 0's
         self.service = None
         self.admission = None
+        # per run() call (`start`): its start time, idle seconds, steps trained; the batch in hand
+        self._start, self._idle, self._trained, self._got, self._version = 0.0, 0.0, 0, [], -1
 
     @property
     def reward_failures(self) -> int:

@@ -45,6 +45,7 @@ class WeightStore:
         self._own = jax.jit(lambda p: jax.tree_util.tree_map(jnp.copy, p))
         self._merge = jax.jit(lambda base, adapters: lora.merge(base, adapters, lora_scale, self.dtype))
         self._base_of, self._base, self.published_bytes = None, None, 0
+        self._device = None  # where LoRA's base is placed, once it is
         self._adapters: dict = {}  # LoRA: version -> the adapters published with it (kept as `_versions`)
 
     def publish(self, version: int, params, base=None) -> None:

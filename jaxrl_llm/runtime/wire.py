@@ -217,7 +217,8 @@ def check_group(f: dict, *, rows: int, prompt, vocab: int, topk: int, max_new_to
         raise Rejected("log-probs must be finite (top-K: not NaN) and <= 0 at every position, rewards finite")
     lo, hi = reward_range
     if not ((f["rewards"] >= lo - 1e-6) & (f["rewards"] <= hi + 1e-6)).all():
-        raise Rejected(f"rewards span [{f['rewards'].min():g}, {f['rewards'].max():g}]; this task's lie in [{lo:g}, {hi:g}]")
+        raise Rejected(f"rewards span [{f['rewards'].min():g}, {f['rewards'].max():g}]; this task's lie in "
+                       f"[{lo:g}, {hi:g}]")
     if ("behav_kept" in f) != kept:
         raise Rejected("behav_kept " + ("missing: this run's sampling truncates (top-k / top-p)" if kept else
                                         "given, but this run's sampling does not truncate"))
