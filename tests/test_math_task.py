@@ -211,6 +211,17 @@ def test_end_to_end_on_a_local_hf_model_and_dataset(tokenizer_dir, tmp_path):
     assert sum("loss" in r for r in records) == 2 and sum("eval/reward" in r for r in records) == 3
 
 
+def test_a_tokenizer_without_an_end_token_is_refused_naming_the_key(tokenizer_dir, tmp_path):
+    from jaxrl_llm.models import load_tokenizer
+
+    tok = load_tokenizer(str(tokenizer_dir))
+    tok.eos_token = None
+    tok.save_pretrained(tmp_path / "no_eos")
+    path = _write_jsonl(tmp_path / "train.jsonl", TRAIN)
+    with pytest.raises(ValueError, match=rf"^task.tokenizer='{tmp_path}/no_eos': the tokenizer has no end-of-sequence"):
+        _task(path, tokenizer_dir, tokenizer=str(tmp_path / "no_eos"))
+
+
 def _hf_config(tokenizer_dir, tmp_path):
     from tests.test_experiment import _tiny
 

@@ -93,6 +93,10 @@ def make(c, hf_path: str = ""):
               eval_size=c.eval_size, max_prompt_len=c.max_prompt_len, max_answer_len=c.max_answer_len,
               system_prompt=c.system_prompt, chat_template=c.chat_template)
     tokenizer = load_tokenizer(c.tokenizer or hf_path)
+    if tokenizer.eos_token_id is None:  # no completion could end: every one would run to its budget
+        key = "task.tokenizer" if c.tokenizer else "model.hf_path"
+        raise ValueError(f"{key}={c.tokenizer or hf_path!r}: the tokenizer has no end-of-sequence token (eos_token "
+                         "unset); set eos_token in its tokenizer_config.json, or use a tokenizer that has one")
     if c.name == "math_tools":  # the instruction names the tool (unless set on the command line)
         instruction = c.instruction if c.instruction != SECTION.fields["instruction"][0] else None
         return MathTools(c.path, tokenizer, turn=turn, reward_workers=max(1, c.reward_workers),
