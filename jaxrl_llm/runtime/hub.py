@@ -91,8 +91,7 @@ class Hub:
         self._rng = np.random.default_rng([cfg.seed, 31])
         self.made_by: dict[tuple, str] = {}  # (draw, group) queued -> its node, until trained or dropped
         sc = producer.sampler.cfg
-        self.max_width = producer.sampler.bucket(getattr(producer.task, "max_prompt_len", sc.prompt_buckets[-1])) \
-            + sc.max_new_tokens
+        self.max_width = producer.prompt_width + sc.max_new_tokens  # no row a node sends is wider
         self.group_bytes = wire.max_group_bytes(producer.group_size, self.max_width, sc.capture_topk)
         self.reward_range = tasks.reward_range(producer.task)
         self.hellos = Buckets(HELLO_BURST, HELLO_EVERY_S)

@@ -113,6 +113,11 @@ class Producer:
         return Pending(self, batch, Scored.given(np.asarray(batch.rewards)))
 
     @property
+    def prompt_width(self) -> int:
+        """The prompt span of every streamed row: the bucket of the task's longest prompt."""
+        return self.sampler.bucket(getattr(self.task, "max_prompt_len", self.sampler.cfg.prompt_buckets[-1]))
+
+    @property
     def streams(self) -> bool:
         """Whether groups are streamed as they finish (continuous batching) rather than batched."""
         return self.sampler.cfg.batching == "continuous"
@@ -164,7 +169,7 @@ class Producer:
         sampler, g = self.sampler, self.group_size
         per_draw = self.prompts_per_batch * g
         engine = sampler.slots(per_draw)
-        p = sampler.bucket(getattr(self.task, "max_prompt_len", sampler.cfg.prompt_buckets[-1]))
+        p = self.prompt_width
         todo = iter(todo)
         upcoming = [None]  # the next draw, taken from `todo` when slots are free, consumed once admitted
         drawn: dict[int, _Draw] = {}
