@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 
-from absl import app, flags
+from absl import flags
 
 from jaxrl_llm import models, validation
 from jaxrl_llm.store import checkpoint, frozen_base
