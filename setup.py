@@ -21,8 +21,8 @@ setup(
         "tensorboardX>=2.6",  # TensorBoard event files
         "matplotlib>=3.7",  # jaxrl_llm.research.report
         "tqdm>=4.60",  # progress bar
-        "pyarrow>=15",  # sampler nodes: Arrow Flight (runtime/service.py)
-        "crc32c>=2.4",  # sampler nodes: hardware CRC-32C of weight chunks (runtime/wire.py)
+        "pyarrow>=15",  # sampler nodes: Arrow Flight (remote/service.py)
+        "crc32c>=2.4",  # sampler nodes: hardware CRC-32C of weight chunks (remote/wire.py)
     ],
     extras_require={
         # CPU torch, used only for parity tests against HF transformers.

@@ -4,7 +4,7 @@ against local sampler threads, and staleness behind an injected delay (not a tes
     python experiments/bench_remote.py [--json experiments/results/bench_remote_cpu.json] [--parts transfer,train,delay,adversary]
 
 (a) transfer: a Qwen2.5-0.5B-shaped bf16 sampler copy (about 1 GB) served by the learner's
-    service (`runtime/service.py`, Arrow Flight) and fetched by the node's client in parallel
+    service (`remote/service.py`, Arrow Flight) and fetched by the node's client in parallel
     chunk streams with every SHA-256 checked, against a raw TCP socket copy of the same bytes
     between the same two processes, measured in the same run: `transfer_vs_loopback`.
 (b) train: the embedded default config for `--steps` steps, once with one local async sampler
@@ -66,7 +66,7 @@ class _Weights:
     """A handler serving one artifact, as the learner's hub does."""
 
     def __init__(self, params):
-        from jaxrl_llm.runtime import wire
+        from jaxrl_llm.remote import wire
 
         self.art = wire.pack_params(params, 1)
 
@@ -79,7 +79,7 @@ class _Weights:
 
 
 def _serve_weights(port_q, stop):
-    from jaxrl_llm.runtime.service import Service
+    from jaxrl_llm.remote.service import Service
 
     svc = Service(_Weights(_params_05b()), "127.0.0.1", 0)
     port_q.put(svc.port)
@@ -115,7 +115,7 @@ def _raw_fetch(port, nbytes) -> float:
 
 
 def transfer(repeats: int) -> dict:
-    from jaxrl_llm.runtime.client import Client
+    from jaxrl_llm.remote.client import Client
 
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
@@ -213,11 +213,11 @@ def _adversary(kind: str, port: int, flood_mb: int) -> None:
     import pyarrow.flight as flight
 
     import jaxrl_llm
-    from jaxrl_llm.runtime import wire
-    from jaxrl_llm.runtime.client import Client
+    from jaxrl_llm.remote import wire
+    from jaxrl_llm.remote.client import Client
 
     if kind == "flood_sink":  # the control: the same flood, into a service of its own, not the learner's
-        from jaxrl_llm.runtime.service import Service
+        from jaxrl_llm.remote.service import Service
 
         sink = Service(_Sink(), "127.0.0.1", 0)
         port, kind = sink.port, "flood"
@@ -270,7 +270,7 @@ class _Sink:
         return {}
 
     def put_group(self, req):
-        from jaxrl_llm.runtime import wire
+        from jaxrl_llm.remote import wire
 
         wire.check_size(req["table"], 1 << 20)
 

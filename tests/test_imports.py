@@ -73,20 +73,30 @@ def _self_targets(node):
 
 
 def test_no_class_creates_attributes_outside_init():
-    """A reader finds every attribute of an object in its `__init__` (methods may rebind them)."""
+    """A reader finds every attribute of an object in its `__init__` or its base classes' (methods
+    may rebind them)."""
     import ast
 
-    late = {}
+    kinds = (ast.Assign, ast.AugAssign, ast.AnnAssign)
+    assigned = lambda f: {a for n in ast.walk(f) if isinstance(n, kinds) for a in _self_targets(n)}  # noqa: E731
+    classes = []  # (path, class node, its methods)
+    own = {}  # class name -> (attributes its __init__ declares, base class names)
     for path in sorted(PACKAGE.rglob("*.py")):
         for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
             methods = [f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
             init = next((f for f in methods if f.name == "__init__"), None)
-            if init is None:
-                continue
-            kinds = (ast.Assign, ast.AugAssign, ast.AnnAssign)
-            assigned = lambda f: {a for n in ast.walk(f) if isinstance(n, kinds) for a in _self_targets(n)}  # noqa: E731
-            declared = assigned(init)
-            for f in methods:
-                if f is not init and (extra := assigned(f) - declared):
-                    late[f"{path.relative_to(ROOT)}:{cls.name}.{f.name}"] = sorted(extra)
+            own[cls.name] = (assigned(init) if init else set(), [b.id for b in cls.bases if isinstance(b, ast.Name)])
+            classes.append((path, cls, methods, init))
+
+    def declared(name):
+        attrs, bases = own.get(name, (set(), []))
+        return attrs.union(*(declared(b) for b in bases))
+
+    late = {}
+    for path, cls, methods, init in classes:
+        if init is None and not any(b in own for b in own[cls.name][1]):
+            continue
+        for f in methods:
+            if f is not init and (extra := assigned(f) - declared(cls.name)):
+                late[f"{path.relative_to(ROOT)}:{cls.name}.{f.name}"] = sorted(extra)
     assert not late, late

@@ -19,10 +19,10 @@ import pyarrow.flight as flight
 import pytest
 
 from jaxrl_llm.parallel.launch import free_port
-from jaxrl_llm.runtime import wire
-from jaxrl_llm.runtime.client import Client
-from jaxrl_llm.runtime.leases import LeaseError, Leases
-from jaxrl_llm.runtime.service import Service
+from jaxrl_llm.remote import wire
+from jaxrl_llm.remote.client import Client
+from jaxrl_llm.remote.leases import LeaseError, Leases
+from jaxrl_llm.remote.service import Service
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -250,7 +250,7 @@ def test_service_refusals_are_one_line_counted_by_reason_and_a_bad_group_refuses
 
 
 def test_failed_authentication_past_a_burst_waits_before_each_refusal():
-    from jaxrl_llm.runtime.service import TokenCheck
+    from jaxrl_llm.remote.service import TokenCheck
 
     now, slept, counted = [0.0], [], []
     check = TokenCheck("s3cret", counted.append, burst=3, delay_s=0.5, clock=lambda: now[0], sleep=slept.append)
@@ -453,7 +453,7 @@ class _Mute(flight.FlightServerBase):
 
 
 def test_a_stopping_node_waits_for_its_leases_release_a_bounded_time():
-    from jaxrl_llm.runtime import node as sampler_node
+    from jaxrl_llm.remote import node as sampler_node
 
     server = _Mute("grpc+tcp://127.0.0.1:0")
     try:
@@ -512,7 +512,7 @@ def _hub(verify_fraction=1.0, task=None, max_new_tokens=4, capacity=100):
     from jaxrl_llm import models
     from jaxrl_llm.rollout import Sampler, SamplerConfig
     from jaxrl_llm.runtime import orchestrator
-    from jaxrl_llm.runtime.hub import Hub
+    from jaxrl_llm.remote.hub import Hub
     from jaxrl_llm.runtime.producer import Producer
     from jaxrl_llm.runtime.queue import VersionedQueue
     from jaxrl_llm.runtime.weights import WeightStore
@@ -538,7 +538,7 @@ def _weights(hub, session) -> dict:
 
 
 def test_hub_checks_versions_run_ids_and_rewards_and_refuses_a_lying_node():
-    from jaxrl_llm.runtime.hub import MIN_VERIFIED
+    from jaxrl_llm.remote.hub import MIN_VERIFIED
 
     hub, task = _hub()
     with pytest.raises(PermissionError, match=r"protocol 1 \(jaxrl_llm 0\.1\.0\); the node 0 \(jaxrl_llm 0\.0\.1\)"):
@@ -603,7 +603,7 @@ def test_each_node_leases_from_its_own_room_so_a_hoarding_node_starves_no_one():
 def test_oversized_groups_are_refused_before_decoding_and_gone_nodes_leave_the_table_and_metrics():
     import pyarrow as pa
 
-    from jaxrl_llm.runtime import hub as hub_lib
+    from jaxrl_llm.remote import hub as hub_lib
 
     hub, task = _hub(verify_fraction=0.0)
     hi = {"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__}
@@ -646,7 +646,7 @@ def test_oversized_groups_are_refused_before_decoding_and_gone_nodes_leave_the_t
 
 
 def test_node_names_are_bounded_labels_and_sessions_cannot_be_taken():
-    from jaxrl_llm.runtime import hub as hub_lib
+    from jaxrl_llm.remote import hub as hub_lib
 
     hub, _ = _hub()
     hi = {"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__}
@@ -716,13 +716,14 @@ def test_hub_plays_a_multi_turn_group_again_and_refuses_a_forged_observation():
 
 
 def test_remote_options_fail_at_start_up(tmp_path, monkeypatch, capsys):
-    from jaxrl_llm.runtime import node as sampler_node
+    from jaxrl_llm.remote import node as sampler_node
     from jaxrl_llm import validation as V
-    from jaxrl_llm.runtime import orchestrator, remote
+    from jaxrl_llm.remote import mode as remote
+    from jaxrl_llm.runtime import orchestrator
 
     c = orchestrator.default_config()
     c.remote.port = 70000
-    assert V.check(c, V.flatten(orchestrator.RULES, "runtime."), "runtime.") == [
+    assert V.check(c, V.flatten(orchestrator.rules(), "runtime."), "runtime.") == [
         "runtime.remote.port=70000: expected an integer in [0, 65535]"]
     c.remote.port = free_port()
     first = remote.serve(None, c.remote)
@@ -811,7 +812,7 @@ def test_fuzzed_groups_through_the_hub_never_stop_a_learner_step_and_no_refused_
     from jaxrl_llm.learner import learner as L
     from jaxrl_llm.parallel import sharding
     from jaxrl_llm.batch import TrajectoryBatch
-    from jaxrl_llm.runtime.remote import _widen
+    from jaxrl_llm.remote.mode import _widen
 
     hub, task = _hub(verify_fraction=0.0)
     mcfg, new = hub.producer.sampler.model_cfg, hub.producer.sampler.cfg.max_new_tokens
@@ -819,7 +820,7 @@ def test_fuzzed_groups_through_the_hub_never_stop_a_learner_step_and_no_refused_
     c.num_minibatches, c.packing = 1, "off"
     lrn = L.Learner(mcfg, {"name": "ppo"}, c, mesh=sharding.make_mesh(devices=jax.devices()[:1]))
     state = [lrn.init(jax.random.key(0))]
-    from jaxrl_llm.runtime.throttle import Buckets
+    from jaxrl_llm.remote.throttle import Buckets
 
     hub.hellos = Buckets(10**6, 1.0)  # a node refused for an oversized group comes back as a new one
     hi = {"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__}

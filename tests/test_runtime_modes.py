@@ -376,6 +376,9 @@ def test_async_trains_every_prompt_once_across_chunks_and_a_resume(batching, max
 
         def draw(worker, counter):
             prompts, key = real_draw(worker, counter)
+            # The unit's own tokens: random ones of 4 tokens can repeat across a run's draws.
+            assert counter < 15 * 15 and len(prompts) < 15
+            prompts = [[worker, 1 + counter // 15, 1 + counter % 15, 1 + k] for k in range(len(prompts))]
             for k, p in enumerate(prompts):
                 assert units.setdefault(tuple(p), (worker - 1, counter, k)) == (worker - 1, counter, k)
             return prompts, key
@@ -463,3 +466,52 @@ def test_a_preemption_ends_the_async_learner_s_wait_for_samples(monkeypatch):
     monkeypatch.setattr(preemption, "_installed", SimpleNamespace(signum=signal.SIGTERM))  # as Grace on SIGTERM
     t.join(5)
     assert not t.is_alive() and raised == [signal.SIGTERM]
+
+
+def test_a_mode_registered_from_outside_gets_its_section_rules_and_runs():
+    """The seam of `modes.register`: a mode declared outside the runtime (here, one that trains
+    each batch `repeat` times, counting its batches in the checkpoint) gets its own
+    `runtime.<name>` section with declared rules and cross-field rules, and the orchestrator
+    builds and trains it by name."""
+    from jaxrl_llm import validation as V
+    from jaxrl_llm.runtime import modes
+
+    class Repeat(modes.Sequential):
+        def __init__(self, ctx):
+            super().__init__(ctx)
+            self.repeat, self.made, self._held = ctx.cfg.repeat_test.repeat, 0, None
+
+        def _next(self, version):
+            if self._held is None or version % self.repeat == 0:
+                self.made += 1
+                self._held = self._produce(self.store.latest()[1], version, version)
+            return self._held
+
+        def state(self):
+            return {"made": self.made}
+
+        def load(self, state):
+            self.made = state["made"]
+
+    def rule(c, batching):
+        if c.repeat_test.repeat > 1 and c.max_staleness == 0:
+            raise ValueError("repeat_test needs max_staleness >= repeat - 1")
+
+    modes.register("repeat_test", modes.Spec(Repeat, section=V.Section(repeat=(2, V.integer(1))), validate=rule))
+    try:
+        cfg = O.default_config()
+        assert cfg.repeat_test.repeat == 2 and "repeat_test" in modes.names()
+        cfg.repeat_test.repeat = 0
+        assert V.check(cfg, V.flatten(O.rules(), "runtime."), "runtime.") == [
+            "runtime.repeat_test.repeat=0: expected an integer >= 1"]
+        cfg.mode, cfg.repeat_test.repeat, cfg.max_staleness = "repeat_test", 3, 0
+        with pytest.raises(ValueError, match="repeat_test needs max_staleness"):
+            O.validate(cfg)
+        with pytest.raises(ValueError, match="already registered"):
+            modes.register("repeat_test", modes.Spec(modes.Sync))
+        orch, st = _orch("repeat_test", repeat_test={"repeat": 3}, max_staleness=2)
+        st, hist = orch.run(st, 6)
+        assert _staleness(hist) == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0] and orch.mode.made == 2
+        assert orch.runtime_state()["made"] == 2 and "runtime/sampler_busy" in hist[-1]
+    finally:
+        modes._REGISTRY.pop("repeat_test")

@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl_llm.runtime.throttle import Buckets
+from jaxrl_llm.remote.throttle import Buckets
 
 
 @settings(max_examples=200)

@@ -16,6 +16,7 @@ from jaxrl_llm.parallel import distributed, sharding
 from jaxrl_llm.run import paths
 from jaxrl_llm import validation as V
 from jaxrl_llm.objectives.registry import RULES as OBJECTIVE_RULES
+from jaxrl_llm import remote  # noqa: F401  registers the remote mode (and its runtime.remote section)
 from jaxrl_llm.rollout import sampling
 from jaxrl_llm.runtime import orchestrator
 from jaxrl_llm.tasks import warmstart
@@ -54,7 +55,7 @@ def rules() -> dict:
     """Every declared constraint of the experiment config, by full dotted key."""
     sections = {"task": tasks.RULES, "model": MODEL.rules, "aux_model": AUX_MODEL.rules,
                 "warm_start": warmstart.RULES, "sampler": sampling.RULES, "objective": OBJECTIVE_RULES,
-                "learner": learner.RULES, "runtime": orchestrator.RULES, "mesh": sharding.RULES,
+                "learner": learner.RULES, "runtime": orchestrator.rules(), "mesh": sharding.RULES,
                 "distributed": distributed.RULES, "train": TRAIN.rules}
     out = dict(TOP_RULES)
     for name, rules in sections.items():

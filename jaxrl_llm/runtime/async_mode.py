@@ -22,18 +22,18 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import numpy as np
 
 from jaxrl_llm import staleness
-from jaxrl_llm.parallel import distributed, preemption
+from jaxrl_llm.parallel import preemption
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.runtime.admission import Admission
 from jaxrl_llm.runtime.delay import DelayModel
 from jaxrl_llm.runtime.lengths import LengthCounts
-from jaxrl_llm.runtime.position import DataPosition
+from jaxrl_llm.runtime.modes import Context, QueueFed, Spec, register
 from jaxrl_llm.runtime.producer import Origin, Producer, Rollout
 from jaxrl_llm.runtime.queue import QueueClosed, QueueTimeout, VersionedQueue
 from jaxrl_llm.runtime.weights import WeightStore
@@ -137,63 +137,47 @@ class SamplerWorker(threading.Thread):
             self.busy_s = time.perf_counter() - start - self.put_wait_s
 
 
-class AsyncMode:
-    """`num_samplers` sampler threads per run() call, the learner taking from their queue (the
-    mode interface of `modes.py`)."""
+class AsyncMode(QueueFed):
+    """`num_samplers` sampler threads per run() call, the learner taking from their queue."""
 
-    def __init__(self, producer: Producer, store: WeightStore, delay: DelayModel, cfg, position: DataPosition,
-                 lengths: LengthCounts, on_drop: Callable):
-        self.producer, self.store, self.delay, self.cfg = producer, store, delay, cfg
-        self.position, self.lengths, self.on_drop = position, lengths, on_drop
-        self.items = cfg.prompts_per_batch if producer.streams else 1  # queue entries per learner batch
+    def __init__(self, ctx: Context):
+        super().__init__(ctx, ctx.cfg.prompts_per_batch if ctx.producer.streams else 1)  # queue entries per batch
+        self.cfg = ctx.cfg
         self.workers: list[SamplerWorker] = []
         self._retired_failures = 0
-        # per run() call (`start`): admission, queue and stop flag of its workers; its start time,
-        # idle seconds, steps trained and the batch in hand
-        self.admission, self.queue, self.stop_event = None, None, None
-        self._start, self._idle, self._trained, self._got = 0.0, 0.0, 0, []
+        self.queue, self.stop_event = None, None  # per run() call (`start`): its workers' queue and stop flag
 
     @property
     def reward_failures(self) -> int:
         return self._retired_failures + sum(w.reward_failures for w in self.workers)
 
     def start(self) -> None:
-        c = self.cfg
+        c, ctx = self.cfg, self.ctx
         admit = c.staleness_policy == "admit"
         self.admission = Admission(c.max_staleness, self.items) if admit else None
         # Under admission every admitted group fits in the queue (no producer blocks the oldest group).
         size = max(c.queue_size, c.max_staleness + 1 if admit else 0) * self.items
         self.queue = VersionedQueue(size, None if c.max_staleness < 0 else c.max_staleness, c.staleness_policy,
-                                    on_drop=self.on_drop)
+                                    on_drop=ctx.on_drop)
         self.stop_event = threading.Event()
-        self.workers = [SamplerWorker(w, self.producer, self.store, self.delay, self.position.todo(w), self.queue,
-                                      self.stop_event, self.lengths, self.admission, c.refresh_mid_generation)
+        self.workers = [SamplerWorker(w, ctx.producer, ctx.store, ctx.delay, ctx.position.todo(w), self.queue,
+                                      self.stop_event, ctx.lengths, self.admission, c.refresh_mid_generation)
                         for w in range(c.num_samplers)]
-        self._start, self._idle, self._trained, self._got = time.perf_counter(), 0.0, 0, []
+        super().start()
         for w in self.workers:
             w.start()
 
-    def next_batch(self, version: int) -> TrajectoryBatch:
-        t0 = time.perf_counter()
-        self._got = _gather(self.queue, self.workers, version, self.items, self.admission)
-        batch = self._got[0].batch if self.items == 1 else TrajectoryBatch.concat([r.batch for r in self._got])
-        self.lengths.add("trained", batch)
-        self._idle += time.perf_counter() - t0
-        return batch
+    def _take(self, version: int):
+        got = _gather(self.queue, self.workers, version, self.items, self.admission)
+        return got, got[0].batch if self.items == 1 else TrajectoryBatch.concat([r.batch for r in got])
 
-    def trained(self, batch) -> dict:
-        for item in self._got:  # trained: not generated again after a stop or a resume
-            self.position.deliver(*item.origin)
-        if self.admission is not None:  # after the new version is published: admission reads both
-            self.admission.trained(self.items)
-        elapsed = time.perf_counter() - self._start
-        self._trained += batch.shape[0]
-        m = self.lengths.metrics()
-        m.update({"runtime/queue_depth": float(len(self.queue)), "runtime/samples_per_s": self._trained / elapsed,
-                  "runtime/learner_idle": self._idle / elapsed, "runtime/learner_idle_s": self._idle,
-                  "runtime/sampler_busy": sum(w.busy_s for w in self.workers) / (elapsed * self.cfg.num_samplers),
-                  "runtime/score_wait": sum(w.score_wait_s for w in self.workers) / (elapsed * self.cfg.num_samplers)})
-        return m
+    def _queue_depth(self):
+        return len(self.queue)
+
+    def _served(self, batch, elapsed) -> dict:
+        busy = self.cfg.num_samplers * elapsed
+        return {"runtime/sampler_busy": sum(w.busy_s for w in self.workers) / busy,
+                "runtime/score_wait": sum(w.score_wait_s for w in self.workers) / busy}
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -202,6 +186,15 @@ class AsyncMode:
             w.join(timeout=30)
         self._retired_failures += sum(w.reward_failures for w in self.workers)
         self.workers = []  # and the params they hold
+
+
+def _validate(c, batching) -> None:
+    if c.staleness_policy == "admit" and batching != "continuous":
+        raise ValueError("runtime.staleness_policy='admit' holds prompts back from decode slots: it needs "
+                         "--config.sampler.batching=continuous")
+
+
+register("async", Spec(AsyncMode, concurrent=True, validate=_validate))
 
 
 def _raise_failed(workers) -> None:

@@ -10,7 +10,7 @@
   async       `num_samplers` sampler threads and the learner run concurrently through the
               bounded VersionedQueue (see async_mode.py).
   remote      sampler nodes on other machines lease prompts, fetch weights and send scored
-              groups over the network into the same queue (remote.py, docs/sampler_nodes.md).
+              groups over the network into the same queue (`jaxrl_llm.remote`, docs/sampler_nodes.md).
 
 Staleness (`jaxrl_llm.staleness`) means the same in every mode: `max_staleness` bounds it and
 `staleness_policy` drops or keeps (and counts) batches beyond it. Where a mode's schedule fixes
@@ -22,14 +22,14 @@ A task supplies prompts and rewards: `task.prompts(rng, n) -> list[list[int]]` a
 (`tasks/scoring.py`). A reward that raises scores 0 and is counted.
 
 The parts: a `Producer` (producer.py: draw, generate, score), the `WeightStore` (weights.py),
-one object per mode (modes.py, async_mode.py) giving the learner its next batch, and here the
+one `Mode` per run giving the learner its next batch (built by name from the registry in
+modes.py; the modes live in modes.py, async_mode.py and `jaxrl_llm.remote`), and here the
 `Orchestrator`, which trains on those batches, publishes each version and keeps the run-long
 counters a checkpoint saves.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Optional
 
 import numpy as np
@@ -38,79 +38,68 @@ from jaxrl_llm import advantages, staleness
 from jaxrl_llm.parallel import distributed
 from jaxrl_llm import validation as V
 from jaxrl_llm.runtime import delay as delay_lib
-from jaxrl_llm.runtime import modes, remote
-from jaxrl_llm.runtime.async_mode import AsyncMode
+from jaxrl_llm.runtime import async_mode, modes  # noqa: F401  async_mode registers "async"
 from jaxrl_llm.runtime.lengths import LengthCounts
 from jaxrl_llm.runtime.position import DataPosition
 from jaxrl_llm.runtime.producer import Producer, Rollout
 from jaxrl_llm.runtime.weights import WeightStore
 from jaxrl_llm.tasks import envs
 
-MODES = ("sync", "iterative", "offpolicy", "simulated", "async", "remote")
+def section() -> V.Section:
+    """The `runtime` section: the fields every mode reads, then each registered mode's own
+    subsection (`runtime.remote` once `jaxrl_llm.remote` is imported)."""
+    return V.Section(
+        mode=("sync", V.one_of(*modes.names())),
+        prompts_per_batch=(4, V.integer(1)),
+        reuse=(1, V.integer(1)),  # i (iterative)
+        refresh_every=(1, V.integer(1)),  # v (offpolicy)
+        max_staleness=(8, V.integer(0, extra=(-1,))),  # bound on d = v(learner) - v(token), every mode; -1: unbounded
+        # drop | keep (and count) batches beyond max_staleness | admit (hold prompts back)
+        staleness_policy=("drop", V.one_of(*staleness.POLICIES)),
+        queue_size=(2, V.integer(1)),
+        num_samplers=(1, V.integer(1)),
+        refresh_mid_generation=(False, V.boolean()),  # async: also swap weights between decode segments
+        sampler_devices=(0, V.integer(0)),  # 0: samplers share the learner's devices; n: the last n devices are theirs
+        delay=V.Section(kind=("none", V.one_of(*delay_lib.KINDS)), min=(1.0, V.non_negative()),
+                        max=(8.0, V.non_negative()), value=(1.0, V.non_negative()),
+                        weibull_shape=(1.5, V.positive())),
+        step_seconds=(1.0, V.positive()),  # simulated: seconds of delay per learner step
+        advantage=("grpo", V.one_of(*advantages.names())),
+        # grpo: A = (r - mean) / (std + advantage_eps) (verl 1e-6, AReaL 1e-5); a prompt group of one
+        # gets 0 (zero) or its reward over 1 + eps (reward: verl's mean 0 / std 1 for singletons).
+        advantage_eps=(1e-6, V.positive()), singleton_groups=("zero", V.one_of("zero", "reward")),
+        mask_zero_variance=(False, V.boolean()),
+        seed=(0, V.integer(0)),
+        **{name: modes.get(name).section for name in modes.names() if modes.get(name).section is not None})
 
 
-SECTION = V.Section(
-    mode=("sync", V.one_of(*MODES)),
-    prompts_per_batch=(4, V.integer(1)),
-    reuse=(1, V.integer(1)),  # i (iterative)
-    refresh_every=(1, V.integer(1)),  # v (offpolicy)
-    max_staleness=(8, V.integer(0, extra=(-1,))),  # bound on d = v(learner) - v(token), every mode; -1: unbounded
-    # drop | keep (and count) batches beyond max_staleness | admit (hold prompts back)
-    staleness_policy=("drop", V.one_of(*staleness.POLICIES)),
-    queue_size=(2, V.integer(1)),
-    num_samplers=(1, V.integer(1)),
-    refresh_mid_generation=(False, V.boolean()),  # async: also swap weights between decode segments
-    sampler_devices=(0, V.integer(0)),  # 0: samplers share the learner's devices; n: the last n devices are theirs
-    delay=V.Section(kind=("none", V.one_of(*delay_lib.KINDS)), min=(1.0, V.non_negative()),
-                    max=(8.0, V.non_negative()), value=(1.0, V.non_negative()), weibull_shape=(1.5, V.positive())),
-    step_seconds=(1.0, V.positive()),  # simulated: seconds of delay per learner step
-    # remote: the learner's service for sampler nodes (remote.py). Beyond loopback it needs the
-    # token (or JAXRL_REMOTE_TOKEN); tls_cert / tls_key: PEM files for TLS. lease_s: a lease lives
-    # that long past a node's last heartbeat; stall_s: a node that delivers no group for that long
-    # loses its leases though it heartbeats.
-    remote=V.Section(host=("127.0.0.1", V.text()), port=(8815, V.integer(0, high=65535)), token=("", V.anything()),
-                     lease_s=(30.0, V.positive()), stall_s=(600.0, V.positive()), verify_fraction=(0.05, V.unit()),
-                     max_mismatch=(0.1, V.unit()), chunk_mb=(16, V.integer(1)), tls_cert=("", V.anything()),
-                     tls_key=("", V.anything())),
-    advantage=("grpo", V.one_of(*advantages.names())),
-    # grpo: A = (r - mean) / (std + advantage_eps) (verl 1e-6, AReaL 1e-5); a prompt group of one
-    # gets 0 (zero) or its reward over 1 + eps (reward: verl's mean 0 / std 1 for singletons).
-    advantage_eps=(1e-6, V.positive()), singleton_groups=("zero", V.one_of("zero", "reward")),
-    mask_zero_variance=(False, V.boolean()),
-    seed=(0, V.integer(0)),
-)
-default_config = SECTION.config  # the `runtime` section
-RULES = SECTION.rules
+def default_config():
+    """The `runtime` section's defaults."""
+    return section().config()
+
+
+def rules() -> dict:
+    return section().rules
 
 
 def validate(c, batching: str = "static") -> None:
-    """Each field against its declared rule, then the runtime's cross-field rules (`batching`:
-    the sampler's, which admission needs)."""
-    V.raise_all(V.check(c, V.flatten(RULES, "runtime."), "runtime."), what="invalid runtime option")
+    """Each field against its declared rule, then the runtime's cross-field rules and the mode's
+    own (`batching`: the sampler's, which admission needs)."""
+    V.raise_all(V.check(c, V.flatten(rules(), "runtime."), "runtime."), what="invalid runtime option")
+    spec = modes.get(c.mode)
     if c.reuse != 1 and c.mode != "iterative":
         raise ValueError(f"runtime.reuse={c.reuse} needs mode='iterative' (mode is {c.mode!r})")
     if c.refresh_every != 1 and c.mode != "offpolicy":
         raise ValueError(f"runtime.refresh_every={c.refresh_every} needs mode='offpolicy' (mode is {c.mode!r})")
-    if c.refresh_mid_generation and c.mode not in ("async", "remote"):
-        raise ValueError(f"runtime.refresh_mid_generation needs mode='async' or 'remote' (mode is {c.mode!r})")
-    if c.mode == "simulated" and c.max_staleness < 0:
-        raise ValueError("mode='simulated' needs a finite runtime.max_staleness (past params are retained)")
-    if c.staleness_policy == "admit" and (c.mode not in ("async", "remote") or c.max_staleness < 0):
-        raise ValueError("runtime.staleness_policy='admit' needs mode='async' (with sampler.batching='continuous') "
-                         f"or 'remote', and a finite runtime.max_staleness (mode is {c.mode!r}, max_staleness "
-                         f"{c.max_staleness})")
-    if c.staleness_policy == "admit" and c.mode == "async" and batching != "continuous":
-        raise ValueError("runtime.staleness_policy='admit' holds prompts back from decode slots: it needs "
-                         "--config.sampler.batching=continuous")
-    fixed = {"iterative": ("reuse", c.reuse), "offpolicy": ("refresh_every", c.refresh_every)}.get(c.mode)
-    if fixed and c.staleness_policy == "drop" and staleness.exceeds(fixed[1] - 1, c.max_staleness):
-        name, value = fixed
-        raise ValueError(
-            f"mode {c.mode!r} with runtime.{name}={value} trains on batches up to {value - 1} steps stale, beyond "
-            f"runtime.max_staleness={c.max_staleness}; dropping them cannot yield fresher ones in this mode. Set "
-            f"max_staleness >= {value - 1} (or -1), or staleness_policy='keep' to train on them (runtime/over_stale)")
-    if c.mode == "remote":
-        remote.validate(c.remote)
+    beside = " or ".join(repr(n) for n in modes.concurrent())
+    if c.refresh_mid_generation and not spec.concurrent:
+        raise ValueError(f"runtime.refresh_mid_generation needs mode={beside} (mode is {c.mode!r})")
+    if c.staleness_policy == "admit" and (not spec.concurrent or c.max_staleness < 0):
+        raise ValueError(f"runtime.staleness_policy='admit' needs mode={beside} (async with "
+                         "sampler.batching='continuous') and a finite runtime.max_staleness (mode is "
+                         f"{c.mode!r}, max_staleness {c.max_staleness})")
+    if spec.validate is not None:
+        spec.validate(c, batching)
     _delay(c)  # bad delay bounds fail here
 
 
@@ -124,12 +113,12 @@ class Orchestrator:
 
     def __init__(self, learner, sampler, task, cfg=None, placement=None, scorer=None, node_config=None):
         """`scorer`: the task's scoring stage (`tasks.scorer`; default: `task.reward` in a scorer thread);
-        `node_config`: remote mode, what sampler nodes need to build the task (`{"task", "hf_path"}`)."""
+        `node_config`: a mode that serves sampler nodes tells them this (`{"task", "hf_path"}`)."""
         self.cfg = c = cfg or default_config()
         validate(c, sampler.cfg.batching)
         self.learner, self.sampler, self.task = learner, sampler, task
         self.producer = Producer(sampler, task, c, scorer)
-        keep = c.max_staleness + 1 if c.mode == "simulated" else 1
+        keep = c.max_staleness + 1 if modes.get(c.mode).retains_past else 1
         self.store = WeightStore(keep=keep, placement=placement, dtype=learner.rollout_model_cfg.dtype,
                                  lora_scale=learner.model_cfg.lora_scale)
         self.state = None  # the newest live state (the previous one was donated), e.g. for Ctrl-C saves
@@ -138,31 +127,10 @@ class Orchestrator:
         self.dropped = 0  # async: queue items dropped as over-stale
         self.position = DataPosition(c.prompts_per_batch)  # async: what each worker has delivered
         self.lengths = LengthCounts()  # async: completion lengths generated / trained / dropped
-        self._delay_rng = np.random.default_rng([c.seed, 10_007])  # simulated delays
-        self.node_config = None
-        if c.mode == "remote":  # what a node is told (the token and service settings are not)
-            m = learner.model_cfg
-            self.node_config = dict(node_config or {}, model=dataclasses.asdict(sampler.model_cfg),
-                                    sampler=dataclasses.asdict(sampler.cfg),
-                                    runtime={k: v for k, v in c.to_dict().items() if k != "remote"},
-                                    lora=dict(rank=m.lora_rank, alpha=m.lora_alpha, targets=list(m.lora_targets))
-                                    if learner.publishes_adapters else None)
-        self.mode = self._make_mode(_delay(c))
-
-    def _make_mode(self, delay):
-        c, args = self.cfg, (self.producer, self.store)
-        if c.mode == "async":
-            return AsyncMode(*args, delay, c, self.position, self.lengths, on_drop=lambda item: self.dropped_item(item))
-        if c.mode == "remote":
-            return remote.RemoteMode(*args, c, self.position, self.lengths, lambda item: self.dropped_item(item),
-                                     self.node_config)
-        if c.mode == "simulated":
-            return modes.Simulated(*args, delay, self._delay_rng, c.step_seconds, c.max_staleness)
-        if c.mode == "iterative":
-            return modes.Iterative(*args, c.reuse)
-        if c.mode == "offpolicy":
-            return modes.OffPolicy(*args, c.refresh_every)
-        return modes.Sync(*args)
+        on_drop = lambda item: self.dropped_item(item)  # noqa: E731  looked up per call (tests replace it)
+        ctx = modes.Context(self.producer, self.store, c, self.position, self.lengths, _delay(c), on_drop,
+                            learner, node_config)
+        self.mode: modes.Mode = modes.get(c.mode).make(ctx)
 
     @property
     def reward_failures(self) -> int:
@@ -170,8 +138,7 @@ class Orchestrator:
 
     def close(self) -> None:
         """End what outlives run() calls (the remote mode's service)."""
-        if hasattr(self.mode, "close"):
-            self.mode.close()
+        self.mode.close()
 
     def dropped_item(self, item: Rollout) -> None:
         """The queue dropped `item` as over-stale: counted, and delivered (not generated again)."""
@@ -183,13 +150,12 @@ class Orchestrator:
         """What a checkpoint keeps besides the TrainState so that a resumed run continues as
         this one would have (JSON-able, per process): the async data position, the simulated
         mode's delay stream, and run-long counters."""
-        return {"position": self.position.state(), "delay_rng": self._delay_rng.bit_generator.state,
-                "over_stale": self.over_stale, "dropped": self.dropped, "lengths": self.lengths.state(),
+        return {**self.mode.state(), "position": self.position.state(), "over_stale": self.over_stale, "dropped": self.dropped, "lengths": self.lengths.state(),
                 "episodes": self.producer.episode_totals().tolist()}
 
     def load_runtime_state(self, s: dict) -> Optional[str]:
         """Continue from `runtime_state()`; returns a note where it cannot be exact."""
-        self._delay_rng.bit_generator.state = s["delay_rng"]
+        self.mode.load(s)
         self.over_stale, self.dropped = s["over_stale"], s["dropped"]
         self.lengths.load(s["lengths"])
         self.producer.load_episode_totals(s.get("episodes"))

@@ -34,9 +34,9 @@ import jaxrl_llm
 from jaxrl_llm import models, tasks, validation
 from jaxrl_llm.models import lora
 from jaxrl_llm.rollout import SamplerConfig, backend
-from jaxrl_llm.runtime import wire
-from jaxrl_llm.runtime.client import Client
-from jaxrl_llm.runtime.hub import STREAM
+from jaxrl_llm.remote import wire
+from jaxrl_llm.remote.client import Client
+from jaxrl_llm.remote.hub import STREAM
 from jaxrl_llm.runtime.producer import Producer
 
 POLL_S = 0.2  # heartbeat and newest-version poll

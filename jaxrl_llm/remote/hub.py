@@ -29,11 +29,11 @@ import numpy as np
 
 import jaxrl_llm
 from jaxrl_llm import staleness, tasks
-from jaxrl_llm.runtime import wire
-from jaxrl_llm.runtime.leases import LeaseError, Leases
+from jaxrl_llm.remote import wire
+from jaxrl_llm.remote.leases import LeaseError, Leases
 from jaxrl_llm.runtime.producer import Origin, Producer, Rollout
 from jaxrl_llm.runtime.queue import VersionedQueue
-from jaxrl_llm.runtime.throttle import Buckets
+from jaxrl_llm.remote.throttle import Buckets
 from jaxrl_llm.runtime.weights import WeightStore
 from jaxrl_llm.tasks import multiturn
 

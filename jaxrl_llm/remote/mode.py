@@ -12,45 +12,49 @@ was queued or leased but not trained when the learner stops is generated again a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import numpy as np
 
 from jaxrl_llm import staleness
+from jaxrl_llm import validation as V
 from jaxrl_llm.parallel import distributed, preemption
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.runtime.admission import Admission
-from jaxrl_llm.runtime.hub import STREAM, Hub
-from jaxrl_llm.runtime.leases import Leases
-from jaxrl_llm.runtime.lengths import LengthCounts
-from jaxrl_llm.runtime.position import DataPosition
-from jaxrl_llm.runtime.producer import Producer
+from jaxrl_llm.remote.hub import STREAM, Hub
+from jaxrl_llm.remote.leases import Leases
+from jaxrl_llm.runtime.modes import Context, QueueFed, Spec, register
 from jaxrl_llm.runtime.queue import QueueTimeout, VersionedQueue
-from jaxrl_llm.runtime.weights import WeightStore
 
 TOKEN_ENV = "JAXRL_REMOTE_TOKEN"
+# `runtime.remote`: the learner's service for sampler nodes. Beyond loopback it needs the token
+# (or JAXRL_REMOTE_TOKEN); tls_cert / tls_key: PEM files for TLS. lease_s: a lease lives that
+# long past a node's last heartbeat; stall_s: a node that delivers no group for that long loses
+# its leases though it heartbeats.
+SECTION = V.Section(host=("127.0.0.1", V.text()), port=(8815, V.integer(0, high=65535)), token=("", V.anything()),
+                    lease_s=(30.0, V.positive()), stall_s=(600.0, V.positive()), verify_fraction=(0.05, V.unit()),
+                    max_mismatch=(0.1, V.unit()), chunk_mb=(16, V.integer(1)), tls_cert=("", V.anything()),
+                    tls_key=("", V.anything()))
 POLL_S = 0.05
 WAIT_LOG_S = 10.0  # how often a learner with no data says what it waits for
 log = logging.getLogger("jaxrl_llm.remote")
 
 
-class RemoteMode:
-    """The mode interface of `modes.py`, fed by sampler nodes; `close()` ends the service."""
+class RemoteMode(QueueFed):
+    """A mode fed by sampler nodes; `close()` ends the service."""
 
-    def __init__(self, producer: Producer, store: WeightStore, cfg, position: DataPosition, lengths: LengthCounts,
-                 on_drop: Callable, node_config: dict):
-        self.producer, self.store, self.cfg, self.position = producer, store, cfg, position
-        self.lengths, self.on_drop, self.node_config = lengths, on_drop, node_config
-        self.items = cfg.prompts_per_batch  # queue entries (prompt groups) per learner batch
+    def __init__(self, ctx: Context):
+        super().__init__(ctx, ctx.cfg.prompts_per_batch)  # queue entries (prompt groups) per learner batch
+        self.cfg, self.producer = ctx.cfg, ctx.producer
+        self.node_config = node_config(ctx)
         self.hub: Optional[Hub] = None  # process 0's
         self.service = None
-        self.admission = None
-        # per run() call (`start`): its start time, idle seconds, steps trained; the batch in hand
-        self._start, self._idle, self._trained, self._got, self._version = 0.0, 0.0, 0, [], -1
+        self._version = -1  # the version of the batch in hand
 
     @property
     def reward_failures(self) -> int:
@@ -59,31 +63,31 @@ class RemoteMode:
     def start(self) -> None:
         if self.hub is None and distributed.is_main():
             self._serve()
-        self._start, self._idle, self._trained, self._got = time.perf_counter(), 0.0, 0, []
+        super().start()
 
     def _serve(self):
-        c, r = self.cfg, self.cfg.remote
+        c, r, ctx = self.cfg, self.cfg.remote, self.ctx
         admit = c.staleness_policy == "admit"
         self.admission = Admission(c.max_staleness, self.items * distributed.count()) if admit else None
         queue = VersionedQueue(1 << 20, None if c.max_staleness < 0 else c.max_staleness, c.staleness_policy,
                                on_drop=self._dropped)  # bounded by the leases the hub issues
         capacity = max(c.queue_size, c.max_staleness + 1 if admit else 0) * self.items * distributed.count()
-        leases = Leases(self.position.todo(STREAM), r.lease_s, stall_s=r.stall_s)
-        self.hub = Hub(self.producer, self.store, leases, queue, c, self.node_config, self.admission,
-                       capacity=capacity, lengths=self.lengths)
+        leases = Leases(ctx.position.todo(STREAM), r.lease_s, stall_s=r.stall_s)
+        self.hub = Hub(self.producer, ctx.store, leases, queue, c, self.node_config, self.admission,
+                       capacity=capacity, lengths=ctx.lengths)
         self.service = serve(self.hub, r)
         log.warning("serving sampler nodes: python -m jaxrl_llm.sampler_node --learner=%s", self.service.address)
 
     def _dropped(self, item) -> None:
         self.hub.made_by.pop((item.origin.draw, *item.origin.groups), None)
-        self.on_drop(item)
+        self.ctx.on_drop(item)
 
-    def next_batch(self, version: int) -> TrajectoryBatch:
+    def _take(self, version: int):
         """This process's rows of the next batch. With many learner processes, process 0 alone
         serves nodes: it takes every process's groups and broadcasts them (one shape header,
         then the arrays), and each process keeps its own `items` groups."""
-        t0, n = time.perf_counter(), distributed.count()
-        got = self._take(version, self.items * n) if self.hub is not None else self._wait_for_main()
+        n = distributed.count()
+        got = self._wait(version, self.items * n) if self.hub is not None else self._wait_for_main()
         if n == 1:
             batch = self._assemble(got)
         else:
@@ -93,10 +97,8 @@ class RemoteMode:
             rows = batch.shape[0] // n
             i = distributed.index()
             batch = jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch)
-        self._got, self._version = got, version
-        self.lengths.add("trained", batch)
-        self._idle += time.perf_counter() - t0
-        return batch
+        self._version = version
+        return got, batch
 
     def _assemble(self, got) -> TrajectoryBatch:
         width = max(r.batch.shape[1] for r in got)
@@ -110,7 +112,7 @@ class RemoteMode:
             pass
         return []
 
-    def _take(self, version: int, items: int) -> list:
+    def _wait(self, version: int, items: int) -> list:
         """`items` acceptable groups from the queue (process 0); says what it waits for."""
         t0, said, got, hub = time.perf_counter(), time.monotonic(), [], self.hub
         while len(got) < items:
@@ -135,31 +137,21 @@ class RemoteMode:
                             f"--learner={self.service.address})")
         return got
 
-    def trained(self, batch) -> dict:
-        elapsed = time.perf_counter() - self._start
-        self._trained += batch.shape[0]
-        m = self.lengths.metrics()
-        m.update({"runtime/samples_per_s": self._trained / elapsed, "runtime/learner_idle": self._idle / elapsed,
-                  "runtime/learner_idle_s": self._idle})
+    def _queue_depth(self):
+        return None if self.hub is None else len(self.hub.queue)
+
+    def _served(self, batch, elapsed) -> dict:
         if self.hub is None:
-            return m
-        for item in self._got:
-            self.position.deliver(*item.origin)
-        if self.admission is not None:
-            self.admission.trained(len(self._got))
-        m.update(self.hub.metrics())
+            return {}
+        m = self.hub.metrics()
         by_node = {}
         for r in self._got:  # each node's staleness in this step
             node = self.hub.made_by.pop((r.origin.draw, *r.origin.groups), "?")
             by_node.setdefault(node, []).append(self._version - staleness.oldest_version(r.batch.versions,
                                                                                          r.batch.loss_mask))
         m.update({f"remote/{node}/staleness": float(np.mean(d)) for node, d in by_node.items()})
-        m.update({"runtime/queue_depth": float(len(self.hub.queue)),
-                  "remote/origins": [[r.origin.draw, *r.origin.groups] for r in self._got]})
+        m["remote/origins"] = [[r.origin.draw, *r.origin.groups] for r in self._got]
         return m
-
-    def stop(self) -> None:
-        pass  # nodes keep generating into the queue while the learner evaluates or saves
 
     def close(self) -> None:
         if self.service is not None:
@@ -168,12 +160,24 @@ class RemoteMode:
             self.service = None
 
 
+def node_config(ctx: Context) -> dict:
+    """What a node is told (the token and the service's settings are not): the caller's part
+    (the task and where the model comes from) and the sampler, model, runtime and adapters."""
+    learner, sampler, c = ctx.learner, ctx.producer.sampler, ctx.cfg
+    m = learner.model_cfg
+    return dict(ctx.node_config or {}, model=dataclasses.asdict(sampler.model_cfg),
+                sampler=dataclasses.asdict(sampler.cfg),
+                runtime={k: v for k, v in c.to_dict().items() if k != "remote"},
+                lora=dict(rank=m.lora_rank, alpha=m.lora_alpha, targets=list(m.lora_targets))
+                if learner.publishes_adapters else None)
+
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def serve(hub, r):
     """The learner's service for remote section `r`; a port it cannot take is named."""
-    from jaxrl_llm.runtime.service import Service  # pyarrow.flight only where it serves
+    from jaxrl_llm.remote.service import Service  # pyarrow.flight only where it serves
 
     try:
         return Service(hub, r.host, r.port, token(r), tls(r))
@@ -193,6 +197,8 @@ def validate(r) -> None:
         if f and not os.path.isfile(f):
             raise ValueError(f"runtime.remote TLS file {f!r} does not exist")
 
+
+register("remote", Spec(RemoteMode, concurrent=True, section=SECTION, validate=lambda c, batching: validate(c.remote)))
 
 _DTYPES = (np.int32, np.float32, np.bool_)
 

@@ -10,7 +10,7 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from jaxrl_llm.runtime import wire
+from jaxrl_llm.remote import wire
 
 STREAMS = 4  # parallel chunk streams per weights fetch, each on a connection of its own
 # HTTP/2 frames as large as the protocol allows, and a channel per stream (gRPC would otherwise

@@ -5,7 +5,7 @@
   do_put  {"run_id", "node"} + record batches, each one scored prompt group (`wire.encode_group`)
           with its {"lease", "group"} as metadata; answers one result per group
 
-This module is the transport only: a `handler` (the remote mode, `remote.py`) answers each
+This module is the transport only: a `handler` (the remote mode, `mode.py`) answers each
 call. Every call carries the shared token as a bearer header, checked before the handler runs
 (`TokenCheck`, which slows a guesser down); with `tls` the server speaks TLS. A refusal reaches
 the node as one line, never a traceback: a refused token, a refused node (PermissionError), a
