@@ -72,7 +72,7 @@ def time_heavy_tail(cfg, params, repeats):
             runs[mode][1] = state
     ratios = np.array(runs["off"][2]) / np.array(runs["auto"][2])
     from jaxrl_llm.learner import packing as packing_lib
-    plan = packing_lib.plan(batch.input_mask, MINIBATCHES)
+    plan = packing_lib.layout(batch.input_mask, MINIBATCHES)
     rows = plan.rows * MINIBATCHES if plan is not None else B
     return {
         "heavy_tail_trained_tokens": trained,

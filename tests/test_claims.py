@@ -66,7 +66,7 @@ TINY = ["--set", "model.hidden_size=16", "--set", "model.intermediate_size=32", 
 
 
 def test_every_claim_arm_builds_a_valid_config(tmp_path):
-    runs, names = reproduce.plan(C.all_claims(), [0, 1], reproduce.settings(str(tmp_path), 2), reproduce.parse_set(TINY[1::2]))
+    runs, names = reproduce.expand(C.all_claims(), [0, 1], reproduce.settings(str(tmp_path), 2), reproduce.parse_set(TINY[1::2]))
     assert all(set(seeds) == {0, 1} for seeds in names.values())
     # arms with equal configs share runs: the sweep's a3po/decoupled_ppo at s=4 serve the A-3PO claim
     assert names["a3po_s4"][0] == "a3po_s4_seed0" and len(runs) == 2 * len({n[0] for n in names.values()})

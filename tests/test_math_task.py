@@ -259,7 +259,7 @@ def test_a_plan_beyond_the_memory_available_fails_at_start_up(tokenizer_dir, tmp
     from jaxrl_llm.run import plan as plan_lib
 
     c = _hf_config(tokenizer_dir, tmp_path)
-    plan = memory.total(memory.run_plan(c, tasks.make(c.task, c.model.hf_path),
+    plan = memory.total(memory.estimate(c, tasks.make(c.task, c.model.hf_path),
                                         plan_lib.model_cfg(c.model, tasks.make(c.task, c.model.hf_path))))
     monkeypatch.setattr(memory, "available", lambda: (plan // 2, "host RAM"))
     loaded = []

@@ -44,7 +44,7 @@ def _batch(params, seed=0, rows=ROWS):
 def setup():
     params = decoder.init_params(CFG, jax.random.key(0))
     batch = _batch(params)
-    plan = packing.plan(batch.input_mask, 2)
+    plan = packing.layout(batch.input_mask, 2)
     return params, batch, plan
 
 
@@ -64,7 +64,7 @@ def test_plan_places_every_real_token_once(setup):
     back = packing.unpack(packing.pack(x[:4], plan.src[0]), plan.dst[0], fill=-1)
     np.testing.assert_array_equal(np.where(mask[0].reshape(4, LEN), np.asarray(x[:4]), -1), back)
     # Nothing to gain -> no plan (full rows); the bucket is a power of two or the padded count.
-    assert packing.plan(np.ones((8, LEN)), 2) is None
+    assert packing.layout(np.ones((8, LEN)), 2) is None
     assert packing.row_buckets(12, 2) == [2, 4, 6, 8, 12]
 
 
@@ -160,7 +160,7 @@ def test_sharded_packed_step_equals_single_device_padded():
     params = decoder.init_params(CFG, jax.random.key(0))
     rows = ROWS[:4] + [(0, 2, 2)] * 4 + ROWS[4:] + [(1, 2, 2)] * 4  # 2 minibatches of 8 rows: 3 packed rows each
     batch = _batch(params, rows=rows)
-    plan = packing.plan(batch.input_mask, 2, multiple=4)
+    plan = packing.layout(batch.input_mask, 2, multiple=4)
     assert plan is not None and plan.rows == 4
     out = []
     for mesh, mode in ((sharding.make_mesh(dict(data=2, fsdp=2, tensor=2, rules=sharding.DEFAULT_RULES)), "auto"),
@@ -195,7 +195,7 @@ def test_packed_steps_compile_once_per_row_bucket(monkeypatch):
     for seed in range(8):
         rows = [(0, 2, int(g)) for g in rng.integers(1, LEN - 2, 8)]
         batch = _batch(params, seed, rows)
-        plan = packing.plan(batch.input_mask, 2)
+        plan = packing.layout(batch.input_mask, 2)
         seen.add(None if plan is None else plan.rows)
         state, _ = lrn.train_step(state, batch)
     assert len(seen) >= 2 and len(traces) == len(seen) <= len(packing.row_buckets(4))

@@ -1,7 +1,7 @@
 """The learner's policy forward in its three layouts, as pure functions of a static `Forward`.
 
   padded  -> the batch's own [B, L] rows (`heads.sequence_logprobs`);
-  packed  -> several rows per packed row (`packing.PackPlan`, one minibatch's), results
+  packed  -> several rows per packed row (`packing.PackLayout`, one minibatch's), results
              scattered back to [B, L] so objectives always see the padded layout;
   replica -> `params` holds one copy per batch shard ([S, ...], `minibatches.replica_value_and_grad`);
              shard s's rows use copy s, so each gradient stays on its shard until one all-reduce.
@@ -41,7 +41,7 @@ class Forward:
 
 
 def stats(fwd: Forward, params, batch: TrajectoryBatch, topk: int = 0, gather: bool = True,
-          return_hidden: bool = False, packed: Optional[packing.PackPlan] = None, replicas: int = 0,
+          return_hidden: bool = False, packed: Optional[packing.PackLayout] = None, replicas: int = 0,
           base=None) -> dict:
     """Per-token stats (`heads.sequence_logprobs`) in the padded [B, L] layout. `gather`: also
     the policy's log-probs at the behaviour top-K ids; `topk`: the policy's own top-K. `base`:
@@ -67,7 +67,7 @@ def stats(fwd: Forward, params, batch: TrajectoryBatch, topk: int = 0, gather: b
     return {k: packing.unpack(v, packed.dst) for k, v in s.items()}
 
 
-def batch_stats(fwd: Forward, params, batch: TrajectoryBatch, packed: Optional[packing.PackPlan], **kw) -> dict:
+def batch_stats(fwd: Forward, params, batch: TrajectoryBatch, packed: Optional[packing.PackLayout], **kw) -> dict:
     """`stats` over a whole batch: packed, minibatch by minibatch (pack plans are per
     minibatch), the results concatenated back to [B, ...]."""
     if packed is None:

@@ -145,7 +145,7 @@ class Learner:
         packed = None
         if (self.cfg.packing == "auto" and distributed.count() == 1
                 and batch.shape[1] >= self.cfg.get("packing_min_len", 0)):
-            packed = packing.plan(jax.device_get(batch.input_mask), m, multiple=sharding.batch_size(self.mesh))
+            packed = packing.layout(jax.device_get(batch.input_mask), m, multiple=sharding.batch_size(self.mesh))
         batch = minibatches.host_layout(batch, m, sharding.batch_size(self.mesh), distributed.count(),
                                         distributed.index())
         batch = sharding.shard_batch(batch, self.mesh)

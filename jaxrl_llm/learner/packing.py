@@ -9,7 +9,7 @@ every sequence- and group-level quantity (sequence means, GSPO's sequence ratio,
 expectations, length-normalised aggregations) is computed on the same [B, L] arrays as before,
 and only the model forward/backward - where the FLOPs are - runs on the packed layout.
 
-Packing is planned on the host per minibatch (a minibatch's sequences fill its own packed rows,
+Packing is laid out on the host per minibatch (a minibatch's sequences fill its own packed rows,
 so each optimizer update sees exactly the rows it saw padded): first-fit decreasing into rows of
 the batch's length L, the number of rows rounded up to a small set of buckets so batches of
 different lengths share compiled programs.
@@ -26,7 +26,7 @@ from flax import struct
 
 
 @struct.dataclass
-class PackPlan:
+class PackLayout:
     """Index maps for M minibatches of b = B/M padded rows of length L, packed into R rows of L
     (leading M dropped inside the learner's minibatch scan).
 
@@ -63,7 +63,7 @@ def row_buckets(rows: int, multiple: int = 1) -> list:
 
 def first_fit(lengths, capacity: int) -> list:
     """First-fit decreasing: bins (lists of item indices, in placement order) of total length
-    <= capacity. Longest first; ties keep the original order, so plans are deterministic."""
+    <= capacity. Longest first; ties keep the original order, so layouts are deterministic."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins, free = [], []
     for i in order:
@@ -78,7 +78,7 @@ def first_fit(lengths, capacity: int) -> list:
     return bins
 
 
-def plan(input_mask_BxL, num_minibatches: int, multiple: int = 1) -> Optional[PackPlan]:
+def layout(input_mask_BxL, num_minibatches: int, multiple: int = 1) -> Optional[PackLayout]:
     """The packing of a batch's real tokens (input_mask > 0), per minibatch; None when packing
     would not remove a single row (the padded layout is then as cheap)."""
     mask = np.asarray(input_mask_BxL) > 0
@@ -105,7 +105,7 @@ def plan(input_mask_BxL, num_minibatches: int, multiple: int = 1) -> Optional[Pa
                 pos[m, r, at:at + n] = np.arange(n)
                 dst[m, i, cols] = r * length + at + np.arange(n)
                 at += n
-    return PackPlan(*(jnp.asarray(x) for x in (src, seg, pos, dst)))
+    return PackLayout(*(jnp.asarray(x) for x in (src, seg, pos, dst)))
 
 
 def _gather(x_NxL, index_MxL, fill):
@@ -117,7 +117,7 @@ def _gather(x_NxL, index_MxL, fill):
 
 
 def pack(x_BxL, src_RxL, fill=0):
-    """Padded [b, L, ...] -> packed [R, L, ...] (one minibatch's plan)."""
+    """Padded [b, L, ...] -> packed [R, L, ...] (one minibatch's layout)."""
     return _gather(x_BxL, src_RxL, fill)
 
 

@@ -100,7 +100,7 @@ def _apply(plan: StepPlan, params, opt_state, grads, value):
     return (*jax.lax.cond(ok, apply, lambda p, o, _: (p, o, jnp.float32(0.0)), params, opt_state, grads), ok)
 
 
-def train_step(state: TrainState, batch: TrajectoryBatch, packed: Optional[packing.PackPlan] = None, base=None, *,
+def train_step(state: TrainState, batch: TrajectoryBatch, packed: Optional[packing.PackLayout] = None, base=None, *,
                plan: StepPlan):
     """`num_minibatches` updates on `batch` (laid out by `minibatches.host_layout`) -> (state
     with version + 1, metrics). `base`: with LoRA, the frozen weights `state.params` adapt

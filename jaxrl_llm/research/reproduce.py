@@ -74,7 +74,7 @@ def parse_set(items) -> dict:
     return out
 
 
-def plan(selected, seeds, common, extra):
+def expand(selected, seeds, common, extra):
     """[(run dir name, config)] for every distinct arm x seed, and {arm label: its run dir
     name} (an arm whose config equals an earlier arm's shares that arm's runs)."""
     runs, names, by_key = [], {}, {}
@@ -237,7 +237,7 @@ def main(argv=None) -> list[dict]:
         ap.error(str(e))
     selected = [known[k] for k in wanted]
     steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
-    runs, names = plan(selected, seeds, settings(args.workdir, steps), parse_set(args.set))  # all validated first
+    runs, names = expand(selected, seeds, settings(args.workdir, steps), parse_set(args.set))  # all validated first
     os.makedirs(args.workdir, exist_ok=True)
     print(f"{len(runs)} runs ({len(selected)} claims, seeds {seeds}, {steps} steps each) in {args.workdir}/runs")
     t0, measured = time.time(), {}

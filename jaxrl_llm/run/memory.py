@@ -125,7 +125,7 @@ def describe(parts: dict) -> str:
 
 
 # ------------------------------------------------------------------ a run's plan
-def run_plan(config, task, mcfg, acfg=None, obj=None) -> dict:
+def estimate(config, task, mcfg, acfg=None, obj=None) -> dict:
     """An experiment config's plan (`experiment.build` logs it and checks it with `check_run`).
     Bytes this process will hold, by part: the learner's step (and the
     auxiliary model's, and a reference copy for a KL penalty), the weight store's sampler
@@ -180,7 +180,7 @@ def check_run(config, task, mcfg, acfg, plan) -> None:
         c[section][field] = value
         m = mcfg.replace(remat=c.model.remat, dtype=c.model.dtype)
         a = acfg and acfg.replace(dtype=c.model.dtype)
-        other = total(run_plan(c, task, m, a, objectives.make_config(c.objective)))
+        other = total(estimate(c, task, m, a, objectives.make_config(c.objective)))
         fits.append(f"--config.{key}={value} ({other / GB:.1f} GiB{'' if other <= have else ', still too much'})")
     raise MemoryError(f"the memory plan needs {need / GB:.1f} GiB but {what} offers {have / GB:.1f} GiB: "
                       f"{describe(plan)}. Try: {'; '.join(fits) or 'a smaller model or batch'} "

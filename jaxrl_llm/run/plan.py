@@ -33,7 +33,7 @@ class RunPlan:
     greedy: SamplerConfig  # evaluation's
     learner_devices: tuple
     sampler_devices: tuple
-    memory: Mapping[str, int]  # bytes by part (`memory.run_plan`), checked against what is available
+    memory: Mapping[str, int]  # bytes by part (`memory.estimate`), checked against what is available
     warnings: tuple = ()  # said once at start-up (e.g. an evaluation set smaller than asked)
 
     @property
@@ -61,7 +61,7 @@ def resolve(config) -> RunPlan:
         warnings += (f"task {config.task.name!r} is multi-turn, whose episodes decode on one device for now: the "
                      f"samplers use 1 of this process's {len(sampler_devices)} sampler devices",)
         sampler_devices = sampler_devices[:1]
-    parts = memory.run_plan(config, task, mcfg, acfg, objective)
+    parts = memory.estimate(config, task, mcfg, acfg, objective)
     memory.check_run(config, task, mcfg, acfg, parts)
     return RunPlan(config=ml_collections.FrozenConfigDict(config), task=task, model=mcfg, aux_model=acfg,
                    objective=objective, passes=frozenset(objectives.required_passes(objective)),
