@@ -45,6 +45,24 @@ def test_the_readme_layout_names_every_package_and_top_level_module_and_nothing_
     assert len({f for f in tree if f.endswith(".py")}) <= 10  # the top level stays a door too
 
 
+# Suites that test the system across modules, not one module: the runs end to end, their faults,
+# pinned numbers, the README and guides, the import contracts, the suite itself, the shipped
+# configs, the peers' choices, objective properties from the papers and the GPU check's script.
+CROSS_MODULE = {"integration", "faults", "pinned", "readme", "imports", "suite", "configs", "peer_choices",
+                "objective_properties", "bench_gpu"}
+
+
+def test_tests_mirror_the_modules_they_test():
+    """Every tests/test_X.py names a module or package X of jaxrl_llm, or is a declared
+    cross-module suite."""
+    pkg = ROOT / "jaxrl_llm"
+    names = {p.stem for p in pkg.rglob("*.py") if p.name != "__init__.py"}
+    names |= {p.parent.name for p in pkg.rglob("__init__.py")}
+    tests = {p.stem[len("test_"):] for p in (ROOT / "tests").glob("test_*.py")}
+    assert tests - names - CROSS_MODULE == set()
+    assert CROSS_MODULE <= tests  # no stale entry
+
+
 def test_write_your_own_objective_example(capsys):
     namespace = {}
     try:

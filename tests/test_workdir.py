@@ -17,7 +17,7 @@ from jaxrl_llm.run import plan as plan_lib
 from jaxrl_llm.store import workdir as workdir_lib
 from tests import hf_fixtures
 from tests.test_experiment import _tiny
-from tests.test_math_task import TEST, TRAIN, tokenizer_dir  # noqa: F401  (a fixture)
+from tests.test_math_dataset import TEST, TRAIN, tokenizer_dir  # noqa: F401  (a fixture)
 
 
 def _jsonl(path, rows):

@@ -1,0 +1,113 @@
+"""`models/decoder.py`: parameter axes, RoPE scaling, rematerialisation and chunked attention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import models
+from jaxrl_llm.models import decoder
+from jaxrl_llm.models.config import ModelConfig
+from tests import hf_fixtures as F
+
+
+def test_logical_axes_cover_every_parameter():
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=4, qkv_bias=True, qk_norm=True)
+    params = models.init_params(cfg, jax.random.key(0))
+    axes = models.logical_axes(cfg)
+    flat_p = jax.tree_util.tree_leaves_with_path(params)
+    flat_a = dict(jax.tree_util.tree_leaves_with_path(axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+    for path, leaf in flat_p:
+        spec = flat_a[path]
+        assert len(spec) == leaf.ndim and set(spec) <= {"embed", "heads", "kv", "mlp", "vocab"}, (path, spec)
+    assert axes["embed"] == jax.sharding.PartitionSpec("vocab", "embed")
+    assert axes["lm_head"] == jax.sharding.PartitionSpec("embed", "vocab")
+    assert axes["layers_0"]["mlp"]["down"]["kernel"] == jax.sharding.PartitionSpec("mlp", "embed")
+
+
+def test_rope_scaling_changes_long_positions():
+    """The scaled RoPE variants differ from plain RoPE (the parity tests above would notice a
+    scaling that was read but not applied)."""
+    from jaxrl_llm.models.config import _rope_from_hf
+    from jaxrl_llm.models.decoder import rope_inv_freq
+
+    base = ModelConfig(vocab_size=8, hidden_size=16, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                       head_dim=16, rope_theta=10000.0)
+    inv, scale = rope_inv_freq(base)
+    for rope in (F.YARN_ROPE, {"rope_type": "linear", "factor": 2.0}, F.LLAMA3_ROPE):
+        rope_type, params, _ = _rope_from_hf({"rope_scaling": rope, "rope_theta": 10000.0})
+        inv2, scale2 = rope_inv_freq(base.replace(rope_type=rope_type, rope_params=params))
+        assert np.abs(inv2 - inv).max() > 1e-3, rope_type
+        assert scale2 == (pytest.approx(0.1 * np.log(4.0) + 1.0) if rope_type == "yarn" else 1.0)
+    params = _rope_from_hf({"rope_scaling": F.YARN_ROPE})[1]
+    assert dict(params)["beta_fast"] == 32.0
+
+
+def test_remat_keeps_gradients_and_cuts_activation_memory():
+    """`remat=full|dots` recomputes decoder layers in the backward pass: the same gradients
+    (to float32 rounding), and the compiled step's temporaries shrink."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=96, num_layers=4, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    params = models.init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 128), 0, 64)
+    mask = jnp.ones_like(tokens)
+
+    def loss(p, c):
+        return jnp.mean(jnp.square(decoder.forward(p, c, tokens, mask)))
+
+    def temp_bytes_and_grads(remat):
+        c = cfg.replace(remat=remat)
+        step = jax.jit(jax.grad(lambda p: loss(p, c)))
+        return step.lower(params).compile().memory_analysis().temp_size_in_bytes, step(params)
+
+    base_bytes, base = temp_bytes_and_grads("none")
+    for remat in ("full", "dots"):
+        nbytes, grads = temp_bytes_and_grads(remat)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, base)
+        assert nbytes < base_bytes / 2, (remat, nbytes, base_bytes)  # measured ~0.2 (full), ~0.25 (dots)
+
+
+@pytest.mark.parametrize("attention", ["einsum", "dot_product_attention"])
+def test_attention_in_query_chunks_is_exact(attention):
+    """Long sequences attend in blocks of `attention_chunk` queries (recomputed in backward):
+    the same logits and gradients as one block, with left padding."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, attention=attention, attention_chunk=0)
+    params = models.init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (3, 64), 0, 64)
+    mask = jnp.ones_like(tokens).at[0, :9].set(0).at[2, :40].set(0)
+
+    def run(chunk):
+        c = cfg.replace(attention_chunk=chunk)
+        loss = lambda p: jnp.sum(jnp.square(decoder.forward(p, c, tokens, mask)) * mask[..., None])
+        return models.full_logits(params, c, tokens, mask), jax.grad(loss)(params)
+
+    (ref_logits, ref_grads), (logits, grads) = run(0), run(16)
+    np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), grads, ref_grads)  # f32 sums
+
+
+def test_full_remat_recomputes_one_layer_at_a_time():
+    """With an update that needs every gradient first (here a global-norm step, as the learner's
+    clipping), `remat=full` must not let XLA hoist the layers' recomputations: each extra layer
+    adds its saved input and weight gradients, not its MLP intermediates (jax.checkpoint: about
+    7 [tokens, intermediate] arrays a layer at these shapes)."""
+    tokens = jnp.zeros((2, 1024), jnp.int32)
+
+    def temp_bytes(layers):
+        cfg = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=2048, num_layers=layers, num_heads=4,
+                          num_kv_heads=2, head_dim=64, remat="full")
+        loss = lambda p: jnp.mean(jnp.square(decoder.forward(p, cfg, tokens, jnp.ones_like(tokens))))
+
+        def step(p):
+            g = jax.grad(loss)(p)
+            norm = jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)))
+            return jax.tree.map(lambda w, d: w - 0.1 * d / norm, p, g)
+
+        params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+        return jax.jit(step, donate_argnums=0).lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    per_layer = (temp_bytes(8) - temp_bytes(2)) / 6
+    mlp_intermediate = tokens.size * 2048 * 4
+    assert per_layer < 3 * mlp_intermediate, per_layer / mlp_intermediate  # measured 1.3 (jax.checkpoint: 7.1)
