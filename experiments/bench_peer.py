@@ -110,7 +110,7 @@ def ours(path: str, mode: str, reward: str, a) -> dict:
     c.train.steps = a.steps + WARMUP
     if reward != "embedded":
         c.task.update(name="math", path=os.path.join(path, "train.jsonl"), instruction="", eval_size=64,
-                      max_answer_len=4)
+                      eval_holdout=0.05, max_answer_len=4)
     b = experiment.build(c)
     orch = b.orchestrator
     if reward == "table":

@@ -3,6 +3,7 @@
 import json
 import os
 
+import ml_collections
 import pytest
 
 from configs.default import get_config
@@ -45,6 +46,9 @@ def test_every_objective_runs_and_writes_metrics(name, tmp_path):
     assert len(steps) == 2 and [r["step"] for r in evals] == [0, 1, 2]
     for key in ("loss", "clip_frac", "is_weight/max", "staleness/mean", "reward/mean", "tokens_per_s"):
         assert key in steps[-1], key
+    for r in steps:  # rewards are in [0, 1]: some reward iff a positive mean
+        assert 0.0 <= r["reward/nonzero"] <= 1.0 and (r["reward/nonzero"] > 0) == (r["reward/mean"] > 0)
+    assert all(r["eval_set"] == "generated (seed 12345)" and r["eval/problems"] == c.task.eval_size for r in evals)
 
 
 def test_resume_continues_from_the_workdir(tmp_path):
@@ -132,6 +136,9 @@ def test_build_reads_the_config_and_writes_nothing_back():
     lrn = b.learner
     assert lrn.temperature == 0.7 and lrn.aux.name == "actor"
     assert b.orchestrator.sampler.model_cfg == lrn.rollout_model_cfg == b.aux_cfg  # the actor samples
+    # After start-up only frozen sections travel: the learner, the runtime and its mode, the scorer.
+    frozen = ml_collections.FrozenConfigDict
+    assert all(isinstance(x, frozen) for x in (b.plan.config, lrn.cfg, b.orchestrator.cfg, b.orchestrator.mode.ctx.cfg))
     c.objective.name = "ppo"
     with pytest.raises(ValueError, match="config.aux_model sets a second model, but objective 'ppo' trains none; "
                                          "objectives that do: jackpot"):
@@ -181,3 +188,28 @@ def test_start_up_resolves_the_objective_once_and_hands_out_frozen_sections(monk
         plan.config.learner.lr = 1.0
     assert orch.cfg is plan.config.runtime and lrn.cfg is plan.config.learner
     assert plan.sampler.num_samples == c.sampler.num_samples and plan.greedy.temperature == 0.0
+
+
+def test_a_run_whose_first_batches_all_score_zero_is_warned_once():
+    """`_StepRecords` warns (log and records) once the first `task.zero_reward_steps` batches all
+    scored exactly 0; one rewarded sample disarms it, and a resumed run (which did not see its
+    first batches) never warns."""
+    from types import SimpleNamespace
+
+    def records(nonzero, version=0, k=3):
+        lines, written = [], []
+        out = SimpleNamespace(writer=SimpleNamespace(write=written.append), log=lines.append,
+                              progress=SimpleNamespace(update=lambda *a: None, enabled=True))
+        c = _tiny()
+        c.task.zero_reward_steps = k
+        on = experiment._StepRecords(c, out, None, SimpleNamespace(check=lambda: None), 0, 0.0, version)
+        for step, z in enumerate(nonzero, version + 1):
+            on({"version": step, "skipped_updates": 0, "reward/nonzero": z})
+        return [w for w in written if "warning" in w], lines
+
+    warned, lines = records([0.0] * 5)
+    assert [w["step"] for w in warned] == [3] and len(lines) == 1
+    assert lines[0].startswith("warning: every sample of the first 3 batches scored exactly 0")
+    assert records([0.0, 0.25, 0.0, 0.0, 0.0])[0] == []
+    assert records([0.0] * 5, version=2)[0] == []
+    assert records([0.0] * 5, k=0)[0] == []

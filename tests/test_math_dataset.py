@@ -12,7 +12,6 @@ import pytest
 from jaxrl_llm import models, tasks
 from jaxrl_llm.tasks import math_dataset
 from jaxrl_llm.tasks.pool import WorkerPool
-from jaxrl_llm.tasks.scoring import Scorer
 from tests import checkers, hf_fixtures
 
 TRAIN = [("What is 12 + 60?", "12 + 60 = 72\n#### 72"),
@@ -132,9 +131,10 @@ def test_layouts_splits_and_chat_template(tokenizer_dir, tmp_path):
     text = task.tokenizer.decode(task.eval_prompts()[0])
     assert text.startswith("<|im_start|>user\nWhat is 5 + 5?\nPlease reason step by step")
     assert text.endswith("<|im_start|>assistant\n")
-    # 2. one jsonl file: no test split, so the last problems are held out
-    task = _task(_write_jsonl(tmp_path / "train.jsonl", TRAIN), tokenizer_dir, eval_size=1)
-    assert len(task.train) == 3 and [g for _, g in task.held_out] == ["9"]
+    assert task.eval_set == {"split": "test", "problems": 2}
+    # 2. one jsonl file: no test split, refused (see the holdout test)
+    with pytest.raises(ValueError, match="no 'test' split"):
+        _task(_write_jsonl(tmp_path / "train.jsonl", TRAIN), tokenizer_dir, eval_size=1)
     # 3. save_to_disk with a DatasetDict, non-default column names
     dd = datasets.DatasetDict({s: datasets.Dataset.from_dict({"problem": [q for q, _ in r], "solution": [a for _, a in r]})
                                for s, r in (("train", TRAIN), ("test", TEST))})
@@ -147,12 +147,12 @@ def test_layouts_splits_and_chat_template(tokenizer_dir, tmp_path):
 
 def test_long_prompts_skipped_and_bad_inputs_explained(tokenizer_dir, tmp_path):
     path = _write_jsonl(tmp_path / "train.jsonl", TRAIN + [("x " * 400, "#### 1")])
-    task = _task(path, tokenizer_dir, max_prompt_len=128, eval_size=1)
+    task = _task(path, tokenizer_dir, max_prompt_len=128, eval_size=1, eval_holdout=0.2)
     assert len(task.train) + len(task.held_out) == 4 and task.max_prompt_len <= 128
     with pytest.raises(ValueError, match="no question column found .* columns: q, answer; set --config.task.question_key"):
         bad = tmp_path / "bad.jsonl"
         bad.write_text(json.dumps({"q": "a", "answer": "b"}) + "\n")
-        _task(bad, tokenizer_dir)
+        _task(bad, tokenizer_dir, eval_split="train")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         _task(tmp_path / "nowhere", tokenizer_dir)
     with pytest.raises(ValueError, match="set --config.task.path"):
@@ -172,7 +172,7 @@ def _cfg(**kw):
 def test_rewards_through_the_scorer_and_failures_counted(tokenizer_dir, tmp_path):
     """Groups go to the worker processes unless the fast path decides; rewards equal the
     in-thread ones; a check that overruns scores 0 and is counted, never raised."""
-    task = _task(_write_jsonl(tmp_path / "train.jsonl", TRAIN), tokenizer_dir, eval_size=1)
+    task = _task(_write_jsonl(tmp_path / "train.jsonl", TRAIN), tokenizer_dir, eval_size=1, eval_holdout=0.25)
     half, seventy_two = list(task.train[1][0]), list(task.train[0][0])  # golds \\frac{1}{2} and 72
     enc = lambda s: task.tokenizer(s, add_special_tokens=False)["input_ids"] + [task.eos_id]
     texts = ["so \\boxed{72}", "so \\boxed{73}", "it is 72 or \\boxed{72} and \\boxed{72}", "nothing",
@@ -203,12 +203,16 @@ def test_end_to_end_on_a_local_hf_model_and_dataset(tokenizer_dir, tmp_path):
 
     c = _tiny("ppo")
     c.task.update(dict(name="math", path=str(_write_jsonl(tmp_path / "train.jsonl", TRAIN)), eval_size=2,
-                       max_answer_len=8))
+                       max_answer_len=8, eval_holdout=0.5))
     c.model.hf_path = str(tokenizer_dir)
     summary = experiment.run(c, str(tmp_path / "run"), log=lambda *_: None)
     assert summary["version"] == 2 and summary["reward_failures"] == 0
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert sum("loss" in r for r in records) == 2 and sum("eval/reward" in r for r in records) == 3
+    held = json.load(open(tmp_path / "run" / "eval_set.json"))
+    assert held["split"] == "train" and len(held["rows"]) == 2 and held["problems"] == 2
+    evals = [r for r in records if "eval/reward" in r]
+    assert all(r["eval_set"] == "train, 2 rows held out (0.5 with seed 0)" and r["eval/problems"] == 2 for r in evals)
 
 
 def test_a_tokenizer_without_an_end_token_is_refused_naming_the_key(tokenizer_dir, tmp_path):
@@ -219,7 +223,7 @@ def test_a_tokenizer_without_an_end_token_is_refused_naming_the_key(tokenizer_di
     tok.save_pretrained(tmp_path / "no_eos")
     path = _write_jsonl(tmp_path / "train.jsonl", TRAIN)
     with pytest.raises(ValueError, match=rf"^task.tokenizer='{tmp_path}/no_eos': the tokenizer has no end-of-sequence"):
-        _task(path, tokenizer_dir, tokenizer=str(tmp_path / "no_eos"))
+        _task(path, tokenizer_dir, tokenizer=str(tmp_path / "no_eos"), eval_holdout=0.25)
 
 
 def _hf_config(tokenizer_dir, tmp_path):
@@ -227,7 +231,7 @@ def _hf_config(tokenizer_dir, tmp_path):
 
     c = _tiny("ppo")
     c.task.update(dict(name="math", path=str(_write_jsonl(tmp_path / "train.jsonl", TRAIN)), eval_size=2,
-                       max_answer_len=8))
+                       max_answer_len=8, eval_holdout=0.5))
     c.model.hf_path = str(tokenizer_dir)
     return c
 
@@ -301,3 +305,84 @@ def test_lora_on_a_local_hf_checkpoint_references_it_and_resumes_only_on_it(toke
     c.train.steps = 4
     with pytest.raises(ValueError, match=rf"different LoRA base: .*trained on {base} .*this run's base is {base}"):
         experiment.run(c, run, log=lambda *_: None)
+
+
+def test_no_test_split_is_refused_and_a_held_out_fraction_is_seeded_disjoint_and_recorded(tokenizer_dir, tmp_path):
+    """A dataset without the evaluation split is refused, naming the splits it has and both ways
+    out; `task.eval_holdout` holds out round(f * n) training rows, disjoint from training, the
+    same rows for the same seed, and the run records them: a resume whose held-out rows moved
+    (here: the dataset grew) is refused, naming the record."""
+    import datasets
+
+    from jaxrl_llm.store import workdir
+
+    dd = datasets.DatasetDict({s: datasets.Dataset.from_dict({"question": [q for q, _ in r], "answer": [a for _, a in r]})
+                               for s, r in (("train", TRAIN), ("validation", TEST))})
+    dd.save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(ValueError, match=r"has no 'test' split to evaluate on \(splits found: train, validation\); "
+                                         r"set --config.task.eval_split .* --config.task.eval_holdout=0.05"):
+        _task(tmp_path / "saved", tokenizer_dir)
+    assert _task(tmp_path / "saved", tokenizer_dir, eval_split="validation").eval_set["split"] == "validation"
+    rows = [(f"What is {i} + 1?", f"#### {i + 1}") for i in range(40)]
+    path = _write_jsonl(tmp_path / "train.jsonl", rows)
+    a, b = (_task(path, tokenizer_dir, eval_holdout=0.1, eval_size=64) for _ in range(2))
+    c = _task(path, tokenizer_dir, eval_holdout=0.1, eval_size=64, eval_holdout_seed=1)
+    held = a.eval_set["rows"]
+    assert len(held) == 4 and held == sorted(held) and held == b.eval_set["rows"] != c.eval_set["rows"]
+    golds = lambda pairs: sorted(int(g) for _, g in pairs)  # noqa: E731
+    assert golds(a.held_out) == [r + 1 for r in held]
+    assert golds(a.train) == [r + 1 for r in range(40) if r not in held]
+    assert a.eval_set == {"split": "train", "holdout": 0.1, "seed": 0, "rows": held, "problems": 4}
+    run = tmp_path / "run"
+    run.mkdir()
+    assert workdir.check_eval_set(str(run), a.eval_set, resumed=False) == ""
+    assert workdir.check_eval_set(str(run), b.eval_set, resumed=True) == ""
+    grown = _task(_write_jsonl(tmp_path / "train.jsonl", rows * 2), tokenizer_dir, eval_holdout=0.1, eval_size=64)
+    refusal = workdir.check_eval_set(str(run), grown.eval_set, resumed=True)
+    assert refusal.startswith(f"{run}/eval_set.json: the run being resumed evaluated on split 'train', rows {held}")
+
+
+def test_gold_answers_nothing_parses_are_refused_above_the_limit_and_dropped_below(tokenizer_dir, tmp_path):
+    """Answers without '####' in a format math-verify cannot read score every sample 0; they are
+    counted at start-up, refused beyond task.max_unparsed_gold naming rows, dropped below it."""
+    rows = [(f"What is {i} + 1?", f"#### {i + 1}") for i in range(20)]
+    rows[3] = ("Name it?", "the answer is a secret")
+    rows[11] = ("And this?", "see the worked solution above")
+    path = _write_jsonl(tmp_path / "train.jsonl", rows)
+    with pytest.raises(ValueError, match=r"2 of 20 gold answers \(10.0%\) cannot be parsed \(more than "
+                                         r"task.max_unparsed_gold=0.01\).*'train' row 3: 'the answer is a secret'; "
+                                         r"'train' row 11: "):
+        _task(path, tokenizer_dir, eval_split="train")
+    task = _task(path, tokenizer_dir, eval_holdout=0.25, max_unparsed_gold=0.2)
+    assert sum(task.eval_set["dropped_unparsed_gold"].values()) == 2
+    assert any(w.startswith("dropped 2 of 20 problems whose gold answers cannot be parsed") for w in task.warnings)
+    assert len(task.train) + len(task.held_out) == 18
+    assert all(g.isdigit() for _, g in task.train + task.held_out)
+
+
+def test_the_fast_gold_check_agrees_with_math_verify():
+    """`gold.plain` decides only answers math-verify parses; the rest go to it."""
+    from jaxrl_llm.tasks import gold
+
+    answers = ["72", "-3", "1.5", "3/4", "so \\boxed{12}.", "\\boxed{\\frac{1}{2}}", "x = 2", "no answer", "",
+               "\\boxed{}", "\\boxed{ }", "1,234", "see above", "\\boxed{\\text{(C)}}", "\\boxed{@@}",
+               "\\boxed{(1, 2]}", "\\boxed{\\frac{1}{}}", "x^{3}"]
+    for a in answers:
+        if gold.plain(a):
+            assert gold.parses(a), a
+    assert gold.unparsed(answers, workers=1, timeout=10.0) == [i for i, a in enumerate(answers) if not gold.parses(a)]
+    assert {answers[i] for i in gold.unparsed(answers, workers=1, timeout=10.0)} >= {"no answer", "", "see above"}
+
+
+def test_an_eos_token_named_in_the_config_is_accepted_and_a_foreign_one_refused(tokenizer_dir, tmp_path):
+    from jaxrl_llm.models import load_tokenizer
+
+    tok = load_tokenizer(str(tokenizer_dir))
+    end = tok.eos_token
+    tok.eos_token = None
+    tok.save_pretrained(tmp_path / "no_eos")
+    path = _write_jsonl(tmp_path / "train.jsonl", TRAIN)
+    task = _task(path, tokenizer_dir, tokenizer=str(tmp_path / "no_eos"), eval_holdout=0.25, eos_token=end)
+    assert task.eos_id == tok.convert_tokens_to_ids(end)
+    with pytest.raises(ValueError, match=r"^task.eos_token='<not a token>' is not a token of the tokenizer"):
+        _task(path, tokenizer_dir, tokenizer=str(tmp_path / "no_eos"), eval_holdout=0.25, eos_token="<not a token>")

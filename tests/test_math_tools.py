@@ -28,7 +28,7 @@ def setup(tmp_path_factory):
     data = d / "train.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in TRAIN))
     c = tasks.default_config()
-    c.update(dict(name="math_tools", path=str(data), eval_size=1, reward_workers=1, tool_timeout=5.0,
+    c.update(dict(name="math_tools", path=str(data), eval_size=1, eval_holdout=0.34, reward_workers=1, tool_timeout=5.0,
                   max_obs_tokens=64, max_turns=3))
     task = tasks.make(c, str(d))
     yield task, d

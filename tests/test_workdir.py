@@ -27,7 +27,7 @@ def _jsonl(path, rows):
 
 def _math(path, model_dir, **over):
     c = _tiny("ppo")
-    c.task.update(dict(name="math", path=str(path), eval_size=2, max_answer_len=8))
+    c.task.update(dict(name="math", path=str(path), eval_size=2, max_answer_len=8, eval_holdout=0.5))
     c.model.hf_path = str(model_dir)
     for key, value in over.items():
         section, field = key.split(".")
@@ -103,9 +103,9 @@ def test_an_evaluation_set_smaller_than_asked_is_used_whole_with_one_warning(tok
     d.mkdir()
     _jsonl(d / "train.jsonl", ROWS)
     _jsonl(d / "test.jsonl", [{"question": q, "answer": a} for q, a in TEST])
-    p = plan_lib.resolve(_math(d, tokenizer_dir, **{"task.eval_size": 50}))
+    p = plan_lib.resolve(_math(d, tokenizer_dir, **{"task.eval_size": 50, "task.eval_holdout": 0.0}))
     assert len(p.task.eval_prompts()) == 2
-    assert p.warnings == ("task.eval_size=50 but the 'test' split holds 2 usable problems: evaluating on all 2",)
+    assert p.warnings == ("task.eval_size=50 but the 'test' evaluation set holds 2 usable problems: evaluating on all 2",)
 
 
 def test_resumes_with_changes_are_refused_or_allowed_and_recorded(tmp_path):

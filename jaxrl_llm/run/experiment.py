@@ -23,7 +23,7 @@ from jaxrl_llm.run.parts import Parts, build, initial_params  # noqa: F401  (bui
 from jaxrl_llm.store import checkpoint, frozen_base
 from jaxrl_llm.store import workdir as workdir_lib
 from jaxrl_llm.store.checkpoint import Checkpointer
-from jaxrl_llm.tasks import warmstart
+from jaxrl_llm.tasks import splits, warmstart
 
 
 class BadStepsError(validation.Refused):
@@ -96,6 +96,7 @@ def _run(config, workdir: str, log) -> dict:
     notes.extend(f"warning: {w}" for w in b.plan.warnings)
     ckpt = _checkpointer(config, workdir, notes)
     state, resumed, changed, shape = _resume_or_init(b, user_config, workdir, ckpt, notes)
+    _check_eval_set(b.task, workdir, resumed)
     b = b.without_weights()  # the learner holds its own copy now
     out = _Output(b, user_config, workdir, state, resumed, log)
     out.start(notes, ckpt, state, resumed, changed, shape)
@@ -107,6 +108,17 @@ def _run(config, workdir: str, log) -> dict:
     summary.update(version=int(state.version), time_s=time.time() - t_start,
                    reward_failures=b.orchestrator.reward_failures)
     return summary
+
+
+def _check_eval_set(task, workdir: str, resumed: bool) -> None:
+    """Process 0 records which problems evaluation uses (`workdir.check_eval_set`) and refuses a
+    resume that would evaluate on others; every process stops with it."""
+    eval_set = getattr(task, "eval_set", None)
+    problem = workdir_lib.check_eval_set(workdir, eval_set, resumed) if eval_set and distributed.is_main() else ""
+    if distributed.count() > 1 and int(np.max(distributed.agree(1 if problem else 0))):
+        problem = problem or "process 0 refused to resume: see its log"
+    if problem:
+        raise ValueError(problem)
 
 
 def _checkpointer(config, workdir: str, notes: list) -> Checkpointer:
@@ -189,7 +201,10 @@ class _Evaluator:
 
     def __init__(self, b: Parts, out: _Output, t_start: float):
         self.b, self.out, self.t_start = b, out, t_start
-        self.prompts = b.task.eval_prompts()[distributed.index()::distributed.count()]
+        problems = b.task.eval_prompts()
+        self.prompts = problems[distributed.index()::distributed.count()]
+        eval_set = getattr(b.task, "eval_set", None)  # which split, so no record is read as held out wrongly
+        self.about = {"eval/problems": len(problems), **({"eval_set": splits.describe(eval_set)} if eval_set else {})}
 
     def accuracy(self, params, sampler) -> float:
         local = warmstart.accuracy(distributed.to_local(params), sampler, self.b.task, self.prompts,
@@ -202,9 +217,10 @@ class _Evaluator:
         rec = {"eval/reward": self.accuracy(b.learner.policy_params(state), b.greedy)}
         if b.aux_eval:
             rec[f"eval/{b.learner.aux.name}_reward"] = self.accuracy(state.aux.params, b.aux_greedy)
-        rec.update(step=int(state.version), time_s=time.time() - self.t_start)
+        rec.update(self.about, step=int(state.version), time_s=time.time() - self.t_start)
         self.out.writer.write(rec)
-        self.out.log(f"step {rec['step']} " + " ".join(f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("eval/")))
+        self.out.log(f"step {rec['step']} " + " ".join(f"{k}={v:.3f}" for k, v in rec.items()
+                                                        if k.startswith("eval/") and k != "eval/problems"))
         return rec
 
 
@@ -213,9 +229,11 @@ class _StepRecords:
     (`learner.max_bad_steps` steps in a row with a skipped update stop the run instead of
     training on forever), and a preemption honoured with the step recorded."""
 
-    def __init__(self, config, out: _Output, ckpt: Checkpointer, grace, skipped: int, t_start: float):
+    def __init__(self, config, out: _Output, ckpt: Checkpointer, grace, skipped: int, t_start: float, version: int):
         self.limit, self.out, self.ckpt, self.grace = config.learner.max_bad_steps, out, ckpt, grace
         self.t_start, self.run, self.skipped = t_start, 0, skipped
+        # Watched from version 0 only: a resumed run does not know its first batches' rewards.
+        self.zero_steps = config.task.zero_reward_steps if version == 0 else 0
 
     def __call__(self, m) -> None:
         skipped = int(m["skipped_updates"])
@@ -229,6 +247,7 @@ class _StepRecords:
         rec = {"step": int(m["version"]), "time_s": time.time() - self.t_start}
         rec.update({k: v for k, v in m.items() if isinstance(v, (int, float, list))})
         self.out.writer.write(rec)
+        self._watch_zero_rewards(rec["step"], m.get("reward/nonzero", 1.0))
         self.out.progress.update(rec["step"], m)
         if not self.out.progress.enabled:
             g = lambda k: m.get(k, float("nan"))  # noqa: E731  (an objective may log less)
@@ -237,12 +256,29 @@ class _StepRecords:
         self.grace.check()  # preempted: stop here, with this step trained and recorded
 
 
+    def _watch_zero_rewards(self, step: int, nonzero: float) -> None:
+        """Warn once (log and records) when every sample of the first `task.zero_reward_steps`
+        batches scored exactly 0: the run would train on zero advantages for its whole length."""
+        if not self.zero_steps:
+            return
+        if nonzero > 0:
+            self.zero_steps = 0  # a signal arrived: disarmed
+        elif step >= self.zero_steps:
+            warning = (f"every sample of the first {self.zero_steps} batches scored exactly 0, so the policy gets no "
+                       "learning signal. Likely causes: the answer format (the gold answers' or what task.instruction "
+                       "asks for), completions cut before their answer (sampler.max_new_tokens, task.max_answer_len), "
+                       "or the chat template (task.chat_template); set task.zero_reward_steps=0 to silence this")
+            self.out.writer.write({"step": step, "warning": warning})
+            self.out.log(f"warning: {warning}")
+            self.zero_steps = 0
+
+
 def _train(b: Parts, state, ckpt: Checkpointer, out: _Output, evaluate, summary: dict, t_start: float):
     """Train to `train.steps` in chunks that end on save and eval intervals; on Ctrl-C or
     SIGTERM save and return; in every case close what the run opened. Returns the last state."""
     config, orch = b.plan.config, b.orchestrator
     grace = preemption.Grace(config.train.get("preempt_grace_s", 30.0))
-    on_metrics = _StepRecords(config, out, ckpt, grace, int(state.skipped), t_start)
+    on_metrics = _StepRecords(config, out, ckpt, grace, int(state.skipped), t_start, int(state.version))
     try:
         grace.install()
         while int(state.version) < config.train.steps:

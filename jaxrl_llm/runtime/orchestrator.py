@@ -170,9 +170,9 @@ class Orchestrator:
         hist = np.bincount(d, minlength=1)
         rewards = np.asarray(batch.rewards, np.float64)
         # One gather for every process's scalars: [max staleness, reward sum, rows, failures,
-        # dropped, histogram length] (each host collective costs a round trip over gloo).
+        # dropped, histogram length, nonzero rewards] (each host collective costs a round trip over gloo).
         g = distributed.gather(np.array([d.max(initial=0), rewards.sum(), rewards.size, self.reward_failures,
-                                         self.dropped, hist.size], np.float64))
+                                         self.dropped, hist.size, np.count_nonzero(rewards)], np.float64))
         self.over_stale += int(staleness.exceeds(int(g[:, 0].max()), self.cfg.max_staleness))
         totals = g[:, 1:5].sum(0)
         state, m = self.learner.train_step(state, batch)
@@ -181,6 +181,7 @@ class Orchestrator:
         m["weights/publish_bytes"] = float(self.store.published_bytes)
         m["staleness/hist"] = distributed.host_sum(np.pad(hist, (0, int(g[:, 5].max()) - hist.size))).tolist()
         m["reward/mean"] = float(totals[0] / totals[1])
+        m["reward/nonzero"] = float(g[:, 6].sum() / totals[1])  # the fraction of samples with any reward
         m["reward/failures"] = float(totals[2])
         m["runtime/dropped"] = float(totals[3])
         m["runtime/over_stale"] = float(self.over_stale)

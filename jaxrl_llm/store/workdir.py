@@ -24,7 +24,7 @@ from typing import Optional
 
 from jaxrl_llm import validation
 
-LOCK, HISTORY = "run.lock", "config_history.jsonl"
+LOCK, HISTORY, EVAL_SET = "run.lock", "config_history.jsonl", "eval_set.json"
 # Settings a resume may change without saying so: how long, how often to evaluate, save and log.
 FREE = ("train.steps", "train.eval_every", "train.save_every", "train.keep", "train.tensorboard", "train.progress",
         "train.resume", "train.preempt_grace_s", "train.allow_changes", "train.check_memory",
@@ -170,3 +170,27 @@ def record(workdir: str, config, model: dict, version: int, changed: list) -> No
              "model": model, "config": flat(config), "changes": changed}
     with open(os.path.join(workdir, HISTORY), "a") as f:
         f.write(json.dumps(entry) + "\n")
+
+
+def check_eval_set(workdir: str, eval_set: dict, resumed: bool) -> str:
+    """The refusal ('' if none) for a resumed run whose task would evaluate on other problems than
+    the run it continues (a changed dataset, or held-out rows that moved: the old held-out
+    problems could then be trained on); records `eval_set` in the workdir otherwise (process 0)."""
+    path = os.path.join(workdir, EVAL_SET)
+    same = ("split", "holdout", "seed", "rows")
+    if resumed and os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if {k: saved.get(k) for k in same} != {k: eval_set.get(k) for k in same}:
+            return (f"{path}: the run being resumed evaluated on {_eval_set_line(saved)}; this one would evaluate on "
+                    f"{_eval_set_line(eval_set)} (the dataset or task.eval_* changed). Use another --workdir, or "
+                    "--config.train.resume=fresh")
+    with open(path, "w") as f:
+        json.dump(eval_set, f)
+    return ""
+
+
+def _eval_set_line(eval_set: dict) -> str:
+    rows = eval_set.get("rows")
+    held = f", rows {rows[:5]}{'...' if len(rows) > 5 else ''} of {eval_set.get('split')!r} held out" if rows else ""
+    return f"split {eval_set.get('split')!r}{held}"

@@ -29,6 +29,12 @@ SECTION = V.Section(  # every task's fields, so any of them can be set from the 
     terms=(2, V.integer(2)), scratchpad=(False, V.boolean()),
     # math: a local dataset path; the tokenizer comes from model.hf_path unless `tokenizer` is set (paths.py)
     path=("", V.anything()), tokenizer=("", V.anything()), split=("train", V.text()), eval_split=("test", V.text()),
+    # a dataset with no evaluation split: hold out this fraction of `split` instead (disjoint,
+    # drawn with eval_holdout_seed, recorded in the workdir); 0: evaluate on `eval_split`
+    eval_holdout=(0.0, V.unit()), eval_holdout_seed=(0, V.integer(0)),
+    # gold answers the answer extractor cannot parse: refused above this fraction, dropped below it
+    max_unparsed_gold=(0.01, V.unit()),
+    eos_token=("", V.anything()),  # the end-of-sequence token, for a tokenizer that sets none
     question_key=("", V.text()), answer_key=("", V.text()), max_prompt_len=(512, V.integer(1)),
     max_answer_len=(512, V.integer(1)), chat_template=(True, V.boolean()), system_prompt=("", V.text()),
     instruction=("Please reason step by step, and put your final answer within \\boxed{}.", V.text()),
@@ -41,6 +47,8 @@ SECTION = V.Section(  # every task's fields, so any of them can be set from the 
     env=("", V.text()), max_turns=(4, V.integer(1)), turn_reward=("last", V.one_of("sum", "last")),
     max_obs_tokens=(64, V.integer(1)), tool_timeout=(5.0, V.positive()), tool_workers=(1, V.integer(1)),
     tool_isolation=("full", V.one_of("full", "weak")),
+    # every task: warn when every sample of the run's first this-many batches scored exactly 0 (0: never)
+    zero_reward_steps=(20, V.integer(0)),
 )
 default_config = SECTION.config
 RULES = SECTION.rules
@@ -61,6 +69,9 @@ def validate(c, hf_path: str = "") -> None:
             raise ValueError(f"task {c.name!r} needs a tokenizer: set --config.model.hf_path (or --config.task.tokenizer)")
         if c.reward_timeout <= 0:
             raise ValueError("task.reward_timeout must be > 0 seconds")
+        if c.eval_holdout >= 1.0:
+            raise ValueError(f"task.eval_holdout={c.eval_holdout}: hold out a fraction of the training split below 1 "
+                             "(e.g. 0.05)")
         if c.reward_workers < 1:
             raise ValueError(f"task {c.name!r} checks rewards in worker processes, whose timeout keeps a hung check "
                              f"from stopping the run: set --config.task.reward_workers >= 1 (got {c.reward_workers})")
@@ -90,18 +101,33 @@ def make(c, hf_path: str = ""):
     from jaxrl_llm.tasks.math_tools import MathTools
 
     kw = dict(split=c.split, eval_split=c.eval_split, question_key=c.question_key, answer_key=c.answer_key,
-              eval_size=c.eval_size, max_prompt_len=c.max_prompt_len, max_answer_len=c.max_answer_len,
+              eval_size=c.eval_size, eval_holdout=c.eval_holdout, eval_holdout_seed=c.eval_holdout_seed,
+              max_unparsed_gold=c.max_unparsed_gold, reward_workers=max(1, c.reward_workers),
+              reward_timeout=c.reward_timeout, max_prompt_len=c.max_prompt_len, max_answer_len=c.max_answer_len,
               system_prompt=c.system_prompt, chat_template=c.chat_template)
-    tokenizer = load_tokenizer(c.tokenizer or hf_path)
-    if tokenizer.eos_token_id is None:  # no completion could end: every one would run to its budget
-        key = "task.tokenizer" if c.tokenizer else "model.hf_path"
-        raise ValueError(f"{key}={c.tokenizer or hf_path!r}: the tokenizer has no end-of-sequence token (eos_token "
-                         "unset); set eos_token in its tokenizer_config.json, or use a tokenizer that has one")
+    tokenizer = end_token(load_tokenizer(c.tokenizer or hf_path), c, hf_path)
     if c.name == "math_tools":  # the instruction names the tool (unless set on the command line)
         instruction = c.instruction if c.instruction != SECTION.fields["instruction"][0] else None
-        return MathTools(c.path, tokenizer, turn=turn, reward_workers=max(1, c.reward_workers),
-                         reward_timeout=c.reward_timeout, **kw, **({"instruction": instruction} if instruction else {}))
+        return MathTools(c.path, tokenizer, turn=turn, **kw, **({"instruction": instruction} if instruction else {}))
     return MathDataset(c.path, tokenizer, instruction=c.instruction, **kw)
+
+
+def end_token(tokenizer, c, hf_path: str):
+    """`tokenizer` with an end-of-sequence token: its own, or `task.eos_token` (one token of its
+    vocabulary); without one no completion could end, so that is refused, naming the key."""
+    if c.eos_token:
+        ids = tokenizer.convert_tokens_to_ids([c.eos_token])
+        if ids[0] is None or (ids[0] == tokenizer.unk_token_id and c.eos_token != tokenizer.unk_token):
+            raise ValueError(f"task.eos_token={c.eos_token!r} is not a token of the tokenizer's vocabulary "
+                             f"({c.tokenizer or hf_path!r}); name one of its tokens, e.g. a special token: "
+                             f"{', '.join(map(repr, tokenizer.all_special_tokens[:5])) or 'none'}")
+        tokenizer.eos_token = c.eos_token
+    if tokenizer.eos_token_id is None:
+        key = "task.tokenizer" if c.tokenizer else "model.hf_path"
+        raise ValueError(f"{key}={c.tokenizer or hf_path!r}: the tokenizer has no end-of-sequence token (eos_token "
+                         "unset); set eos_token in its tokenizer_config.json, or --config.task.eos_token=<one of its "
+                         "tokens>")
+    return tokenizer
 
 
 UNDECLARED_RANGE = (-1e6, 1e6)  # a task that declares no `reward_range`: finite, and far from fp32's limits

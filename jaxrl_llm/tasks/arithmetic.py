@@ -68,6 +68,11 @@ class Arithmetic:
     eos_id, pad_id, vocab_size = EOS, PAD, VOCAB_SIZE
 
     @property
+    def eval_set(self) -> dict:
+        """What evaluation runs on (the run records it): `eval_size` problems drawn with `eval_seed`."""
+        return {"split": f"generated (seed {self.eval_seed})"}
+
+    @property
     def prompt_buckets(self) -> tuple:
         return (self.max_prompt_len,)
 

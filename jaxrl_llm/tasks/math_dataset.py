@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from jaxrl_llm.tasks import gold, splits
+
 QUESTION_KEYS = ("question", "problem", "prompt", "query")
 ANSWER_KEYS = ("answer", "solution", "final_answer", "gold")
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
@@ -132,6 +134,52 @@ def _check_text(data, column: str, path: str, split: str, key: str) -> None:
                              f"row {i} holds {type(value).__name__} {str(value)[:40]!r}")
 
 
+def _splits(path: str, split: str, eval_split: str, holdout: float, seed: int):
+    """(training rows, evaluation rows, the evaluation set's record, each set's row numbers in its
+    split): the evaluation split, or with `holdout` a seeded fraction of the training split
+    (`splits.py`)."""
+    train = load_split(path, split)
+    if train is None:
+        raise ValueError(f"task.split={split!r} not found under task.path={path!r} (splits found: "
+                         f"{', '.join(splits.available(path)) or 'none'})")
+    if len(train) == 0:
+        raise ValueError(f"task.path={path!r}: the {split!r} split has no rows")
+    if holdout:
+        rows = splits.holdout_rows(len(train), holdout, seed)
+        rest = np.setdiff1d(np.arange(len(train)), rows)
+        record = {"split": split, "holdout": holdout, "seed": seed, "rows": rows.tolist()}
+        return train.select(rest), train.select(rows), record, (rest, rows)
+    held = load_split(path, eval_split)
+    if held is None:
+        raise ValueError(splits.missing(path, split, eval_split))
+    return train, held, {"split": eval_split}, (np.arange(len(train)), np.arange(len(held)))
+
+
+def _parsed_only(path: str, data: tuple, names: tuple, rows: tuple, answer: str, limit: float, workers: int,
+                 timeout: float, record: dict):
+    """`data` (datasets; `rows`: their row numbers in the named splits) without the problems whose
+    gold answer nothing can parse (`gold.py`), and a warning naming how many were dropped (counted
+    in `record`); refused beyond `limit`."""
+    golds = [[gold_answer(str(x)) for x in d[answer]] for d in data]
+    flat = [g for gs in golds for g in gs]
+    bad = gold.unparsed(flat, workers, timeout)
+    if not bad:
+        return data, ""
+    starts = np.cumsum([0] + [len(gs) for gs in golds])
+    where = [(int(np.searchsorted(starts, i, side="right")) - 1, i) for i in bad]
+    examples = "; ".join(f"{names[d]!r} row {rows[d][i - starts[d]]}: {flat[i][:60]!r}" for d, i in where[:3])
+    if len(bad) > limit * len(flat):
+        raise ValueError(f"task.path={path!r}: {len(bad)} of {len(flat)} gold answers ({len(bad) / len(flat):.1%}) "
+                         f"cannot be parsed (more than task.max_unparsed_gold={limit}), so their samples would all "
+                         f"score 0; e.g. {examples}. Check task.answer_key ({answer!r}) and the answer format "
+                         "(GSM8K: '#### <number>'; MATH: a \\boxed{} answer)")
+    drop = [[i - starts[d] for d, i in where if d == k] for k in range(len(data))]
+    record["dropped_unparsed_gold"] = dict(zip(("train", "eval"), (len(d) for d in drop)))  # by role
+    kept = tuple(d.select(np.setdiff1d(np.arange(len(d)), gone)) for d, gone in zip(data, drop))
+    return kept, (f"dropped {len(bad)} of {len(flat)} problems whose gold answers cannot be parsed "
+                  f"(below task.max_unparsed_gold={limit}); e.g. {examples}")
+
+
 def _pick(columns: Sequence[str], given: str, candidates: Sequence[str], what: str) -> str:
     if given:
         if given not in columns:
@@ -152,7 +200,9 @@ class MathDataset:
     def __init__(self, path: str, tokenizer, split: str = "train", eval_split: str = "test",
                  question_key: str = "", answer_key: str = "", eval_size: int = 64,
                  max_prompt_len: int = 512, max_answer_len: int = 512, instruction: str = INSTRUCTION,
-                 system_prompt: str = "", chat_template: bool = True):
+                 system_prompt: str = "", chat_template: bool = True, eval_holdout: float = 0.0,
+                 eval_holdout_seed: int = 0, max_unparsed_gold: float = 0.01, reward_workers: int = 1,
+                 reward_timeout: float = 5.0):
         self.tokenizer = tokenizer
         self.max_answer_len = max_answer_len
         if chat_template and not getattr(tokenizer, "chat_template", None):
@@ -160,28 +210,30 @@ class MathDataset:
                              "for plain 'Question: ... Answer:' prompts")
         self._chat, self._instruction, self._system = chat_template, instruction, system_prompt
         self.warnings: list[str] = []  # said once at start-up (`experiment.run` logs them)
-        train = load_split(path, split)
-        if train is None:
-            raise ValueError(f"split {split!r} not found under {path!r}")
-        if len(train) == 0:
-            raise ValueError(f"task.path={path!r}: the {split!r} split has no rows")
+        train, held, self.eval_set, rows = _splits(path, split, eval_split, eval_holdout, eval_holdout_seed)
         q = _pick(train.column_names, question_key, QUESTION_KEYS, "question")
         a = _pick(train.column_names, answer_key, ANSWER_KEYS, "answer")
-        held = load_split(path, eval_split) if eval_split else None
-        if held is None:  # no eval split: hold out the last eval_size training problems
-            n = len(train) - min(eval_size, len(train) // 2)
-            train, held = train.select(range(n)), train.select(range(n, len(train)))
-        for data, name in ((train, split), (held, eval_split or split)):
+        for data, name in ((train, split), (held, self.eval_set["split"])):
             _check_text(data, q, path, name, "task.question_key")
+        same = self.eval_set == {"split": split}  # evaluating on the training split: its rows checked once
+        sets = ((train,), (split,), rows[:1]) if same else ((train, held), (split, self.eval_set["split"]), rows)
+        kept, dropped = _parsed_only(path, *sets, a, max_unparsed_gold, reward_workers, reward_timeout, self.eval_set)
+        train, held = kept * 2 if same else kept
+        if dropped:
+            self.warnings.append(dropped)
+        if same:
+            self.warnings.append(f"task.eval_split={split!r} is the training split: evaluation rewards are training "
+                                 "figures (task.eval_holdout holds out a part of it instead)")
         self.train = self._encode(train[q], train[a], max_prompt_len)
         self.held_out = self._encode(held[q], held[a], max_prompt_len)
         if not self.train:
             raise ValueError(f"task.path={path!r}: none of the {len(train)} {split!r} problems fits "
                              f"task.max_prompt_len={max_prompt_len} tokens (raise it)")
         if len(self.held_out) < eval_size:
-            self.warnings.append(f"task.eval_size={eval_size} but the {eval_split or split!r} split holds "
+            self.warnings.append(f"task.eval_size={eval_size} but the {self.eval_set['split']!r} evaluation set holds "
                                  f"{len(self.held_out)} usable problems: evaluating on all {len(self.held_out)}")
         self.held_out = self.held_out[:eval_size]
+        self.eval_set["problems"] = len(self.held_out)
         self._gold = {tuple(ids): (g, gold_int(g)) for ids, g in self.train + self.held_out}
         longest = max(len(ids) for ids, _ in self.train + self.held_out)
         self.prompt_buckets = tuple(b for b in (64, 128, 256, 512, 1024, 2048) if b < longest) + (longest,)

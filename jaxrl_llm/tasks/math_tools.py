@@ -44,7 +44,7 @@ class MathTools(math_dataset.MathDataset):
     def __init__(self, *args, turn: multiturn.TurnConfig = multiturn.TurnConfig(env="python"),
                  reward_workers: int = 1, reward_timeout: float = 5.0, **kw):
         kw.setdefault("instruction", INSTRUCTION)
-        super().__init__(*args, **kw)
+        super().__init__(*args, reward_workers=reward_workers, reward_timeout=reward_timeout, **kw)
         ids = self.tokenizer.encode(CALL_CLOSE, add_special_tokens=False)
         if len(ids) != 1:
             raise ValueError(f"task 'math_tools' ends a model turn at {CALL_CLOSE!r}, which this tokenizer splits into "
