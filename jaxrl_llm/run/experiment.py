@@ -255,7 +255,6 @@ class _StepRecords:
                          f"staleness={g('staleness/mean'):.2f} tok/s={g('tokens_per_s'):.0f}")
         self.grace.check()  # preempted: stop here, with this step trained and recorded
 
-
     def _watch_zero_rewards(self, step: int, nonzero: float) -> None:
         """Warn once (log and records) when every sample of the first `task.zero_reward_steps`
         batches scored exactly 0: the run would train on zero advantages for its whole length."""

@@ -12,6 +12,10 @@ solution (MATH; math-verify extracts its \\boxed{}); a completion is parsed the 
 processes with a per-sample timeout (`scoring.Scorer`). Where both answers are plain integers
 (a bare number, or one \\boxed{} integer) the reward is decided in-process without sympy; a
 test holds this fast path to math-verify's verdict.
+
+Evaluation uses `eval_split`; a dataset without it is refused unless `eval_holdout` holds out a
+seeded part of the training split (`splits.py`). Gold answers nothing can parse are found at
+start-up (`gold.py`). docs/datasets.md lists every check.
 """
 
 from __future__ import annotations
