@@ -1,7 +1,8 @@
 """A-3PO with the objective settings of AReaL's A-3PO example,
 examples/experimental/prox_approx/gsm8k_grpo_prox_approx.yaml (inclusionAI/AReaL): decoupled
 PPO with the log-linear proximal policy (`prox_logp_method: loglinear`), `eps_clip: 0.4` on both
-sides, `behav_imp_weight_cap: 5.0` (tokens whose pi_prox/pi_behav exceeds 5 are masked and stay
+sides, `behav_imp_weight_cap: 5.0` (AReaL's current options: `rejection_sampling: {level: token,
+action: mask, metric: ratio, upper: 5.0}`; tokens whose pi_prox/pi_behav exceeds 5 are masked and stay
 in the token-mean denominator: icepop on [0, 5] with loss_agg_rejected=count), no KL
 (`kl_ctl: 0`), one minibatch per step (`ppo_n_minibatches: 1`), group reward normalisation with
 AReaL's eps 1e-5 (`reward_norm`, NormConfig's default eps) and at most 2 versions of staleness

@@ -189,6 +189,10 @@ def test_sampler_and_learner_on_disjoint_devices():
     (dict(mode="simulated", max_staleness=-1), "finite runtime.max_staleness"),
     (dict(delay=dict(kind="gamma")), "runtime.delay.kind='gamma': expected one of 'none', 'fixed', 'lognormal'"),
     (dict(advantage="gae"), "runtime.advantage='gae': expected one of 'grpo', 'dr_grpo', 'rloo'"),
+    (dict(advantage="dr_grpo", advantage_eps=1e-5), "runtime.advantage_eps=1e-05 has no effect with "
+                                                    "runtime.advantage='dr_grpo'"),
+    (dict(advantage="rloo", singleton_groups="reward"), "runtime.singleton_groups='reward' has no effect with "
+                                                        "runtime.advantage='rloo'"),
 ])
 def test_incompatible_runtime_options_fail_at_startup(over, match):
     cfg = O.default_config()

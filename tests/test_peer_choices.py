@@ -158,11 +158,39 @@ def test_m2po_denominator_docs_and_areal():
                                rtol=1e-5)
 
 
+def test_m2po_areal_config_caps_a_kept_behaviour_weight_at_5_as_areal_does():
+    """configs/m2po_areal.py: a token the second-moment mask keeps although pi_prox/pi_behav = 6
+    (one outlier among many tokens with none: the kept mean stays below 0.04) is masked by
+    AReaL's cap and stays in the denominator; configs/m2po.py trains it at full weight."""
+    from configs.m2po import get_config as m2po_config
+    from configs.m2po_areal import get_config
+
+    s = testing.random_batch(7, num_prompts=6, length=24, drift=0.2)  # enough loss tokens to keep one outlier
+    x, behav, adv, m = (np.asarray(a, np.float64) for a in (s.policy.logp, s.batch.behav_logp, s.batch.advantages,
+                                                             s.batch.loss_mask))
+    prox = behav.copy()
+    t = tuple(np.argwhere((m > 0) & (np.abs(adv) > 0.1))[0])  # a token whose weight moves the loss
+    prox[t] += np.log(6.0)
+    s = s._replace(batch=s.batch.replace(prox_logp=jnp.asarray(prox, jnp.float32)))
+    keep = R.m2po_keep(behav, prox, m, 0.04)
+    assert keep[t] == 1 and (keep * m).sum() == m.sum()  # the outlier is kept
+    w = np.exp(prox - behav)
+    tok = lambda weight: (weight * -(np.exp(x - prox) * adv) * keep * m).sum() / (keep * m).sum()  # noqa: E731
+    assert abs(tok(np.where(w <= 5.0, w, 0.0)) - tok(w)) > 1e-4  # the cap changes this step's loss
+    areal, ours = (O.make_config(get_config().objective), O.make_config(m2po_config().objective))
+    np.testing.assert_allclose(float(O.get("m2po")(s.policy, s.batch, areal)[0]), tok(np.where(w <= 5.0, w, 0.0)),
+                               rtol=1e-5)
+    np.testing.assert_allclose(float(O.get("m2po")(s.policy, s.batch, ours)[0]), tok(w), rtol=1e-5)
+    c = get_config()
+    assert c.learner.num_minibatches == 1 and c.runtime.max_staleness == 2 and c.runtime.advantage_eps == 1e-5
+
+
 def test_every_difference_is_named_in_the_table():
     import os
 
     text = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), DOC)).read()
     table = text.split("## Where this project and verl / AReaL differ")[1].split("\n## ")[0]
     for option in ("gspo.loss_agg", "token_sum_norm", "loss_agg_rejected", "clip.dual_clip",
-                   "runtime.singleton_groups", "runtime.advantage_eps", "configs/a3po_areal.py", "M2PO"):
+                   "runtime.singleton_groups", "runtime.advantage_eps", "configs/a3po_areal.py", "M2PO",
+                   "configs/m2po_areal.py", "rejection_sampling"):
         assert option in table, option

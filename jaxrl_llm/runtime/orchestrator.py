@@ -91,6 +91,10 @@ def validate(c, batching: str = "static") -> None:
         raise ValueError(f"runtime.reuse={c.reuse} needs mode='iterative' (mode is {c.mode!r})")
     if c.refresh_every != 1 and c.mode != "offpolicy":
         raise ValueError(f"runtime.refresh_every={c.refresh_every} needs mode='offpolicy' (mode is {c.mode!r})")
+    for key in ("advantage_eps", "singleton_groups"):  # GRPO's std and its groups of one
+        if c.advantage != "grpo" and c[key] != section().fields[key][0]:
+            raise ValueError(f"runtime.{key}={c[key]!r} has no effect with runtime.advantage={c.advantage!r} (it "
+                             "has no std normalisation and gives a group of one 0); it applies to 'grpo' only")
     beside = " or ".join(repr(n) for n in modes.concurrent())
     if c.refresh_mid_generation and not spec.concurrent:
         raise ValueError(f"runtime.refresh_mid_generation needs mode={beside} (mode is {c.mode!r})")
