@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from jaxrl_llm.learner import learner as L
 from jaxrl_llm import objectives as O
 from jaxrl_llm import testing
+from jaxrl_llm.batch import PolicyOutput
 from jaxrl_llm.parallel import sharding
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.objectives.m2po import second_moment_mask
@@ -93,5 +94,16 @@ def test_the_learner_masks_over_the_whole_step_not_each_minibatch():
     per_half = np.concatenate([R.m2po_keep(behav[:half], prox[:half], mask[:half], 0.02),
                                R.m2po_keep(behav[half:], prox[half:], mask[half:], 0.02)])
     assert (per_half != whole).any()  # the scope matters on this batch
+    # m2po.scope=minibatch (AReaL's per-call mask): no step-level selection; each loss call on a
+    # minibatch masks over that minibatch's tokens, as the objective does on a batch alone.
+    per_call = L.Learner(model, {"name": "m2po", "m2po": {"tau": 0.02, "scope": "minibatch"}}, c,
+                         mesh=sharding.make_mesh(None, jax.devices()[:1]))
+    prepared, _, _ = per_call.prepare(state, data)
+    assert prepared.token_keep is None
+    cfg = per_call.plan.obj_cfg
+    first = jax.tree.map(lambda x: x[:half], prepared)
+    policy = PolicyOutput(logp=first.prox_logp, version=jnp.int32(0))
+    _, m = O.get("m2po")(policy, first, cfg)
+    np.testing.assert_allclose(float(m["m2po/masked_frac"]), 1 - per_half[:half].sum() / mask[:half].sum(), rtol=1e-6)
     state, metrics = lrn.train_step(state, data)
     assert np.isfinite(metrics["loss"]) and 0 < metrics["m2po/masked_frac"] < 1

@@ -192,5 +192,5 @@ def test_every_difference_is_named_in_the_table():
     table = text.split("## Where this project and verl / AReaL differ")[1].split("\n## ")[0]
     for option in ("gspo.loss_agg", "token_sum_norm", "loss_agg_rejected", "clip.dual_clip",
                    "runtime.singleton_groups", "runtime.advantage_eps", "configs/a3po_areal.py", "M2PO",
-                   "configs/m2po_areal.py", "rejection_sampling"):
+                   "configs/m2po_areal.py", "rejection_sampling", "m2po.scope"):
         assert option in table, option

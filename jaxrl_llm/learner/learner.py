@@ -163,7 +163,8 @@ class Learner:
             batch = batch.replace(prox_logp=prox, prox_topk_logp=prox_topk)
         if "ref_logp" in self.plan.needs:
             batch = batch.replace(ref_logp=self._ref(state.ref_params, batch, packed, self.base))
-        if self.plan.objective.prepare is not None:  # a selection over the step's whole batch
+        obj = self.plan.objective
+        if obj.prepare is not None and obj.prepare_when(self.plan.obj_cfg):  # a selection over the step's whole batch
             batch = batch.replace(token_keep=self._keep(batch.loss_mask.sharding)(batch))
         return batch, packed, timings
 

@@ -18,6 +18,8 @@ update, the only one with one minibatch. Built here: the mask from pi_prox, fixe
 unclipped importance-weighted surrogate F(pi_prox/pi_behav) * pi_theta/pi_prox * A
 (`m2po.clip=True`: PPO's clipped surrogate on pi_theta/pi_prox instead, as AReaL's code with a
 nonzero eps_clip). Tests check the case where the readings differ (a later minibatch).
+`m2po.scope="minibatch"` computes the mask per loss call instead, over each minibatch's tokens,
+as AReaL's code does.
 Masked tokens count as zeros in the aggregation, as the docs' 1/sum|o_i| writes it
 (`loss_agg_rejected="drop"` removes them from the denominator, as AReaL's code does).
 """
@@ -58,7 +60,7 @@ def _prepare(batch: TrajectoryBatch, cfg):
     return second_moment_mask(sg(batch.behav_logp), sg(batch.prox_logp), batch.loss_mask, cfg.m2po.tau)
 
 
-@register("m2po", needs=("prox_logp",), prepare=_prepare)
+@register("m2po", needs=("prox_logp",), prepare=_prepare, prepare_when=lambda cfg: cfg.m2po.scope == "step")
 def m2po(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
     """M2PO (arXiv:2510.01161; AReaL's `m2_threshold`): on the tokens the second-moment mask keeps,
 
@@ -66,8 +68,8 @@ def m2po(policy: PolicyOutput, batch: TrajectoryBatch, cfg):
 
     m the loss mask (M with `loss_agg_rejected="drop"`), F the shared `is_correction`;
     `m2po.clip` swaps the ratio term for PPO's clipped surrogate.
-    The learner computes the mask over the whole step (`batch.token_keep`); called on a batch
-    alone, the mask is computed over that batch."""
+    The learner computes the mask over the whole step (`batch.token_keep`); with
+    `m2po.scope="minibatch"`, or called on a batch alone, over the batch it is called on."""
     if batch.prox_logp is None:
         raise ValueError("m2po needs TrajectoryBatch.prox_logp (the learner's proximal recompute pass fills it)")
     keep = batch.token_keep if batch.token_keep is not None else _prepare(batch, cfg)

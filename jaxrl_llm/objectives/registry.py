@@ -19,7 +19,8 @@ NEEDS = ("prox_logp", "prox_topk_logp", "ref_logp", "logp_at_behav_topk", "topk"
 
 
 def register(name: str, needs: Iterable[str] = (), passes: Optional[Callable] = None,
-             aux: Optional[Auxiliary] = None, prepare: Optional[Callable] = None):
+             aux: Optional[Auxiliary] = None, prepare: Optional[Callable] = None,
+             prepare_when: Optional[Callable] = None):
     """Decorator: ``@register("my_obj", needs=("prox_logp",))`` adds ``fn`` to the registry.
 
     ``fn(policy: PolicyOutput, batch: TrajectoryBatch, cfg) -> (loss, metrics)`` must be pure
@@ -28,8 +29,9 @@ def register(name: str, needs: Iterable[str] = (), passes: Optional[Callable] = 
     an auxiliary model trained jointly (see `objectives.auxiliary`); ``prepare(batch, cfg) ->
     f32[B, L]`` a token selection made once per step over the step's whole batch, after the
     extra passes and before the minibatches (the learner stores it in `batch.token_keep`; a
-    minibatch alone would see only its own tokens). Re-registering a name raises (use
-    ``unregister`` first).
+    minibatch alone would see only its own tokens); ``prepare_when(cfg) -> bool`` whether the
+    options ask for that step-level selection (default: always; where not, the objective selects
+    within each minibatch it is called on). Re-registering a name raises (use ``unregister`` first).
     """
     needs = tuple(needs)
     for n in needs:
@@ -44,6 +46,7 @@ def register(name: str, needs: Iterable[str] = (), passes: Optional[Callable] = 
         fn.passes = passes
         fn.aux = aux
         fn.prepare = prepare
+        fn.prepare_when = prepare_when or (lambda cfg: True)
         fn.objective_name = name
         _REGISTRY[name] = fn
         return fn
@@ -126,7 +129,9 @@ SECTION = V.Section(
     # correction: obrs (Jackpot), tis (min(p_ref/p_inf, c1)) or none (the paper's baselines).
     # M2PO: tau = tau_M2, the bound on the kept tokens' mean (log pi_prox - log pi_behav)^2
     # (AReaL's m2_threshold, 0.04 in its example); clip: PPO's clip on pi_theta/pi_prox as well.
-    m2po=V.Section(tau=(0.04, V.positive()), clip=(False, V.boolean())),
+    # scope: the second-moment mask over the step's loss tokens (step) or over each minibatch's,
+    # one loss call each (minibatch: AReaL's code, which computes it per call)
+    m2po=V.Section(tau=(0.04, V.positive()), clip=(False, V.boolean()), scope=("step", V.one_of("step", "minibatch"))),
     # CISPO: the IS weight's clip; eps_low = 1 is no lower bound (the paper tunes eps_high only).
     cispo=V.Section(eps_low=(1.0, V.unit()), eps_high=(0.28, V.non_negative())),
     jackpot=V.Section(lam=(1.0, V.positive()), c1=(2.0, V.positive()), c2=(2.0, V.positive()),
