@@ -1,5 +1,6 @@
-"""CLI: `python -m jaxrl_llm.export --workdir=runs/x --out=DIR [--merged=DIR] [--version=N]`,
-a LoRA run's adapters as a PEFT directory (the export itself is `store/export.py`)."""
+"""CLI: `python -m jaxrl_llm.export --workdir=runs/x --out=DIR [--version=N] [--dtype=D] [--overwrite]`:
+a full-weight run's policy as a Hugging Face checkpoint, or a LoRA run's adapters as a PEFT
+directory (`--merged=DIR`: also the merged model); the export itself is `store/export.py`."""
 
 import sys
 

@@ -5,6 +5,7 @@ cleanly on Ctrl-C or SIGTERM (saved, resumable), and closed."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -97,6 +98,10 @@ def _run(config, workdir: str, log) -> dict:
     ckpt = _checkpointer(config, workdir, notes)
     state, resumed, changed, shape = _resume_or_init(b, user_config, workdir, ckpt, notes)
     _check_eval_set(b.task, workdir, resumed)
+    if distributed.is_main():  # what `python -m jaxrl_llm.export` needs besides the checkpoints
+        tokenizer = (config.task.tokenizer or config.model.hf_path) if hasattr(b.task, "tokenizer") else ""
+        policy = b.model_cfg.without_lora().replace(eos_token_id=b.task.eos_id)  # the end the run sampled to
+        workdir_lib.record_policy(workdir, dataclasses.asdict(policy), tokenizer)
     b = b.without_weights()  # the learner holds its own copy now
     out = _Output(b, user_config, workdir, state, resumed, log)
     out.start(notes, ckpt, state, resumed, changed, shape)

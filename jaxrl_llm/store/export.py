@@ -1,15 +1,23 @@
-"""Export a LoRA run: `python -m jaxrl_llm.export --workdir=runs/x --out=runs/x/adapter [--merged=DIR]`.
+"""Export a run: `python -m jaxrl_llm.export --workdir=runs/x --out=DIR [--version=N] [--overwrite]`.
 
-`--out` gets a PEFT adapter directory (`adapter_config.json` + `adapter_model.safetensors`) of the
-newest checkpoint (or `--version`), whose `base_model_name_or_path` is the run's frozen base (its
-`model.hf_path`, or the workdir's copy of a warm-started random base): `peft.PeftModel.
-from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)` loads it. `--merged` also
-writes the base with the adapters merged in (W + alpha/r B A) as an HF checkpoint, with the
-base's tokenizer files when it has them.
+A full-weight run: `--out` gets a Hugging Face checkpoint of the policy (config.json +
+model.safetensors in `--dtype`, the tokenizer files of the run's tokenizer directory and a
+generation config), which `transformers.AutoModelForCausalLM.from_pretrained(out)` loads, from
+the model the run recorded at its start (`<workdir>/policy.json`).
+
+A LoRA run: `--out` gets a PEFT adapter directory (`adapter_config.json` +
+`adapter_model.safetensors`) of the newest checkpoint (or `--version`), whose
+`base_model_name_or_path` is the run's frozen base (its `model.hf_path`, or the workdir's copy of
+a warm-started random base): `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+base), out)` loads it. `--merged` also writes the base with the adapters merged in
+(W + alpha/r B A) as an HF checkpoint, with the base's tokenizer files when it has them.
+
+An existing non-empty output directory is refused unless `--overwrite`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -17,6 +25,7 @@ from absl import flags
 
 from jaxrl_llm import models, validation
 from jaxrl_llm.store import checkpoint, frozen_base
+from jaxrl_llm.store import workdir as workdir_lib
 from jaxrl_llm.models import adapters, lora
 from jaxrl_llm.models.config import ModelConfig
 
@@ -36,31 +45,80 @@ def run_model(workdir: str) -> tuple[dict, ModelConfig]:
     return rec, cfg
 
 
-def export(workdir: str, out: str, merged: str = "", version=None) -> int:
-    """Write the adapters of `version` (None: the newest) to `out`, and the merged model to
-    `merged` when given. Returns the version exported."""
-    rec, cfg = run_model(workdir)
+def _params(workdir: str, version):
     ck = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
     try:
         version = ck.latest_version() if version is None else version
-        params = ck.saved_tree(version)["params"]
+        if version is None:
+            raise ValueError(f"{workdir} holds no checkpoint to export")
+        return ck.saved_tree(version)["params"], version
     finally:
         ck.close()
+
+
+def _fresh(path: str, overwrite: bool) -> None:
+    if path and os.path.isdir(path) and os.listdir(path) and not overwrite:
+        raise ValueError(f"{path} exists and is not empty; choose another directory or pass --overwrite")
+
+
+def _tokenizer_files(src: str, out: str) -> None:
+    for name in TOKENIZER_FILES:
+        if src and os.path.isfile(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), out)
+
+
+def export(workdir: str, out: str, merged: str = "", version=None, dtype: str = "", overwrite: bool = False) -> int:
+    """Export `version` (None: the newest) of the run in `workdir` to `out` (module docstring).
+    Returns the version exported."""
+    for path in (out, merged):
+        _fresh(path, overwrite)
+    if frozen_base.read(workdir) is None:
+        if merged:
+            raise ValueError(f"--merged is for LoRA runs; {workdir} trained full weights: --out is the model")
+        return _export_full(workdir, out, version, dtype)
+    rec, cfg = run_model(workdir)
+    params, version = _params(workdir, version)
     adapters.save(out, params, cfg, base_model=rec["path"])
     if merged:
         loaded = models.load_params(rec["hf_path"], cfg.without_lora())[0] if rec["hf_path"] else None
         base = frozen_base.restore(workdir, rec["hf_path"], loaded, cfg)
-        models.save_params(merged, lora.merge(base, params, cfg.lora_scale), cfg.without_lora())
-        for name in TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(rec["path"], name)):
-                shutil.copy(os.path.join(rec["path"], name), merged)
+        models.save_params(merged, lora.merge(base, params, cfg.lora_scale), _dtype(cfg.without_lora(), dtype))
+        _tokenizer_files(rec["path"], merged)
     return version
 
 
-WORKDIR = flags.DEFINE_string("workdir", None, "a LoRA run's workdir")
-OUT = flags.DEFINE_string("out", None, "the PEFT adapter directory to write")
-MERGED = flags.DEFINE_string("merged", "", "also write the merged model (an HF checkpoint) here")
+def _dtype(cfg: ModelConfig, dtype: str) -> ModelConfig:
+    return cfg.replace(param_dtype=dtype) if dtype else cfg
+
+
+def _export_full(workdir: str, out: str, version, dtype: str) -> int:
+    path = os.path.join(workdir, workdir_lib.POLICY)
+    if not os.path.isfile(path):
+        raise ValueError(f"{workdir} has no {workdir_lib.POLICY} (a run started before full-weight export existed, or not a "
+                         "run's workdir); resume it once to record its model, then export")
+    with open(path) as f:
+        rec = json.load(f)
+    cfg = _dtype(ModelConfig.from_dict(rec["model"]), dtype)
+    params, version = _params(workdir, version)
+    models.save_params(out, params, cfg)
+    _tokenizer_files(rec["tokenizer"], out)
+    gen_path, gen = os.path.join(out, "generation_config.json"), {}
+    if os.path.isfile(gen_path):  # the tokenizer directory's, copied above
+        with open(gen_path) as f:
+            gen = json.load(f)
+    if gen.get("eos_token_id") is None:  # the end the run sampled to, for generate() and servers
+        gen["eos_token_id"] = cfg.eos_token_id
+    with open(gen_path, "w") as f:
+        json.dump(gen, f, indent=2)
+    return version
+
+
+WORKDIR = flags.DEFINE_string("workdir", None, "a run's workdir")
+OUT = flags.DEFINE_string("out", None, "the HF checkpoint (full weights) or PEFT adapter (LoRA) directory to write")
+MERGED = flags.DEFINE_string("merged", "", "LoRA: also write the merged model (an HF checkpoint) here")
 VERSION = flags.DEFINE_integer("version", None, "the checkpoint version (default: the newest)")
+DTYPE = flags.DEFINE_enum("dtype", "", ["", "float32", "bfloat16"], "the exported weights' dtype (default: the model's)")
+OVERWRITE = flags.DEFINE_bool("overwrite", False, "write into a non-empty output directory")
 VERBOSE = flags.DEFINE_bool("verbose", False, "print a refusal with its traceback")
 
 
@@ -68,7 +126,7 @@ def main(argv):
     del argv
 
     def body() -> int:
-        v = export(WORKDIR.value, OUT.value, MERGED.value, VERSION.value)
+        v = export(WORKDIR.value, OUT.value, MERGED.value, VERSION.value, DTYPE.value, OVERWRITE.value)
         also = f" and {MERGED.value}" if MERGED.value else ""
         print(f"exported version {v} of {WORKDIR.value} to {OUT.value}{also}")
         return 0

@@ -24,7 +24,7 @@ from typing import Optional
 
 from jaxrl_llm import validation
 
-LOCK, HISTORY, EVAL_SET = "run.lock", "config_history.jsonl", "eval_set.json"
+LOCK, HISTORY, EVAL_SET, POLICY = "run.lock", "config_history.jsonl", "eval_set.json", "policy.json"
 # Settings a resume may change without saying so: how long, how often to evaluate, save and log.
 FREE = ("train.steps", "train.eval_every", "train.save_every", "train.keep", "train.tensorboard", "train.progress",
         "train.resume", "train.preempt_grace_s", "train.allow_changes", "train.check_memory",
@@ -194,3 +194,11 @@ def _eval_set_line(eval_set: dict) -> str:
     rows = eval_set.get("rows")
     held = f", rows {rows[:5]}{'...' if len(rows) > 5 else ''} of {eval_set.get('split')!r} held out" if rows else ""
     return f"split {eval_set.get('split')!r}{held}"
+
+
+def record_policy(workdir: str, model: dict, tokenizer: str) -> None:
+    """What a full-weight export (`store/export.py`) needs and a checkpoint does not hold: the
+    policy's model config (`dataclasses.asdict` of it, without LoRA) and the directory of its
+    tokenizer ('' for an embedded task's). Written at each start (process 0)."""
+    with open(os.path.join(workdir, POLICY), "w") as f:
+        json.dump({"model": model, "tokenizer": tokenizer}, f, indent=2)
