@@ -16,7 +16,8 @@ from tests import hf_fixtures as F
 from tests.test_math_dataset import _hf_config, tokenizer_dir  # noqa: F401  (a fixture)
 
 
-def test_a_full_weight_run_exports_an_hf_checkpoint_with_its_weights_logits_and_tokenizer(tokenizer_dir, tmp_path):  # noqa: F811
+def test_a_full_weight_run_exports_an_hf_checkpoint_with_its_weights_logits_and_tokenizer(
+        tokenizer_dir, tmp_path):  # noqa: F811
     import transformers
 
     run, out = str(tmp_path / "run"), str(tmp_path / "hf")

@@ -94,8 +94,8 @@ def _dtype(cfg: ModelConfig, dtype: str) -> ModelConfig:
 def _export_full(workdir: str, out: str, version, dtype: str) -> int:
     path = os.path.join(workdir, workdir_lib.POLICY)
     if not os.path.isfile(path):
-        raise ValueError(f"{workdir} has no {workdir_lib.POLICY} (a run started before full-weight export existed, or not a "
-                         "run's workdir); resume it once to record its model, then export")
+        raise ValueError(f"{workdir} has no {workdir_lib.POLICY} (a run started before full-weight export "
+                         "existed, or not a run's workdir); resume it once to record its model, then export")
     with open(path) as f:
         rec = json.load(f)
     cfg = _dtype(ModelConfig.from_dict(rec["model"]), dtype)
@@ -117,7 +117,8 @@ WORKDIR = flags.DEFINE_string("workdir", None, "a run's workdir")
 OUT = flags.DEFINE_string("out", None, "the HF checkpoint (full weights) or PEFT adapter (LoRA) directory to write")
 MERGED = flags.DEFINE_string("merged", "", "LoRA: also write the merged model (an HF checkpoint) here")
 VERSION = flags.DEFINE_integer("version", None, "the checkpoint version (default: the newest)")
-DTYPE = flags.DEFINE_enum("dtype", "", ["", "float32", "bfloat16"], "the exported weights' dtype (default: the model's)")
+DTYPE = flags.DEFINE_enum("dtype", "", ["", "float32", "bfloat16"],
+                          "the exported weights' dtype (default: the model's)")
 OVERWRITE = flags.DEFINE_bool("overwrite", False, "write into a non-empty output directory")
 VERBOSE = flags.DEFINE_bool("verbose", False, "print a refusal with its traceback")
 
