@@ -71,9 +71,8 @@ def gold_check_s(workers: int, seed: int = 0) -> dict:
     forms = ["\\frac{{{a}}}{{{b}}}", "{a}\\sqrt{{{b}}}", "x^{{{b}}}", "{a}"]
     latex = [rng.choice(forms).format(a=rng.randint(1, 40), b=rng.randint(2, 40)) for _ in range(10_000)]
     math = [math_dataset.gold_answer(f"We find ... so the answer is $\\boxed{{{x}}}$.") for x in latex]
-    unboxed = [x for x in latex]
     out = {}
-    for name, golds in (("gsm8k", gsm8k), ("math", math), ("unboxed", unboxed)):
+    for name, golds in (("gsm8k", gsm8k), ("math", math), ("unboxed", latex)):
         t = time.perf_counter()
         bad = gold.unparsed(golds, workers)
         out[f"gold_check_s_per_10k_{name}"] = time.perf_counter() - t

@@ -81,11 +81,18 @@ def _hold(workdir: str):
             lock = workdir_lib.Lock(workdir).acquire()
         except workdir_lib.WorkdirBusy as e:
             busy = str(e)
-    if distributed.count() > 1 and int(np.max(distributed.agree(1 if busy else 0))):
-        busy = busy or f"{workdir} is held by another run (process 0 found its lock)"
+    busy = _agreed(busy, f"{workdir} is held by another run (process 0 found its lock)")
     if busy:
         raise workdir_lib.WorkdirBusy(busy)
     return lock
+
+
+def _agreed(problem: str, elsewhere: str) -> str:
+    """Process 0's refusal on every process (`elsewhere`: what the others say of it), so that
+    all of them stop together; '' when there is none."""
+    if distributed.count() > 1 and int(np.max(distributed.agree(1 if problem else 0))):
+        return problem or elsewhere
+    return problem
 
 
 def _run(config, workdir: str, log) -> dict:
@@ -97,11 +104,7 @@ def _run(config, workdir: str, log) -> dict:
     notes.extend(f"warning: {w}" for w in b.plan.warnings)
     ckpt = _checkpointer(config, workdir, notes)
     state, resumed, changed, shape = _resume_or_init(b, user_config, workdir, ckpt, notes)
-    _check_eval_set(b.task, workdir, resumed)
-    if distributed.is_main():  # what `python -m jaxrl_llm.export` needs besides the checkpoints
-        tokenizer = (config.task.tokenizer or config.model.hf_path) if hasattr(b.task, "tokenizer") else ""
-        policy = b.model_cfg.without_lora().replace(eos_token_id=b.task.eos_id)  # the end the run sampled to
-        workdir_lib.record_policy(workdir, dataclasses.asdict(policy), tokenizer)
+    _record_start(b, workdir, resumed)
     b = b.without_weights()  # the learner holds its own copy now
     out = _Output(b, user_config, workdir, state, resumed, log)
     out.start(notes, ckpt, state, resumed, changed, shape)
@@ -115,15 +118,19 @@ def _run(config, workdir: str, log) -> dict:
     return summary
 
 
-def _check_eval_set(task, workdir: str, resumed: bool) -> None:
-    """Process 0 records which problems evaluation uses (`workdir.check_eval_set`) and refuses a
-    resume that would evaluate on others; every process stops with it."""
-    eval_set = getattr(task, "eval_set", None)
-    problem = workdir_lib.check_eval_set(workdir, eval_set, resumed) if eval_set and distributed.is_main() else ""
-    if distributed.count() > 1 and int(np.max(distributed.agree(1 if problem else 0))):
-        problem = problem or "process 0 refused to resume: see its log"
+def _record_start(b: Parts, workdir: str, resumed: bool) -> None:
+    """Process 0 records which problems evaluation uses (`workdir.check_eval_set`, refusing a
+    resume that would evaluate on others: every process stops with it) and the policy that
+    `python -m jaxrl_llm.export` writes out besides the checkpoints."""
+    config, eval_set, main = b.plan.config, getattr(b.task, "eval_set", None), distributed.is_main()
+    problem = workdir_lib.check_eval_set(workdir, eval_set, resumed) if eval_set and main else ""
+    problem = _agreed(problem, "process 0 refused to resume: see its log")
     if problem:
         raise ValueError(problem)
+    if main:
+        tokenizer = (config.task.tokenizer or config.model.hf_path) if hasattr(b.task, "tokenizer") else ""
+        policy = b.model_cfg.without_lora().replace(eos_token_id=b.task.eos_id)  # the end the run sampled to
+        workdir_lib.record_policy(workdir, dataclasses.asdict(policy), tokenizer)
 
 
 def _checkpointer(config, workdir: str, notes: list) -> Checkpointer:

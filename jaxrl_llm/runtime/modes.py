@@ -172,8 +172,13 @@ def names() -> tuple:
     return tuple(_REGISTRY)
 
 
+def registered() -> tuple:
+    """(name, Spec) of every registered mode, in registration order."""
+    return tuple(_REGISTRY.items())
+
+
 def concurrent() -> tuple:
-    return tuple(n for n, s in _REGISTRY.items() if s.concurrent)
+    return tuple(n for n, s in registered() if s.concurrent)
 
 
 class Sequential(Mode):

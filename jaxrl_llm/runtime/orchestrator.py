@@ -38,7 +38,7 @@ from jaxrl_llm import advantages, staleness
 from jaxrl_llm.parallel import distributed
 from jaxrl_llm import validation as V
 from jaxrl_llm.runtime import delay as delay_lib
-from jaxrl_llm.runtime import async_mode, modes  # noqa: F401  async_mode registers "async"
+from jaxrl_llm.runtime import modes  # the package's __init__ registers its own modes first
 from jaxrl_llm.runtime.lengths import LengthCounts
 from jaxrl_llm.runtime.position import DataPosition
 from jaxrl_llm.runtime.producer import Producer, Rollout
@@ -70,7 +70,7 @@ def section() -> V.Section:
         advantage_eps=(1e-6, V.positive()), singleton_groups=("zero", V.one_of("zero", "reward")),
         mask_zero_variance=(False, V.boolean()),
         seed=(0, V.integer(0)),
-        **{name: modes.get(name).section for name in modes.names() if modes.get(name).section is not None})
+        **{name: spec.section for name, spec in modes.registered() if spec.section is not None})
 
 
 def default_config():
@@ -91,8 +91,9 @@ def validate(c, batching: str = "static") -> None:
         raise ValueError(f"runtime.reuse={c.reuse} needs mode='iterative' (mode is {c.mode!r})")
     if c.refresh_every != 1 and c.mode != "offpolicy":
         raise ValueError(f"runtime.refresh_every={c.refresh_every} needs mode='offpolicy' (mode is {c.mode!r})")
+    defaults = section().fields
     for key in ("advantage_eps", "singleton_groups"):  # GRPO's std and its groups of one
-        if c.advantage != "grpo" and c[key] != section().fields[key][0]:
+        if c.advantage != "grpo" and c[key] != defaults[key][0]:
             raise ValueError(f"runtime.{key}={c[key]!r} has no effect with runtime.advantage={c.advantage!r} (it "
                              "has no std normalisation and gives a group of one 0); it applies to 'grpo' only")
     beside = " or ".join(repr(n) for n in modes.concurrent())

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import os
 import re
 from typing import Optional, Sequence
@@ -110,6 +111,19 @@ def load_split(path: str, split: str):
     return None
 
 
+def split_names(path: str) -> list[str]:
+    """The splits `load_split` finds under a local dataset path, by name."""
+    if os.path.isfile(path):
+        return ["train"]
+    if os.path.exists(os.path.join(path, "dataset_dict.json")):
+        with open(os.path.join(path, "dataset_dict.json")) as f:
+            return list(json.load(f).get("splits", []))
+    if os.path.exists(os.path.join(path, "state.json")):
+        return ["train"]
+    return sorted({os.path.basename(f)[:-len(ext)].split("-")[0].split(".")[0] for ext in FORMATS
+                   for f in glob.glob(os.path.join(path, "**", f"*{ext}"), recursive=True)})
+
+
 def _load_files(fmt: str, files: list, split: str):
     """`datasets.load_dataset` over local files; files without a row (which `datasets` answers
     with a bare StopIteration) are refused by name."""
@@ -145,7 +159,7 @@ def _splits(path: str, split: str, eval_split: str, holdout: float, seed: int):
     train = load_split(path, split)
     if train is None:
         raise ValueError(f"task.split={split!r} not found under task.path={path!r} (splits found: "
-                         f"{', '.join(splits.available(path)) or 'none'})")
+                         f"{', '.join(split_names(path)) or 'none'})")
     if len(train) == 0:
         raise ValueError(f"task.path={path!r}: the {split!r} split has no rows")
     if holdout:
@@ -155,7 +169,7 @@ def _splits(path: str, split: str, eval_split: str, holdout: float, seed: int):
         return train.select(rest), train.select(rows), record, (rest, rows)
     held = load_split(path, eval_split)
     if held is None:
-        raise ValueError(splits.missing(path, split, eval_split))
+        raise ValueError(splits.missing(path, split, eval_split, split_names(path)))
     return train, held, {"split": eval_split}, (np.arange(len(train)), np.arange(len(held)))
 
 

@@ -1,4 +1,4 @@
-"""Which splits a local dataset has, and the held-out part of a training split.
+"""The held-out part of a training split, and what is said of a dataset's evaluation set.
 
 An evaluation on the training split would report training figures as held-out ones, so a dataset
 without the evaluation split is refused, naming the splits it has and the two ways out: another
@@ -9,29 +9,7 @@ run and a sampler node hold out the same problems; the run records them in its w
 
 from __future__ import annotations
 
-import glob
-import json
-import os
-
 import numpy as np
-
-FORMATS = (".parquet", ".jsonl", ".json")
-
-
-def available(path: str) -> list[str]:
-    """The split names under a local dataset path (the layouts `math_dataset.load_split` reads)."""
-    if os.path.isfile(path):
-        return ["train"]
-    if os.path.exists(os.path.join(path, "dataset_dict.json")):
-        with open(os.path.join(path, "dataset_dict.json")) as f:
-            return list(json.load(f).get("splits", []))
-    if os.path.exists(os.path.join(path, "state.json")):
-        return ["train"]
-    names = set()
-    for ext in FORMATS:
-        for f in glob.glob(os.path.join(path, "**", f"*{ext}"), recursive=True):
-            names.add(os.path.basename(f)[:-len(ext)].split("-")[0].split(".")[0])
-    return sorted(names)
 
 
 def holdout_rows(n: int, fraction: float, seed: int) -> np.ndarray:
@@ -43,10 +21,10 @@ def holdout_rows(n: int, fraction: float, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng([seed, 0xE7A1]).permutation(n)[:k])
 
 
-def missing(path: str, split: str, eval_split: str) -> str:
-    """The refusal for a dataset without `eval_split`."""
+def missing(path: str, split: str, eval_split: str, found: list) -> str:
+    """The refusal for a dataset without `eval_split` (`found`: the splits it has)."""
     return (f"task.path={path!r} has no {eval_split!r} split to evaluate on (splits found: "
-            f"{', '.join(available(path)) or 'none'}); set --config.task.eval_split to one of them, or hold out a "
+            f"{', '.join(found) or 'none'}); set --config.task.eval_split to one of them, or hold out a "
             f"fraction of {split!r} with --config.task.eval_holdout=0.05 (disjoint, seeded, recorded in the workdir)")
 
 
