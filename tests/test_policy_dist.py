@@ -14,7 +14,7 @@ from jaxrl_llm.learner import learner as L
 from jaxrl_llm import models, objectives
 from jaxrl_llm.parallel import sharding
 from jaxrl_llm.batch import PolicyOutput
-from jaxrl_llm.models import heads
+from jaxrl_llm.models import heads, policy_dist
 from jaxrl_llm.models.policy_dist import PolicyDist
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 from tests import hf_fixtures as F
@@ -152,3 +152,42 @@ def test_learner_logs_mismatch_on_fresh_tokens(qwen256, policy_dist):
         assert m["mismatch/out_of_clip_frac"] == 0.0
     else:  # top-20 of 256: the kept mass is far below the clip band
         assert m["mismatch/abs_logp_mean"] > 0.5 and m["mismatch/out_of_clip_frac"] == 1.0
+
+
+def _nucleus_reference(x, top_k, top_p):
+    """NumPy, float64, with a full sort (the rule as stated): the kept mask and each entry's mass
+    strictly before it in descending order (the first of a tie group's)."""
+    x = x.astype(np.float64)
+    if top_k:
+        x = np.where(x >= np.sort(x, -1)[:, ::-1][:, top_k - 1:top_k], x, -np.inf)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    above = np.array([[p[r][x[r] > v].sum() for v in x[r]] for r in range(len(x))])
+    return np.isfinite(x) & (above < top_p), above
+
+
+@pytest.mark.parametrize("v,top_k,top_p", [(300, 0, 0.9), (300, 0, 0.3), (300, 12, 0.8), (8192, 50, 0.9),
+                                           (8192, 0, 0.95)])
+def test_nucleus_without_a_sort_keeps_the_stated_set(v, top_k, top_p):
+    rng = np.random.default_rng(v + top_k)
+    x = (rng.normal(size=(6, v)) * 3).astype(np.float32)
+    x[0, :40] = x[0, 7]  # a tie group, straddling the k-th with top-k
+    x[1] = np.round(x[1])  # many ties everywhere
+    dist = PolicyDist(1.0, top_k, top_p)
+    got = np.isfinite(np.asarray(jax.jit(lambda x: policy_dist.truncate(x, dist))(jnp.asarray(x))))
+    want, above = _nucleus_reference(x, top_k, top_p)
+    # Equal except where float32 and float64 disagree on which side of top_p a mass lies.
+    assert ((got == want) | (np.abs(above - top_p) < 1e-5)).all()
+    assert (got != want).sum() <= 1 and got.sum(-1).min() >= 1
+    # No operation of the program sorts a vocabulary-wide row (one HLO sort over [6, v] is the old way).
+    hlo = jax.jit(lambda x: policy_dist.truncate(x, dist)).lower(jnp.asarray(x)).as_text()
+    assert not [ln for ln in hlo.splitlines() if "sort" in ln and f"x{v}x" in ln.replace("<", "x").replace(">", "x")]
+
+
+def test_nth_largest_is_the_sorted_rows_entry():
+    rng = np.random.default_rng(3)
+    x = np.round(rng.normal(size=(8, 500)) * 4).astype(np.float32)  # ties
+    x[0, 0] = -0.0
+    n = rng.integers(1, 501, 8).astype(np.int32)
+    got = np.asarray(policy_dist.nth_largest(jnp.asarray(x), jnp.asarray(n)))[:, 0]
+    np.testing.assert_array_equal(got, [np.sort(r)[::-1][k - 1] for r, k in zip(x, n)])

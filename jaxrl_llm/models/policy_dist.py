@@ -73,17 +73,72 @@ def top_k(x_NxV, k: int):
 def truncate(scaled_NxV, dist: PolicyDist):
     """The sampler's rule: -inf outside the top-k, then outside the smallest nucleus whose mass
     reaches top_p (a token is kept while the mass strictly before it is < top_p; ties at the
-    cutoff are kept)."""
+    cutoff are kept). Nothing sorts the vocabulary: with top-k the nucleus is taken among the k
+    candidates (`_nucleus_in`), without it the cutoff is found by bisection (`_nucleus_cutoff`)."""
     if dist.top_k:
-        kth = top_k(scaled_NxV, dist.top_k)[0][..., -1:]
+        ranked = top_k(scaled_NxV, dist.top_k)[0]  # [N, k], descending
+        kth = ranked[..., -1:]
         scaled_NxV = jnp.where(scaled_NxV >= kth, scaled_NxV, -jnp.inf)
-    if dist.top_p < 1.0:
-        sorted_desc = -jnp.sort(-scaled_NxV, axis=-1)
-        probs = jax.nn.softmax(sorted_desc, -1)
-        mass_before = jnp.cumsum(probs, -1) - probs
-        cutoff = jnp.min(jnp.where(mass_before < dist.top_p, sorted_desc, jnp.inf), -1, keepdims=True)
-        scaled_NxV = jnp.where(scaled_NxV >= cutoff, scaled_NxV, -jnp.inf)
+        if dist.top_p < 1.0:
+            # Entries tied with the k-th beyond the k ranked ones are in the support too: they
+            # count in the normaliser, and sit after every ranked entry in a descending order.
+            ties = jnp.sum(scaled_NxV >= kth, -1) - dist.top_k
+            cutoff = _nucleus_in(ranked, ties, dist.top_p)
+            scaled_NxV = jnp.where(scaled_NxV >= cutoff, scaled_NxV, -jnp.inf)
+    elif dist.top_p < 1.0:
+        scaled_NxV = jnp.where(scaled_NxV >= _nucleus_cutoff(scaled_NxV, dist.top_p), scaled_NxV, -jnp.inf)
     return scaled_NxV
+
+
+def _nucleus_in(ranked_NxK, extra_N, top_p: float):
+    """The nucleus cutoff of a row whose support is `ranked_NxK` (descending) plus `extra_N`
+    more entries equal to its last: the smallest value whose mass strictly before it is < top_p.
+    A tied entry past the k-th never lowers the cutoff (the k-th has the same value and less mass
+    before it), so only the normaliser needs them."""
+    e = jnp.exp(ranked_NxK - ranked_NxK[..., :1])
+    probs = e / (e.sum(-1, keepdims=True) + extra_N[:, None] * e[..., -1:])
+    mass_before = jnp.cumsum(probs, -1) - probs
+    return jnp.min(jnp.where(mass_before < top_p, ranked_NxK, jnp.inf), -1, keepdims=True)
+
+
+def order_key(x):
+    """uint32 keys ordered as the float32 values are (-0 < +0), for bisection over values."""
+    b = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _bisect(keys_NxV, inside):
+    """Per row, the largest uint32 key k with inside(k) (a condition true at 0 and monotone:
+    true up to some key, false after): 32 halvings, each one pass over the row."""
+    lo = jnp.zeros(keys_NxV.shape[:-1] + (1,), jnp.uint32)
+    hi = jnp.full_like(lo, 0xFFFFFFFF)
+    for _ in range(32):  # unrolled: fused passes, no data-dependent loop in the decode step
+        gap = hi - lo  # halved rounding up, without overflowing uint32
+        mid = lo + gap // 2 + gap % 2
+        ok = inside(mid)
+        lo, hi = jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+    return lo
+
+
+def _nucleus_cutoff(scaled_NxV, top_p: float):
+    """The sampler's nucleus cutoff without a sort: the smallest row value x whose mass above,
+    M(x) = sum p[y > x], is < top_p (the first of a tie group in descending order has exactly
+    that mass before it). M only grows as x falls, so the keys where M >= top_p form a prefix."""
+    probs = jax.nn.softmax(scaled_NxV, -1)
+    keys = order_key(scaled_NxV)
+    below = _bisect(keys, lambda k: jnp.sum(jnp.where(keys > k, probs, 0.0), -1, keepdims=True) >= top_p)
+    # `below` is the largest key still short of the cutoff (M >= top_p there), or 0 when none is.
+    short = jnp.sum(jnp.where(keys > below, probs, 0.0), -1, keepdims=True) >= top_p
+    above = jnp.where(short, keys > below, keys >= below)
+    return jnp.min(jnp.where(above, scaled_NxV, jnp.inf), -1, keepdims=True)
+
+
+def nth_largest(x_NxV, n_N):
+    """Each row's n-th largest value (n >= 1) without a sort: the largest key with at least n
+    entries at or above it is the n-th largest entry's own."""
+    keys = order_key(x_NxV)
+    k = _bisect(keys, lambda k: jnp.sum(keys >= k, -1, keepdims=True) >= n_N[:, None])
+    return jnp.max(jnp.where(keys <= k, x_NxV, -jnp.inf), -1, keepdims=True)
 
 
 def kept_count(truncated_NxV):
@@ -94,11 +149,13 @@ def kept_count(truncated_NxV):
 def restrict(scaled_NxV, n_N, target_N, dist: PolicyDist):
     """The learner's rule: keep the n_N largest entries of each row plus its target token
     (module docstring); n <= 0 (prompt and pad positions, or no record) keeps the whole row.
-    Uses top-k when the sampler had one (n <= top_k), else a full sort."""
+    Uses top-k when the sampler had one (n <= top_k), else a bisection (`nth_largest`)."""
     v = scaled_NxV.shape[-1]
     rank_by = jax.lax.stop_gradient(scaled_NxV)  # the kept set is a choice, not differentiated
-    ranked = top_k(rank_by, dist.top_k)[0] if dist.top_k else -jnp.sort(-rank_by, axis=-1)
-    idx = jnp.clip(n_N - 1, 0, ranked.shape[-1] - 1)
-    nth = jnp.take_along_axis(ranked, idx[:, None], -1)
+    if dist.top_k:
+        ranked = top_k(rank_by, dist.top_k)[0]
+        nth = jnp.take_along_axis(ranked, jnp.clip(n_N - 1, 0, dist.top_k - 1)[:, None], -1)
+    else:
+        nth = nth_largest(rank_by, jnp.clip(n_N, 1, v))
     keep = (scaled_NxV >= nth) | (jnp.arange(v)[None, :] == target_N[:, None]) | (n_N[:, None] <= 0)
     return jnp.where(keep, scaled_NxV, -jnp.inf)
