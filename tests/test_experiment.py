@@ -66,6 +66,9 @@ def test_resume_continues_from_the_workdir(tmp_path):
     (dict(objective=dict(name="ppo2")), "objective.name='ppo2': expected a registered objective name"),
     (dict(runtime=dict(mode="hogwild")), "runtime.mode='hogwild': expected one of 'sync', 'iterative'"),
     (dict(runtime=dict(sampler_devices=8)), "sampler_devices=8 leaves no device for the learner: 8 available"),
+    # Layouts that used to fail at the first step, after every compile (#51 item 7):
+    (dict(mesh=dict(data=1, tensor=8)), r"mesh.tensor=8 does not divide the model's heads \[1, 2\].*one of \[1\]"),
+    (dict(runtime=dict(sampler_devices=1)), "8 rows do not split over the learner's data x fsdp = 7 devices"),
 ])
 def test_bad_config_fails_at_startup(over, match, tmp_path):
     c = _tiny()

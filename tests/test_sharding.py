@@ -1,6 +1,9 @@
-"""sharding.put: replicas on CPU devices share one host buffer; other placements are plain copies."""
+"""sharding.put: replicas on CPU devices share one host buffer; other placements are plain copies.
+sharding.check_divisible: every split the mesh must make, checked from the rules."""
 
 import gc
+
+import ml_collections
 
 import jax
 import jax.numpy as jnp
@@ -42,3 +45,28 @@ def test_other_placements_are_plain_device_puts():
     assert one.devices() == {jax.devices()[1]}
     for y in (split, one):
         np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+def test_divisibility_is_checked_from_the_rules_before_anything_is_placed():
+    """Qwen2.5-7B's shapes (28 heads, 4 KV heads): tensor=8 is refused naming the sizes that
+    work, fsdp=8 passes, and rows that the data axis cannot split are named too."""
+    import jax
+
+    from jaxrl_llm import models
+    from jaxrl_llm.models.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=1, num_heads=28,
+                      num_kv_heads=4, head_dim=128)
+    shapes = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+    axes = models.logical_axes(cfg)
+    mesh = lambda **kw: sharding.make_mesh(ml_collections.ConfigDict({**sharding.default_config().to_dict(), **kw}))
+    tensor8 = sharding.check_divisible(axes, shapes, mesh(data=1, tensor=8), 512)
+    assert len(tensor8) == 1 and "mesh.tensor=8 does not divide the model's heads [4, 28]" in tensor8[0]
+    assert "one of [1, 2, 4]" in tensor8[0]
+    assert sharding.check_divisible(axes, shapes, mesh(data=1, fsdp=8), 512) == []
+    rows = sharding.check_divisible(axes, shapes, mesh(data=2, fsdp=4), 500)
+    assert rows == ["the batch's 500 rows do not split over the learner's data x fsdp = 8 devices: change "
+                    "runtime.prompts_per_batch, mesh.data / mesh.fsdp, or runtime.sampler_devices (which takes "
+                    "devices from the learner)"]
+    # The vocabulary over tensor when a rule maps it there (152064 = 2^7 x 1188: 8 divides it).
+    assert sharding.indivisible(axes, shapes, {"tensor": 5})["tensor"][1]["vocab"] == {152064}

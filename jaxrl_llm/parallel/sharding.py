@@ -134,3 +134,40 @@ def _aligned_host_copy(x, align: int = 64):
     out = buf[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
     out[...] = x
     return out
+
+
+def indivisible(logical_axes, shapes, mesh_shape: dict, cfg=None) -> dict:
+    """Parameter dimensions the mesh cannot split: {mesh axis: (its size, {logical axis: {dims}},
+    an example parameter path)}, from the logical rules alone (nothing compiled or placed).
+    `shapes`: a tree like `logical_axes` of arrays or ShapeDtypeStructs."""
+    rules = dict(_rules(cfg))
+    found = {}
+    for (path, spec), leaf in zip(jax.tree_util.tree_leaves_with_path(
+            logical_axes, is_leaf=lambda x: isinstance(x, P)), jax.tree_util.tree_leaves(shapes)):
+        for dim, name in zip(leaf.shape, spec):
+            axes = rules.get(name)
+            for axis in (axes,) if isinstance(axes, str) else axes or ():
+                size = mesh_shape.get(axis, 1)
+                if dim % size:
+                    entry = found.setdefault(axis, (size, {}, "/".join(str(getattr(k, "key", k)) for k in path)))
+                    entry[1].setdefault(name, set()).add(dim)
+    return found
+
+
+def check_divisible(logical_axes, shapes, mesh: Mesh, rows: int, what: str = "model", cfg=None) -> list:
+    """One line per split that cannot happen, each naming the setting that fixes it: parameter
+    dimensions over their mesh axes (heads and KV heads by `tensor`, vocab, MLP, embed by `fsdp`)
+    and the batch's rows over data x fsdp. Checked at start-up, before anything compiles."""
+    problems, n = [], mesh.size
+    for axis, (size, dims, example) in indivisible(logical_axes, shapes, dict(mesh.shape), cfg).items():
+        every = sorted({d for ds in dims.values() for d in ds})
+        fits = [d for d in range(1, n + 1) if n % d == 0 and all(x % d == 0 for x in every)]
+        said = ", ".join(f"{name} {sorted(ds)}" for name, ds in sorted(dims.items()))
+        problems.append(f"mesh.{axis}={size} does not divide the {what}'s {said} (e.g. {example}): set "
+                        f"--config.mesh.{axis} to one of {fits} (or map those logical axes elsewhere in mesh.rules)")
+    shards = batch_size(mesh)
+    if rows % shards:
+        problems.append(f"the batch's {rows} rows do not split over the learner's data x fsdp = {shards} devices: "
+                        "change runtime.prompts_per_batch, mesh.data / mesh.fsdp, or runtime.sampler_devices "
+                        "(which takes devices from the learner)")
+    return problems

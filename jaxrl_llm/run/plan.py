@@ -14,7 +14,7 @@ import ml_collections
 
 from jaxrl_llm.run import config as config_lib
 from jaxrl_llm import models, objectives, tasks
-from jaxrl_llm.parallel import distributed
+from jaxrl_llm.parallel import distributed, sharding
 from jaxrl_llm.run import memory, paths
 from jaxrl_llm.rollout import SamplerConfig
 
@@ -56,6 +56,7 @@ def resolve(config) -> RunPlan:
             models.check_weights(config[section].hf_path, cfg)
     check_sampling(config, task, mcfg)
     learner_devices, sampler_devices = config_lib.devices(config)
+    check_layout(config, mcfg, acfg, learner_devices)
     warnings = tuple(getattr(task, "warnings", ()))
     if config.task.name in tasks.MULTI_TURN and len(sampler_devices) > 1:
         warnings += (f"task {config.task.name!r} is multi-turn, whose episodes decode on one device for now: the "
@@ -82,6 +83,23 @@ def check_sampling(config, task, mcfg: models.ModelConfig) -> None:
         problems.append(f"the longest prompt ({prompt} tokens) + {new} new tokens (sampler.max_new_tokens, else "
                         f"task.max_answer_len) exceed the {mcfg.max_position_embeddings} positions of "
                         f"{config.model.hf_path} (max_position_embeddings)")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def check_layout(config, mcfg, acfg, learner_devices) -> None:
+    """Every split the learner's mesh must make divides evenly (`sharding.check_divisible`),
+    refused with the settings that fix it before any weight is loaded or program compiled."""
+    import jax
+
+    mesh = sharding.make_mesh(config.mesh, learner_devices)
+    rows = config.runtime.prompts_per_batch * config.sampler.num_samples * distributed.count()
+    problems = []
+    for what, cfg in (("model", mcfg), ("aux_model", acfg)):
+        if cfg is not None:
+            shapes = jax.eval_shape(lambda cfg=cfg: models.init_params(cfg.without_lora(), jax.random.key(0)))
+            problems += sharding.check_divisible(models.logical_axes(cfg.without_lora()), shapes, mesh,
+                                                 rows if what == "model" else 0, what, config.mesh)
     if problems:
         raise ValueError("; ".join(problems))
 
