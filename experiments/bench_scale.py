@@ -255,7 +255,7 @@ def run_end_to_end(a) -> dict:
             _, status, usage = os.wait4(proc.pid, 0)
             if status:
                 raise RuntimeError(f"the {dtype} run failed ({status}):\n{log[-4000:]}")
-            plan = re.search(r"memory plan \(GiB\): (.*)\(total ([\d.]+) GiB\)", log)
+            plan = re.search(r"memory plan \(GiB per device\): (.*)\(total [\d.]+ GiB\); needs ([\d.]+)", log)
             out[dtype] = dict(run_peak_rss_gb=usage.ru_maxrss * 1024 / memory.GB, run_budget_gb=float(plan.group(2)),
                               run_plan=plan.group(1).rstrip(" "), run_s=time.perf_counter() - t)
             out[dtype]["run_rss_over_budget"] = out[dtype]["run_peak_rss_gb"] / out[dtype]["run_budget_gb"]

@@ -104,3 +104,47 @@ def test_a_bfloat16_sampler_holds_no_float32_copy_of_its_weights(monkeypatch):
     assert temp() < memory.total(plan) - plan["weights"] < layers_f32 / 2  # the weights are arguments
     monkeypatch.setattr(decode, "_upcast_in_loop", lambda params, _: params)  # the hoisted converts again
     assert temp() > layers_f32
+
+
+QWEN7B = ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                     num_kv_heads=4, head_dim=128, tie_word_embeddings=False, dtype="bfloat16")
+
+
+def test_the_plan_is_per_device_over_the_mesh():
+    """Parameter states divide over fsdp x tensor, rows over data x fsdp, the vocabulary over
+    tensor; an accelerator's busiest device is compared with its own limit, a CPU host sums."""
+    one = memory.learner(QWEN7B, 64, 1024, 4, 128)
+    fsdp8 = memory.learner(QWEN7B, 64, 1024, 4, 128, memory.Layout(fsdp=8))
+    n = QWEN7B.num_params
+    assert one["params"] == 4 * n and fsdp8["params"] == 4 * -(-n // 8) and fsdp8["optimizer"] == 8 * -(-n // 8)
+    assert fsdp8["head"] == one["head"] // 8 and fsdp8["stats"] == one["stats"] // 8  # 16 rows -> 2 per device
+    tensor4 = memory.learner(QWEN7B, 64, 1024, 4, 128, memory.Layout(tensor=4))
+    assert tensor4["head"] == 3 * 16 * 128 * (152064 // 4) * 4 and tensor4["activations"] < one["activations"]
+    plan = {"learner_params": 10, "learner_head": 5, "sampler_weights": 7, "sampler_kv_cache": 3}
+    gpu = dict(data=4, samplers=4, platform="gpu")
+    assert memory.need(plan, memory.Layout(**gpu)) == 25  # shared devices hold both
+    assert memory.need(plan, memory.Layout(**gpu, shared=False)) == 15  # the busier of the two kinds
+    # A CPU host: the learner's share on each of its 4 devices, the aliased weights once, caches per device.
+    assert memory.need(plan, memory.Layout(data=4, local=4, samplers=4, platform="cpu")) == 4 * 15 + 7 + 4 * 3
+
+
+def test_qwen7b_on_8_h100s_is_refused_only_without_fsdp_which_the_message_names(monkeypatch):
+    """The default config at Qwen2.5-7B shapes, bf16, on 8 devices of 59 GiB: the data-parallel
+    plan is refused and names mesh.fsdp=8, whose plan fits."""
+    import pytest
+
+    from configs.default import get_config
+    from jaxrl_llm import tasks
+
+    c = get_config("a3po")
+    c.model.dtype = "bfloat16"
+    task = tasks.make(c.task, "")
+    monkeypatch.setattr(memory, "available", lambda: (59 * memory.GB, "each H100's memory"))
+    fsdp = memory.Layout(fsdp=8, samplers=8, platform="gpu")
+    fits = memory.need(memory.estimate(c, task, QWEN7B, layout=fsdp), fsdp)
+    assert fits < 59 * memory.GB
+    data = memory.Layout(data=8, samplers=8, platform="gpu")
+    with pytest.raises(MemoryError) as e:
+        memory.check_run(c, task, QWEN7B, None, memory.estimate(c, task, QWEN7B, layout=data), data)
+    assert f"--config.mesh.data=1 --config.mesh.fsdp=8 ({fits / memory.GB:.1f} GiB)" in str(e.value)
+    assert "GiB per device" in str(e.value)

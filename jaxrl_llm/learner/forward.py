@@ -67,12 +67,15 @@ def stats(fwd: Forward, params, batch: TrajectoryBatch, topk: int = 0, gather: b
     return {k: packing.unpack(v, packed.dst) for k, v in s.items()}
 
 
-def batch_stats(fwd: Forward, params, batch: TrajectoryBatch, packed: Optional[packing.PackLayout], **kw) -> dict:
-    """`stats` over a whole batch: packed, minibatch by minibatch (pack plans are per
-    minibatch), the results concatenated back to [B, ...]."""
-    if packed is None:
+def batch_stats(fwd: Forward, params, batch: TrajectoryBatch, packed: Optional[packing.PackLayout],
+                num_minibatches: int = 1, **kw) -> dict:
+    """`stats` over a whole batch (the extra passes: prox, ref), minibatch by minibatch as the
+    update runs (`num_minibatches`; pack plans are per minibatch), so a pass holds no more than an
+    update's forward; the results concatenated back to [B, ...]."""
+    m = packed.src.shape[0] if packed is not None else num_minibatches
+    if packed is None and (m <= 1 or batch.shape[0] % m):
         return stats(fwd, params, batch, **kw)
-    m, shards = packed.src.shape[0], sharding.batch_size(fwd.mesh)
+    shards = sharding.batch_size(fwd.mesh)
     mbs = jax.tree_util.tree_map(lambda x: minibatches.split(x, m, shards), batch)
     out = jax.lax.map(lambda a: stats(fwd, params, a[0], packed=a[1], **kw), (mbs, packed))
     return jax.tree_util.tree_map(lambda y: minibatches.join(y, shards), out)

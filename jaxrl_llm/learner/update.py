@@ -62,13 +62,14 @@ def make_optimizer(c) -> optax.GradientTransformation:
 
 def prox_pass(params, batch: TrajectoryBatch, packed, base=None, *, plan: StepPlan):
     """pi_prox = the policy at the start of the step (decoupled PPO's recompute pass)."""
-    s = forward.batch_stats(plan.fwd, params, batch, packed, gather="prox_topk_logp" in plan.needs, base=base)
+    s = forward.batch_stats(plan.fwd, params, batch, packed, plan.num_minibatches, gather="prox_topk_logp" in plan.needs,
+                            base=base)
     return s["logp"], s.get("logp_at_ids")
 
 
 def ref_pass(ref_params, batch: TrajectoryBatch, packed, base=None, *, plan: StepPlan):
     """With LoRA `ref_params` are adapters over the frozen `base` (B = 0 at first: the base itself)."""
-    return forward.batch_stats(plan.fwd, ref_params, batch, packed, gather=False, base=base)["logp"]
+    return forward.batch_stats(plan.fwd, ref_params, batch, packed, plan.num_minibatches, gather=False, base=base)["logp"]
 
 
 def _policy(s, version, rng) -> PolicyOutput:

@@ -15,6 +15,8 @@ rows, in process order.
 from __future__ import annotations
 
 import os
+from typing import Optional
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -94,6 +96,26 @@ def on_cpu() -> bool:
         plugins = []
     plugins += [e.value for e in importlib.metadata.entry_points(group="jax_plugins")]
     return not plugins and importlib.util.find_spec("libtpu") is None
+
+
+ACCELERATOR_NODES = ("/dev/nvidia0", "/dev/accel0", "/dev/vfio/0")  # an NVIDIA GPU, a TPU (v4+ / older)
+
+
+def backend_line(nodes=ACCELERATOR_NODES) -> tuple[str, Optional[str]]:
+    """(what JAX runs on, for the start-up log; a warning or None). The warning says when an
+    accelerator's device node exists but JAX's backend is the CPU and no JAX_PLATFORMS asked
+    for it: a missing or shadowed CUDA / TPU plugin (e.g. torch's CUDA libraries installed over
+    JAX's) would otherwise train on the CPU without a word."""
+    devs = jax.devices()
+    kinds = sorted({d.device_kind for d in devs})
+    line = (f"backend {jax.default_backend()}: {len(devs)} device(s) ({', '.join(kinds)}), "
+            f"{jax.local_device_count()} in this process")
+    seen = [n for n in nodes if os.path.exists(n)]
+    if jax.default_backend() != "cpu" or not seen or "cpu" in _platforms():
+        return line, None
+    return line, (f"{seen[0]} exists but JAX runs on the CPU: install the accelerator's JAX "
+                  "(`pip install -e \".[gpu]\"` or `\".[tpu]\"`; docs/accelerators.md), or set JAX_PLATFORMS=cpu "
+                  "to mean it")
 
 
 def batch_scheduling() -> bool:

@@ -100,7 +100,10 @@ def _run(config, workdir: str, log) -> dict:
     b = build(config)
     user_config, config = config, b.plan.config  # from here on the resolved, immutable one
     have, what = memory.available()
-    notes = [f"memory plan (GiB): {memory.describe(b.memory_plan)}; {what}: {have / memory.GB:.1f} GiB"]
+    line, warning = distributed.backend_line()
+    need = memory.need(b.memory_plan, b.plan.memory_layout)
+    notes = [line, f"memory plan (GiB per device): {memory.describe(b.memory_plan)}; needs {need / memory.GB:.2f} "
+             f"of {what}: {have / memory.GB:.1f} GiB"] + ([f"warning: {warning}"] if warning else [])
     notes.extend(f"warning: {w}" for w in b.plan.warnings)
     ckpt = _checkpointer(config, workdir, notes)
     state, resumed, changed, shape = _resume_or_init(b, user_config, workdir, ckpt, notes)

@@ -22,10 +22,20 @@ Sampler (one call over `rows` rows): its weight copy in its compute dtype, the f
   copying), per-step logits, and the prefill's attention over the prompt; on CPU a float32
   copy of one layer's bfloat16 weights (XLA:CPU's bf16 matmuls run in float32; the decode
   step converts layer by layer, `rollout.decode._upcast_in_loop`).
+
+Every figure is per device (`Layout`): the learner's parameters, gradients and moments divide
+over fsdp x tensor, its rows over data x fsdp, its heads / MLP / vocabulary over tensor; each
+sampler device holds a whole weight copy and its share of the rows. An accelerator compares
+the busiest device with the smallest `bytes_limit` (which XLA_PYTHON_CLIENT_MEM_FRACTION
+sets); a CPU host holds every device's share in one RAM (replicated sampler weights once,
+`sharding.put`). The extra passes (prox, ref) run minibatch by minibatch in their own program
+before the step (`forward.batch_stats`), each below the step's own forward: they add nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from typing import Optional
 
@@ -35,43 +45,87 @@ from jaxrl_llm.models.config import ModelConfig
 GB = 2**30
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a run's parts live: the learner's mesh sizes, the devices its samplers split rows
+    over, whether those are the learner's own (`runtime.sampler_devices=0`) and the platform."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    samplers: int = 1
+    shared: bool = True
+    local: int = 1  # the learner's devices in this process (a CPU host's RAM holds their shares)
+    platform: Optional[str] = None  # None: JAX's default backend
+
+    @property
+    def learner_devices(self) -> int:
+        return self.data * self.fsdp * self.tensor
+
+    @property
+    def on_cpu(self) -> bool:
+        import jax
+
+        return (self.platform or jax.default_backend()) == "cpu"
+
+    @classmethod
+    def of(cls, mesh_cfg, learner_devices, sampler_devices, shared: bool) -> "Layout":
+        """From a `mesh` section (one size may be -1: the remaining devices) and the devices."""
+        import jax
+
+        n = len(learner_devices)
+        sizes = {a: int(mesh_cfg[a]) for a in ("data", "fsdp", "tensor")}
+        known = math.prod(v for v in sizes.values() if v != -1)
+        sizes = {a: (max(1, n // known) if v == -1 else v) for a, v in sizes.items()}
+        local = sum(d.process_index == jax.process_index() for d in learner_devices)
+        return cls(**sizes, samplers=max(1, len(sampler_devices)), shared=shared, local=max(1, local),
+                   platform=learner_devices[0].platform)
+
+
 def nbytes(dtype: str) -> int:
     return 2 if dtype == "bfloat16" else 4
 
 
-def layer_activations(cfg: ModelConfig, rows: int, length: int) -> int:
-    """Bytes one decoder layer keeps for its backward pass without remat."""
+def layer_activations(cfg: ModelConfig, rows: int, length: int, tensor: int = 1) -> int:
+    """Bytes one decoder layer keeps for its backward pass without remat (heads and the MLP
+    split over `tensor` devices; the residual stream is whole on each)."""
     a = nbytes(cfg.dtype)
-    d, f, h, k, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    d, hd = cfg.hidden_size, cfg.head_dim
+    f, h, k = (-(-x // tensor) for x in (cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads))
     per_token = 5 * d * 4 + a * (2 * (h + 2 * k) * hd + h * hd + 4 * f)
     c = cfg.attention_chunk
     queries = c if c and length > c and length % c == 0 else length  # decoder.attention's blocks
     return rows * length * per_token + rows * h * queries * length * (4 + a)
 
 
-def activations(cfg: ModelConfig, rows: int, length: int) -> int:
-    one = layer_activations(cfg, rows, length)
+def activations(cfg: ModelConfig, rows: int, length: int, tensor: int = 1) -> int:
+    one = layer_activations(cfg, rows, length, tensor)
     a, d = nbytes(cfg.dtype), cfg.hidden_size
     if cfg.remat == "full":
         return cfg.num_layers * rows * length * d * 4 + one
     if cfg.remat == "dots":
         hd = cfg.head_dim
-        dots = rows * length * a * ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd + 2 * d + 2 * cfg.intermediate_size)
+        split = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + 2 * cfg.intermediate_size
+        dots = rows * length * a * (-(-split // tensor) + 2 * d)
         return cfg.num_layers * dots + one
     return cfg.num_layers * one
 
 
-def learner(cfg: ModelConfig, rows: int, seq_len: int, minibatches: int = 1, chunk: int = 128) -> dict:
-    """Bytes of one learner step, by part (`base`: LoRA's frozen weights, 0 without LoRA)."""
+def learner(cfg: ModelConfig, rows: int, seq_len: int, minibatches: int = 1, chunk: int = 128,
+            layout: Layout = Layout()) -> dict:
+    """Bytes of one learner step on one of its devices, by part (`base`: LoRA's frozen weights,
+    0 without LoRA)."""
     n, base, low_rank = cfg.num_params, 0, 0
-    mb = max(1, rows // minibatches)
+    shards, batch = layout.fsdp * layout.tensor, layout.data * layout.fsdp
+    mb = -(-max(1, rows // minibatches) // batch)  # one minibatch's rows on this device
     if cfg.lora_rank:
         n, base = lora.num_params(cfg), cfg.num_params * nbytes(cfg.dtype)
         low_rank = cfg.num_layers * len(cfg.lora_targets) * mb * seq_len * cfg.lora_rank * nbytes(cfg.dtype)
+    n, base = -(-n // shards), -(-base // shards)
     return {"base": base, "params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "update": 4 * n,
-            "activations": activations(cfg, mb, seq_len) + mb * seq_len * 4 + low_rank,  # + the causal mask
-            "head": 3 * mb * min(chunk, seq_len) * cfg.vocab_size * 4,
-            "stats": rows * seq_len * 8}  # every update's log-probs and entropy, for the metric pass
+            "activations": activations(cfg, mb, seq_len, layout.tensor) + mb * seq_len * 4 + low_rank,  # + the mask
+            "head": 3 * mb * min(chunk, seq_len) * -(-cfg.vocab_size // layout.tensor) * 4,
+            "stats": -(-rows // batch) * seq_len * 8}  # every update's log-probs and entropy, for the metric pass
 
 
 def sampler(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int, cache_dtype: str = "float32",
@@ -95,16 +149,28 @@ def total(parts: dict) -> int:
     return int(sum(parts.values()))
 
 
+def need(plan: dict, layout: Layout) -> int:
+    """What `plan` (bytes per device, by part) asks of the memory `available` measures: on an
+    accelerator its busiest device (learner and sampler parts together when they share
+    devices), on a CPU host every device's share, replicated sampler weights counted once."""
+    sampler = sum(v for k, v in plan.items() if k.startswith("sampler_"))
+    learner = total(plan) - sampler
+    if not layout.on_cpu:
+        return learner + sampler if layout.shared else max(learner, sampler)
+    weights = plan.get("sampler_weights", 0)
+    return learner * layout.local + weights + (sampler - weights) * layout.samplers
+
+
 def available() -> tuple[int, str]:
-    """(bytes, what): device memory of the first local accelerator, else the host's available
-    RAM (MemAvailable) plus what this process already holds."""
+    """(bytes, what): one accelerator's memory (the smallest `bytes_limit` of this process's
+    devices: the budget of each), else the host's available RAM (MemAvailable) plus what this
+    process already holds."""
     import jax
 
-    dev = jax.local_devices()[0]
-    if dev.platform != "cpu":
-        stats = dev.memory_stats() or {}
-        if "bytes_limit" in stats:
-            return int(stats["bytes_limit"]), f"{dev.device_kind} memory"
+    devs = [d for d in jax.local_devices() if d.platform != "cpu"]
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devs]
+    if devs and all(limits):
+        return int(min(limits)), f"each {devs[0].device_kind}'s memory"
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
@@ -125,9 +191,9 @@ def describe(parts: dict) -> str:
 
 
 # ------------------------------------------------------------------ a run's plan
-def estimate(config, task, mcfg, acfg=None, obj=None) -> dict:
+def estimate(config, task, mcfg, acfg=None, obj=None, layout: Layout = Layout()) -> dict:
     """An experiment config's plan (`experiment.build` logs it and checks it with `check_run`).
-    Bytes this process will hold, by part: the learner's step (and the
+    Bytes each device will hold (`layout`), by part: the learner's step (and the
     auxiliary model's, and a reference copy for a KL penalty), the weight store's sampler
     copies in the sampler's dtype, and each sampler's KV cache and decode buffers. `obj`: the
     resolved objective config (resolved here from `config.objective` when not given)."""
@@ -138,12 +204,13 @@ def estimate(config, task, mcfg, acfg=None, obj=None) -> dict:
     prompt = getattr(task, "max_prompt_len", task.prompt_buckets[-1])
     rows = r.prompts_per_batch * g
     mb, chunk = config.learner.num_minibatches, config.learner.logprob_chunk
-    plan = {f"learner_{k}": v for k, v in learner(mcfg, rows, prompt + new, mb, chunk).items()}
+    plan = {f"learner_{k}": v for k, v in learner(mcfg, rows, prompt + new, mb, chunk, layout).items()}
     if acfg is not None:
-        plan.update({f"aux_{k}": v for k, v in learner(acfg, rows, prompt + new, mb, chunk).items()})
+        plan.update({f"aux_{k}": v for k, v in learner(acfg, rows, prompt + new, mb, chunk, layout).items()})
     obj = obj if obj is not None else objectives.make_config(config.objective)
     if "ref_logp" in objectives.required_passes(obj):  # LoRA: the adapters, disabled
-        plan["reference"] = 4 * (lora.num_params(mcfg) if mcfg.lora_rank else mcfg.num_params)
+        ref = lora.num_params(mcfg) if mcfg.lora_rank else mcfg.num_params
+        plan["reference"] = 4 * -(-ref // (layout.fsdp * layout.tensor))
     aux = objectives.get(obj.name).aux
     rollout = acfg if acfg is not None and aux is not None and aux.samples else mcfg.without_lora()
     # Sampler weight copies: simulated keeps a window of versions; async samples from one while
@@ -152,25 +219,27 @@ def estimate(config, task, mcfg, acfg=None, obj=None) -> dict:
     sampler_rows = (s.slots or rows) + rows if s.batching == "continuous" else rows  # slots + prefilled pool
     samplers = r.num_samplers if r.mode == "async" else 1
     cache = s.cache_dtype if s.cache_dtype != "auto" else config.model.dtype
-    one = sampler(rollout, sampler_rows, prompt, new, cache, rollout.dtype)
+    one = sampler(rollout, -(-sampler_rows // layout.samplers), prompt, new, cache, rollout.dtype, layout.platform)
     plan["sampler_weights"] = keep * one.pop("weights")
     plan.update({f"sampler_{k}": samplers * v for k, v in one.items()})
     return plan
 
 
-def check_run(config, task, mcfg, acfg, plan) -> None:
+def check_run(config, task, mcfg, acfg, plan, layout: Layout = Layout()) -> None:
     """Refuse, before anything is built, a plan beyond the memory available, naming the
     settings that would make it fit (each tried alone)."""
     import ml_collections
 
     from jaxrl_llm import objectives
 
-    need, (have, what) = total(plan), available()
-    if need <= have or not config.train.check_memory:
+    need_, (have, what) = need(plan, layout), available()
+    if need_ <= have or not config.train.check_memory:
         return
     tries = [("model.remat", "full"), ("model.dtype", "bfloat16"), ("sampler.cache_dtype", "bfloat16"),
              ("learner.num_minibatches", config.learner.num_minibatches * 2),
              ("runtime.prompts_per_batch", max(1, config.runtime.prompts_per_batch // 2))]
+    if layout.learner_devices > 1 and layout.fsdp * layout.tensor == 1:  # ZeRO-3 over every learner device
+        tries.append(("mesh.fsdp", layout.learner_devices))
     fits = []
     for key, value in tries:
         section, field = key.split(".")
@@ -178,10 +247,15 @@ def check_run(config, task, mcfg, acfg, plan) -> None:
             continue
         c = ml_collections.ConfigDict(config.to_dict())
         c[section][field] = value
+        if key == "mesh.fsdp":
+            c.mesh.data = 1
+        lay = dataclasses.replace(layout, data=c.mesh.data, fsdp=c.mesh.fsdp) if key == "mesh.fsdp" else layout
         m = mcfg.replace(remat=c.model.remat, dtype=c.model.dtype)
         a = acfg and acfg.replace(dtype=c.model.dtype)
-        other = total(estimate(c, task, m, a, objectives.make_config(c.objective)))
-        fits.append(f"--config.{key}={value} ({other / GB:.1f} GiB{'' if other <= have else ', still too much'})")
-    raise MemoryError(f"the memory plan needs {need / GB:.1f} GiB but {what} offers {have / GB:.1f} GiB: "
-                      f"{describe(plan)}. Try: {'; '.join(fits) or 'a smaller model or batch'} "
+        other = need(estimate(c, task, m, a, objectives.make_config(c.objective), lay), lay)
+        shown = f"--config.mesh.data=1 --config.{key}={value}" if key == "mesh.fsdp" else f"--config.{key}={value}"
+        fits.append(f"{shown} ({other / GB:.1f} GiB{'' if other <= have else ', still too much'})")
+    per = "" if layout.on_cpu else " per device"
+    raise MemoryError(f"the memory plan needs {need_ / GB:.1f} GiB{per} but {what} offers {have / GB:.1f} GiB: "
+                      f"{describe(plan)}{per}. Try: {'; '.join(fits) or 'a smaller model or batch'} "
                       "(or --config.train.check_memory=False to run anyway)")

@@ -33,7 +33,8 @@ class RunPlan:
     greedy: SamplerConfig  # evaluation's
     learner_devices: tuple
     sampler_devices: tuple
-    memory: Mapping[str, int]  # bytes by part (`memory.estimate`), checked against what is available
+    memory: Mapping[str, int]  # bytes per device by part (`memory.estimate`), checked against what is available
+    memory_layout: memory.Layout = memory.Layout()  # where those parts live (`memory.need`)
     warnings: tuple = ()  # said once at start-up (e.g. an evaluation set smaller than asked)
 
     @property
@@ -62,13 +63,14 @@ def resolve(config) -> RunPlan:
         warnings += (f"task {config.task.name!r} is multi-turn, whose episodes decode on one device for now: the "
                      f"samplers use 1 of this process's {len(sampler_devices)} sampler devices",)
         sampler_devices = sampler_devices[:1]
-    parts = memory.estimate(config, task, mcfg, acfg, objective)
-    memory.check_run(config, task, mcfg, acfg, parts)
+    layout = memory.Layout.of(config.mesh, learner_devices, sampler_devices, not config.runtime.sampler_devices)
+    parts = memory.estimate(config, task, mcfg, acfg, objective, layout)
+    memory.check_run(config, task, mcfg, acfg, parts, layout)
     return RunPlan(config=ml_collections.FrozenConfigDict(config), task=task, model=mcfg, aux_model=acfg,
                    objective=objective, passes=frozenset(objectives.required_passes(objective)),
                    sampler=sampler_cfg(config, task), greedy=sampler_cfg(config, task, greedy=True),
                    learner_devices=tuple(learner_devices), sampler_devices=tuple(sampler_devices),
-                   memory=types.MappingProxyType(parts), warnings=warnings)
+                   memory=types.MappingProxyType(parts), memory_layout=layout, warnings=warnings)
 
 
 def check_sampling(config, task, mcfg: models.ModelConfig) -> None:
