@@ -212,9 +212,20 @@ def decode_step(params, unembed_DxV, st: DecodeState, version, p: int, mcfg: Mod
 
 def generate(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg: ModelConfig, scfg: SamplerConfig,
               rows=None):
-    st = prefill(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg, scfg, rows)
-    for end in segment_ends(scfg.max_new_tokens, scfg):
-        st = decode_segment(params, st, version, prompt_BxP.shape[1], end, mcfg, scfg)
+    """A static batch, prefill to outputs, in one program whatever N: segments of
+    `decode_segment` steps in a fixed-trip loop (XLA knows its trip count, so an accelerator
+    runs it without reading a predicate back per step), the done-check once per segment in the
+    outer loop. The cache is allocated at its full width P + N once; the segment loop is not
+    unrolled, so the program does not grow with N. Steps past N in the last segment are inert:
+    every row is done by then, their column writes fall outside the outputs (scatters drop them)
+    and their cache write lands on the last position, which nothing reads afterwards."""
+    n, p = scfg.max_new_tokens, prompt_BxP.shape[1]
+    seg = min(scfg.decode_segment or n, n)
+    st = prefill(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg, scfg, rows, width=p + n)
+    body = functools.partial(decode_step, params, unembed_matrix(params, mcfg), version=version, p=p, mcfg=mcfg,
+                             scfg=scfg)
+    segment = lambda st: jax.lax.fori_loop(0, seg, lambda _, st: body(st), st)  # noqa: E731
+    st = jax.lax.while_loop(lambda st: (st.step < n) & ~jnp.all(st.done_B), segment, st)
     return outputs(st, scfg)
 
 
