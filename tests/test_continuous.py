@@ -129,6 +129,6 @@ def test_dot_product_attention_kernel_decodes_the_same(params):
     the cache) gives the einsum kernel's completions."""
     scfg = _base(temperature=0.0)
     ref = _sampler(scfg).generate(params[0], PROMPTS, jax.random.key(4))
-    other = Sampler(CFG.replace(attention="dot_product_attention"), dataclasses.replace(scfg, batching="continuous",
+    other = Sampler(CFG.replace(attention="xla"), dataclasses.replace(scfg, batching="continuous",
                                                                                        slots=5))
     _assert_same(ref, other.generate(params[0], PROMPTS, jax.random.key(4)))

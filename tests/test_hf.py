@@ -44,7 +44,7 @@ def test_logits_match_transformers(hf_pair):
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("attention", ["einsum", "dot_product_attention"])
+@pytest.mark.parametrize("attention", ["einsum", "xla"])
 def test_left_padded_logits_match_transformers(hf_pair, attention):
     _, model, _, params, cfg = hf_pair
     cfg = cfg.replace(attention=attention)  # both kernels of decoder.attention

@@ -7,7 +7,7 @@ from typing import Optional
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
 DTYPES = ("float32", "bfloat16")
-ATTENTION = ("auto", "dot_product_attention", "einsum")
+ATTENTION = ("auto", "xla", "cudnn", "chunked", "einsum", "dot_product_attention")  # the last: xla's old name
 # Rematerialisation of decoder layers under grad (`decoder.Decoder`): none keeps every
 # activation; full keeps each layer's input only and recomputes the layer in the backward pass;
 # dots keeps the matmul outputs without batch dims (the projections), recomputing the rest.
@@ -49,12 +49,12 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of matmuls; log-prob heads are always float32
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
-    # Attention kernel (decoder.attention): jax.nn.dot_product_attention (cuDNN flash attention
-    # where the platform offers it), our head-major einsums (fastest on CPU), or auto: the
-    # einsums on CPU, dot_product_attention elsewhere.
+    # Attention kernel (`decoder.kernel`): xla | cudnn (jax.nn.dot_product_attention with that
+    # implementation), chunked (head-major einsums in blocks of `attention_chunk` queries),
+    # einsum (one block), or auto: cudnn on GPU in 16-bit compute, else xla there; chunked on CPU.
     attention: str = "auto"
     remat: str = "none"
-    attention_chunk: int = 512  # queries per attention block on long sequences (0: one block)
+    attention_chunk: int = 512  # chunked: queries per attention block (0: one block)
     # LoRA (`lora.py`): rank > 0 adds a low-rank side path, scaled by alpha / rank, to each
     # projection named in `lora_targets` (q, k, v, o, gate, up, down).
     lora_rank: int = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import flax.linen as nn
 import jax
@@ -161,44 +162,60 @@ class Attention(nn.Module):
         return o.reshape(b, t, -1), new_cache
 
 
+def kernel(cfg: ModelConfig, platform: Optional[str] = None) -> str:
+    """The attention kernel `cfg.attention` names on `platform` (default: JAX's backend), `auto`
+    resolved: cuDNN's flash attention on GPU when the compute dtype is 16-bit (cuDNN takes no
+    float32), else XLA's there and on TPU (no Pallas splash kernel yet); chunked einsums on CPU."""
+    impl = "xla" if cfg.attention == "dot_product_attention" else cfg.attention
+    if impl != "auto":
+        return impl
+    platform = platform or jax.default_backend()
+    if platform in ("gpu", "cuda", "rocm"):
+        return "cudnn" if cfg.dtype in ("bfloat16", "float16") else "xla"
+    return "xla" if platform == "tpu" else "chunked"
+
+
 def attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS, cfg: ModelConfig):
     """The one attention of learner, prefill and decode: softmax(q k^T / sqrt(hd)) v over the
-    keys `mask_BxTxS` allows (left padding, causality, a cache's filled positions, per-slot
-    lengths: all one boolean mask), GQA by head groups -> [B, T, N, H].
+    keys `mask_BxTxS` allows (left padding, causality, packed segments, a cache's filled
+    positions, per-slot lengths: all one boolean mask), GQA by head groups -> [B, T, N, H].
+    Keys come transposed ([B, KVH, hd, S]: the decode cache's layout). A query with no allowed
+    key (padding) gets a finite, unused output. The kernel is `kernel(cfg)`'s:
 
-    Keys come transposed ([B, KVH, hd, S]: the decode cache's layout). `cfg.attention` picks
-    the kernel: `jax.nn.dot_product_attention` (XLA, or cuDNN flash attention where the platform
-    offers it) or head-major einsums, q [B, KVH, G*T, hd] @ k [B, KVH, hd, S] as plain batched
-    GEMMs, ~5x faster than contracting k along its minor dim for decode shapes on CPU. `auto`:
-    einsums on CPU, dot_product_attention elsewhere. A query with no allowed key (padding) gets
-    a finite, unused output. Sequences longer than `cfg.attention_chunk` go in query chunks."""
+      xla | cudnn  `jax.nn.dot_product_attention` with that implementation (cuDNN: flash
+                   attention, no [T, S] scores held);
+      einsum       head-major einsums, q [B, KVH, G*T, hd] @ k [B, KVH, hd, S] as plain batched
+                   GEMMs (~5x faster than contracting k along its minor dim for decode on CPU);
+      chunked      the einsums in blocks of `attention_chunk` queries (the last block padded),
+                   each recomputed in the backward pass, so a layer never holds more than one
+                   block's [chunk, S] scores (the full [T, S] grow as T^2: 235 MB per layer for
+                   2 x 1,024 tokens and 14 heads in float32). Same values: softmax is per query."""
+    impl = kernel(cfg)
+    if impl in ("xla", "cudnn"):
+        return _fused(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS, cfg, impl)
     b, t = q_BxTxNxH.shape[:2]
     chunk = cfg.attention_chunk
-    if chunk and t > chunk and t % chunk == 0:
-        # Long sequences: queries in chunks of `attention_chunk`, each chunk recomputed in the
-        # backward pass, so a layer never holds more than one chunk's [chunk, S] scores (the
-        # full [T, S] scores grow as T^2: 235 MB per layer for 2 x 1,024 tokens and 14 heads in
-        # float32). Same values: softmax is per query.
-        n = t // chunk
-        split = lambda x: x.reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)
-        one = jax.checkpoint(lambda qm: _attention(qm[0], k_BxKxHxS, v_BxKxSxH, qm[1], cfg))
-        out = jax.lax.map(one, (split(q_BxTxNxH), split(mask_BxTxS)))
-        return out.swapaxes(0, 1).reshape(b, t, *out.shape[3:])
-    return _attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS, cfg)
+    if impl == "einsum" or not chunk or t <= chunk:
+        return _einsum(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS, cfg)
+    n = -(-t // chunk)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    split = lambda x: pad(x).reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
+    one = jax.checkpoint(lambda qm: _einsum(qm[0], k_BxKxHxS, v_BxKxSxH, qm[1], cfg))
+    out = jax.lax.map(one, (split(q_BxTxNxH), split(mask_BxTxS)))
+    return out.swapaxes(0, 1).reshape(b, n * chunk, *out.shape[3:])[:, :t]
 
 
-def _attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS, cfg: ModelConfig):
-    impl = cfg.attention
-    if impl == "auto":
-        impl = "einsum" if jax.default_backend() == "cpu" else "dot_product_attention"
-    if impl == "dot_product_attention":
-        k, v = k_BxKxHxS.transpose(0, 3, 1, 2), v_BxKxSxH.transpose(0, 2, 1, 3)  # [B, S, KVH, hd]
-        # A padding query with no allowed key: let it see key 0 (its output is unused) so that
-        # no kernel divides by an empty softmax.
-        first = jnp.arange(mask_BxTxS.shape[-1])[None, None, :] == 0
-        mask = mask_BxTxS | (~jnp.any(mask_BxTxS, -1, keepdims=True) & first)
-        return jax.nn.dot_product_attention(q_BxTxNxH.astype(cfg.dtype), k.astype(cfg.dtype), v.astype(cfg.dtype),
-                                            mask=mask[:, None]).astype(cfg.dtype)
+def _fused(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS, cfg: ModelConfig, implementation: str):
+    k, v = k_BxKxHxS.transpose(0, 3, 1, 2), v_BxKxSxH.transpose(0, 2, 1, 3)  # [B, S, KVH, hd]
+    # A padding query with no allowed key: let it see key 0 (its output is unused) so that no
+    # kernel divides by an empty softmax.
+    first = jnp.arange(mask_BxTxS.shape[-1])[None, None, :] == 0
+    mask = mask_BxTxS | (~jnp.any(mask_BxTxS, -1, keepdims=True) & first)
+    return jax.nn.dot_product_attention(q_BxTxNxH.astype(cfg.dtype), k.astype(cfg.dtype), v.astype(cfg.dtype),
+                                        mask=mask[:, None], implementation=implementation).astype(cfg.dtype)
+
+
+def _einsum(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS, cfg: ModelConfig):
     b, t = q_BxTxNxH.shape[:2]
     kv, groups, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     q = q_BxTxNxH.reshape(b, t, kv, groups, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, groups * t, hd)
