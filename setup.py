@@ -7,7 +7,7 @@ setup(
     packages=find_packages(include=["jaxrl_llm", "jaxrl_llm.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "jax>=0.4.35",
+        "jax>=0.7",  # jax.shard_map(check_vma=...); tested with 0.10.2
         "flax>=0.10",
         "optax>=0.2.3",
         "orbax-checkpoint>=0.6",
@@ -25,6 +25,10 @@ setup(
         "crc32c>=2.4",  # sampler nodes: hardware CRC-32C of weight chunks (remote/wire.py)
     ],
     extras_require={
+        # JAX for an accelerator (docs/accelerators.md). On a GPU, install the test extra's torch from
+        # its CPU index first: a CUDA torch brings CUDA libraries that may shadow JAX's own.
+        "gpu": ["jax[cuda12]>=0.7"],
+        "tpu": ["jax[tpu]>=0.7"],
         # CPU torch, used only for parity tests against HF transformers.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "scipy>=1.10", "import-linter>=2.1",
                  "torch==2.13.0", "peft>=0.13"],

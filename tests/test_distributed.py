@@ -97,6 +97,29 @@ def test_batch_scheduling_is_for_cpu_runs_only(monkeypatch, tmp_path):
         jax.config.update("jax_platforms", before)
 
 
+def test_the_launcher_gives_each_process_its_own_accelerators():
+    cpu = launch.commands(2, 4, ["--x"], 1234)
+    assert not any("local_device_ids" in a for c in cpu for a in c)  # CPU devices are the process's own anyway
+    gpu = launch.commands(2, 4, ["--x"], 1234, accelerator=True)
+    assert [[a for a in c if "local_device_ids" in a] for c in gpu] == [
+        ["--config.distributed.local_device_ids=0,1,2,3"], ["--config.distributed.local_device_ids=4,5,6,7"]]
+
+
+def test_start_up_names_the_backend_and_warns_when_an_accelerator_sits_unused(monkeypatch, tmp_path):
+    """A GPU's device node with JAX on the CPU (a shadowed or missing plugin) is said at start-up,
+    unless JAX_PLATFORMS asked for the CPU."""
+    from jaxrl_llm.parallel import distributed
+
+    node = tmp_path / "nvidia0"
+    line, warning = distributed.backend_line(nodes=(str(node),))
+    assert line.startswith("backend cpu: 8 device(s)") and warning is None  # no node: nothing to say
+    node.write_text("")
+    assert distributed.backend_line(nodes=(str(node),))[1] is None  # JAX_PLATFORMS=cpu in the tests
+    monkeypatch.setattr(distributed, "_platforms", lambda: [])
+    warning = distributed.backend_line(nodes=(str(node),))[1]
+    assert warning.startswith(f"{node} exists but JAX runs on the CPU") and ".[gpu]" in warning
+
+
 @pytest.mark.serial
 @pytest.mark.parametrize("mode,extra", [  # sync: the resume and kill tests; offpolicy takes iterative's path here
     ("iterative", ["--config.runtime.reuse=2"]), ("simulated", []), ("async", []),

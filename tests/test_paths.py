@@ -95,6 +95,7 @@ def test_workdir_must_be_a_writable_directory(tmp_path):
     assert "workdir" in _err(c, str(f)) and "is a file" in _err(c, str(f))
     assert "cannot be created" in _err(c, str(f / "sub" / "run"))
     paths.check(c, str(tmp_path / "new" / "run"))  # created later by the run
+    assert "workdir 'gs://bucket/run' is a URL; expected a local or shared POSIX directory" in _err(c, "gs://bucket/run")
     with pytest.raises(ValueError, match="is a file"):  # before anything is built
         experiment.run(c, str(f), log=lambda *_: None)
 

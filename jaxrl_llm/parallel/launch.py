@@ -3,7 +3,9 @@
     python -m jaxrl_llm.launch --processes=2 [--devices_per_process=K] -- --config=configs/default.py ...
 
 Each process gets `--config.distributed.*` (coordinator on a free local port, its index) and
-`--config.cpu_devices=K`. Output lines are prefixed with the process index; Ctrl-C is forwarded
+`--config.cpu_devices=K`; on a GPU / TPU host also its own K accelerators
+(`--config.distributed.local_device_ids`: process i the i-th block of K), so no two processes
+preallocate memory on the same device. Output lines are prefixed with the process index; Ctrl-C is forwarded
 to every process; when one exits non-zero (or is killed) the others are ended and the launcher
 exits non-zero, naming the process that died first. Each process is bound to its own equal
 share of the launcher's cores (`core_sets`; `--cpu_bind=False` leaves them shared), as a host
@@ -30,11 +32,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def commands(processes: int, devices: int, main_args: list, port: int, module: str = "jaxrl_llm.main") -> list:
+def commands(processes: int, devices: int, main_args: list, port: int, module: str = "jaxrl_llm.main",
+             accelerator: bool = False) -> list:
     base = [sys.executable, "-u", "-m", module, *main_args,
             f"--config.distributed.coordinator_address=127.0.0.1:{port}",
             f"--config.distributed.num_processes={processes}", f"--config.cpu_devices={devices}"]
-    return [base + [f"--config.distributed.process_id={i}"] for i in range(processes)]
+    own = lambda i: ([f"--config.distributed.local_device_ids={','.join(str(i * devices + d) for d in range(devices))}"]
+                     if accelerator else [])  # noqa: E731
+    return [base + [f"--config.distributed.process_id={i}"] + own(i) for i in range(processes)]
 
 
 def core_sets(processes: int, cores=None):
@@ -128,4 +133,8 @@ def main(argv=None) -> int:
     if args.processes < 1 or args.devices_per_process < 1:
         ap.error("--processes and --devices_per_process must be >= 1")
     cores = core_sets(args.processes) if args.cpu_bind else None
-    return run(commands(args.processes, args.devices_per_process, main_args, free_port(), args.module), cores=cores)
+    from jaxrl_llm.parallel import distributed
+
+    accelerator = not distributed.on_cpu()
+    return run(commands(args.processes, args.devices_per_process, main_args, free_port(), args.module, accelerator),
+               cores=cores)

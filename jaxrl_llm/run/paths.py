@@ -178,6 +178,11 @@ def dataset(key: str, path: str) -> list:
 
 
 def workdir(path: str) -> list:
+    # Checkpoints, records and the workdir lock go through POSIX file calls: a URL would become
+    # a local directory named "gs:" (a bucket mounted as a file system, e.g. gcsfuse, works).
+    if "://" in path:
+        return [f"workdir {path!r} is a URL; expected a local or shared POSIX directory (mount the bucket, "
+                "e.g. with gcsfuse, and give its mount path)"]
     if os.path.exists(path):
         if not os.path.isdir(path):
             return [f"workdir {path!r} is a file; expected a directory (created if missing)"]
