@@ -69,6 +69,7 @@ def test_resume_continues_from_the_workdir(tmp_path):
     # Layouts that used to fail at the first step, after every compile (#51 item 7):
     (dict(mesh=dict(data=1, tensor=8)), r"mesh.tensor=8 does not divide the model's heads \[1, 2\].*one of \[1\]"),
     (dict(runtime=dict(sampler_devices=1)), "8 rows do not split over the learner's data x fsdp = 7 devices"),
+    (dict(model=dict(matmul_precision="tf32")), "model.matmul_precision='tf32': expected one of 'default'"),
 ])
 def test_bad_config_fails_at_startup(over, match, tmp_path):
     c = _tiny()
@@ -216,3 +217,44 @@ def test_a_run_whose_first_batches_all_score_zero_is_warned_once():
     assert records([0.0, 0.25, 0.0, 0.0, 0.0])[0] == []
     assert records([0.0] * 5, version=2)[0] == []
     assert records([0.0] * 5, k=0)[0] == []
+
+
+def test_a_checkpoint_is_read_straight_into_the_learners_shardings(tmp_path):
+    """#51 item 8: an HF checkpoint goes tensor by tensor into the learner's mesh (fsdp=2 here),
+    never whole onto one device."""
+    from jax.sharding import PartitionSpec as P
+
+    from tests import hf_fixtures as F
+
+    F.save(F.make_hf_model("qwen2_tied", vocab=64), str(tmp_path / "m"))
+    c = _tiny()
+    c.model.hf_path, c.mesh.fsdp = str(tmp_path / "m"), 2
+    b = experiment.build(c)
+    gate = b.params["layers_0"]["mlp"]["gate"]["kernel"]
+    assert gate.sharding == b.learner.layout.param_sh["layers_0"]["mlp"]["gate"]["kernel"]
+    assert gate.sharding.spec == P("fsdp", "tensor") and len(gate.sharding.device_set) == 8
+
+
+def test_matmul_precision_reaches_programs_traced_on_any_thread(monkeypatch):
+    """model.matmul_precision is process-wide for the run (sampler threads trace too), restored
+    after; train.deterministic asks XLA:GPU for deterministic ops once, before the backend starts."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((4, 4))
+    lowered = lambda: jax.jit(lambda a, b: a @ b * 2.0).lower(x, x).as_text()  # noqa: E731
+    seen = []
+    with experiment.matmul_precision("highest"):
+        t = threading.Thread(target=lambda: seen.append(lowered()))
+        t.start()
+        t.join()
+        assert "precision = [HIGHEST, HIGHEST]" in lowered()
+    assert "precision = [HIGHEST, HIGHEST]" in seen[0] and "precision = [DEFAULT, DEFAULT]" in lowered()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    experiment.set_deterministic(True)
+    experiment.set_deterministic(True)
+    import os
+
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8 --xla_gpu_deterministic_ops=true"

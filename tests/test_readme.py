@@ -47,10 +47,10 @@ def test_the_readme_layout_names_every_package_and_top_level_module_and_nothing_
 
 # Suites that test the system across modules, not one module: the runs end to end, their faults,
 # pinned numbers, the README and guides, the import contracts, the suite itself, the shipped
-# configs, the peers' choices, objective properties from the papers, the GPU check's script and the
+# configs, the peers' choices, objective properties from the papers, the GPU checks' scripts and the
 # accelerator audit's.
 CROSS_MODULE = {"integration", "faults", "pinned", "readme", "imports", "suite", "configs", "peer_choices",
-                "objective_properties", "bench_gpu", "accelerator_audit"}
+                "objective_properties", "bench_gpu", "gpu_check", "accelerator_audit"}
 
 
 def test_tests_mirror_the_modules_they_test():

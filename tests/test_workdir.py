@@ -137,6 +137,13 @@ def test_resumes_with_changes_are_refused_or_allowed_and_recorded(tmp_path):
     history = [json.loads(x) for x in open(os.path.join(wd, workdir_lib.HISTORY))]
     assert [h["version"] for h in history] == [0, 2, 3]
     assert history[-1]["config"]["objective.name"] == "ppo" and "objective.name: 'a3po' -> 'ppo'" in history[-1]["changes"]
+    # A workdir from before a setting existed resumes: the new setting is recorded, not refused.
+    del history[-1]["config"]["model.matmul_precision"]
+    with open(os.path.join(wd, workdir_lib.HISTORY), "w") as f:
+        f.write("".join(json.dumps(h) + "\n" for h in history))
+    resume(**{"train.steps": 5, "objective.name": "ppo"})
+    last = json.loads(open(os.path.join(wd, workdir_lib.HISTORY)).read().splitlines()[-1])
+    assert last["changes"][0] == "model.matmul_precision: new setting -> 'default'" and len(last["changes"]) == 2
 
 
 def test_the_token_is_never_written_and_a_new_one_resumes(tmp_path, monkeypatch):

@@ -12,6 +12,9 @@ ATTENTION = ("auto", "xla", "cudnn", "chunked", "einsum", "dot_product_attention
 # activation; full keeps each layer's input only and recomputes the layer in the backward pass;
 # dots keeps the matmul outputs without batch dims (the projections), recomputing the rest.
 REMAT = ("none", "full", "dots")
+# XLA's precision for float32 matmuls (jax_default_matmul_precision): default is TF32 on an H100
+# and one bf16 pass on a TPU, highest full float32 everywhere; CPUs compute float32 in any case.
+PRECISIONS = ("default", "high", "highest")
 # RoPE scaling types and the parameters each reads (transformers' modeling_rope_utils names).
 ROPE_TYPES = {
     "default": {},
@@ -54,6 +57,7 @@ class ModelConfig:
     # einsum (one block), or auto: cudnn on GPU in 16-bit compute, else xla there; chunked on CPU.
     attention: str = "auto"
     remat: str = "none"
+    matmul_precision: str = "default"  # PRECISIONS; the run applies it process-wide (sampler and learner alike)
     attention_chunk: int = 512  # chunked: queries per attention block (0: one block)
     # LoRA (`lora.py`): rank > 0 adds a low-rank side path, scaled by alpha / rank, to each
     # projection named in `lora_targets` (q, k, v, o, gate, up, down).
@@ -69,6 +73,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{f}={getattr(self, f)!r}; valid: {', '.join(DTYPES)}")
         if self.attention not in ATTENTION:
             raise ValueError(f"ModelConfig.attention={self.attention!r}; valid: {', '.join(ATTENTION)}")
+        if self.matmul_precision not in PRECISIONS:
+            raise ValueError(f"ModelConfig.matmul_precision={self.matmul_precision!r}; valid: {', '.join(PRECISIONS)}")
         if self.remat not in REMAT:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; valid: {', '.join(REMAT)}")
         if self.rope_type not in ROPE_TYPES:

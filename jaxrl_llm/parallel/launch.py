@@ -5,8 +5,8 @@
 Each process gets `--config.distributed.*` (coordinator on a free local port, its index) and
 `--config.cpu_devices=K`; on a GPU / TPU host also its own K accelerators
 (`--config.distributed.local_device_ids`: process i the i-th block of K), so no two processes
-preallocate memory on the same device. Output lines are prefixed with the process index; Ctrl-C is forwarded
-to every process; when one exits non-zero (or is killed) the others are ended and the launcher
+preallocate memory on the same device. Output lines are prefixed with the process index; Ctrl-C
+is forwarded to every process; when one exits non-zero (or is killed) the others are ended and the launcher
 exits non-zero, naming the process that died first. Each process is bound to its own equal
 share of the launcher's cores (`core_sets`; `--cpu_bind=False` leaves them shared), as a host
 has its own. On a cluster, start the main command once per host instead (docs/many_hosts.md).

@@ -97,15 +97,17 @@ def shard_batch(batch, mesh: Mesh):
     return distributed.global_batch(batch, mesh, P(BATCH_AXES))
 
 
-def placer(shardings):
+def placer(shardings, dtype=None):
     """A `place(path, array)` for `models.load_params`: each tensor goes straight from the
-    safetensors file into its NamedSharding (no full copy of the model on one device)."""
+    safetensors file into its NamedSharding, in `dtype` (no full copy of the model on one
+    device; each process writes only its own shards)."""
 
     def place(path, array):
         node = shardings
-        for key in path:
-            node = node[key]
-        return jax.device_put(array, node)
+        for key in path:  # a tree of shardings, or one for every tensor
+            node = node if isinstance(node, jax.sharding.Sharding) else node[key]
+        host = np.asarray(array, dtype or array.dtype)
+        return jax.make_array_from_callback(host.shape, node, lambda idx: host[idx])
 
     return place
 

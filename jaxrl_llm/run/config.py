@@ -34,7 +34,9 @@ def _model(size_low: int, sizes: tuple, **more) -> V.Section:
         remat=("none", V.one_of(*models.config.REMAT)))  # none | full | dots: decoder layers recomputed in backward
 
 
-MODEL = _model(1, (64, 128, 2, 4, 2, 16), lora=models.lora.SECTION)  # lora: models/lora.py
+MODEL = _model(1, (64, 128, 2, 4, 2, 16), lora=models.lora.SECTION,  # lora: models/lora.py
+               # float32 matmuls' precision, for the whole run (models/config.py: PRECISIONS)
+               matmul_precision=("default", V.one_of(*models.config.PRECISIONS)))
 # A second model for objectives that train one (e.g. Jackpot's rollout actor): hf_path, or a
 # random model of hidden_size > 0; off (all sizes 0) by default.
 AUX_MODEL = _model(0, (0,) * len(_SIZES))
@@ -46,6 +48,7 @@ TRAIN = V.Section(
     tensorboard=(True, V.boolean()), progress=(True, V.boolean()), resume=("auto", V.one_of("auto", "fresh")),
     preempt_grace_s=(30.0, V.positive()),
     check_memory=(True, V.boolean()),  # refuse a memory plan beyond what is available
+    deterministic=(False, V.boolean()),  # GPU: deterministic XLA ops (scatter-adds too), at some speed
     allow_changes=(False, V.boolean()))  # resume with settings outside workdir.FREE changed (recorded)
 model_config, aux_model_config, train_config = MODEL.config, AUX_MODEL.config, TRAIN.config
 TOP_RULES = {"seed": V.integer(0), "cpu_devices": V.integer(0, extra=(-1,))}

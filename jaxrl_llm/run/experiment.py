@@ -15,7 +15,7 @@ import time
 import jax
 import numpy as np
 
-from jaxrl_llm import validation
+from jaxrl_llm import models, validation
 from jaxrl_llm.models import adapters as peft_adapters
 from jaxrl_llm.parallel import distributed, preemption
 from jaxrl_llm.run import memory, paths
@@ -52,6 +52,26 @@ def compilation_cache(directory: str):
         cc.reset_cache()
 
 
+@contextlib.contextmanager
+def matmul_precision(value: str):
+    """Within: float32 matmuls at `value` (jax_default_matmul_precision), process-wide, so that
+    sampler threads trace with the learner's precision (JAX's context manager is per thread)."""
+    before = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", None if value == "default" else value)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)
+
+
+def set_deterministic(on: bool) -> None:
+    """GPU: deterministic XLA ops (the embedding gradient's scatter-add among them). Must run
+    before the backend starts, like `set_cpu_devices`; CPUs are deterministic already."""
+    flag = "--xla_gpu_deterministic_ops=true"
+    if on and flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+
+
 def set_cpu_devices(n: int) -> None:
     """Expose `n` CPU devices to JAX (-1: one per core; 0: leave JAX's default). Must run before
     the first JAX computation; samplers and the learner then split rows over them."""
@@ -66,7 +86,9 @@ def run(config, workdir: str, log=None) -> dict:
     os.makedirs(workdir, exist_ok=True)
     lock = _hold(workdir)
     try:
-        return _run(config, workdir, log)
+        precision = config.model.get("matmul_precision", "default")  # a bad value is refused by name in `build`
+        with matmul_precision(precision if precision in models.config.PRECISIONS else "default"):
+            return _run(config, workdir, log)
     finally:
         if lock is not None:
             lock.release()
@@ -338,6 +360,7 @@ def main(config, workdir: str) -> int:
     summary; returns the exit code (128 + the signal after a preemption, saved and resumable:
     130 after Ctrl-C, 143 after SIGTERM)."""
     set_cpu_devices(config.cpu_devices)
+    set_deterministic(config.train.get("deterministic", False))
     distributed.initialize(config.distributed)  # many processes, when asked; else a no-op
     summary = run(config, workdir)
     if distributed.is_main():

@@ -54,18 +54,23 @@ class Parts:
         return dataclasses.replace(self, params=None, aux_params=None)
 
 
-def _load(m, cfg):
-    """The checkpoint's weights (float32 master copies) or None for a random model."""
-    return models.load_params(m.hf_path, cfg.without_lora())[0] if m.hf_path else None
+def _load(m, cfg, shardings=None):
+    """The checkpoint's weights (float32 master copies) or None for a random model; with
+    `shardings`, each tensor read straight into its place on the learner's mesh."""
+    if not m.hf_path:
+        return None
+    place = shardings and sharding.placer(shardings, cfg.param_dtype)
+    return models.load_params(m.hf_path, cfg.without_lora(), place=place)[0]
 
 
 def build(config) -> Parts:
     """The run's parts, from its plan (`plan.resolve`: validated, resolved, memory checked)."""
     p = plan_lib.resolve(config)
     c = p.config
-    params, aux_params = _load(c.model, p.model), p.aux_model and _load(c.aux_model, p.aux_model)
     lrn = learner.Learner(p.model, p.objective, c.learner, mesh=sharding.make_mesh(c.mesh, p.learner_devices),
                           mesh_cfg=c.mesh, aux_model_cfg=p.aux_model, dist=p.sampler.dist)
+    placed = lrn.layout.base_sh if lrn.layout.lora else lrn.layout.param_sh  # the full model's shardings
+    params, aux_params = _load(c.model, p.model, placed), p.aux_model and _load(c.aux_model, p.aux_model)
     # Samplers split rows over their devices (data parallel); with devices of their own, the
     # weight store publishes each version onto them.
     mesh = Mesh(np.asarray(p.sampler_devices), ("data",))

@@ -109,7 +109,7 @@ def check_layout(config, mcfg, acfg, learner_devices) -> None:
 def model_cfg(m, task) -> models.ModelConfig:
     """The decoder of model section `m`: a local HF checkpoint's config.json (read, nothing
     loaded) or a random model sized by `m`; compute dtype, attention kernel and remat from `m`."""
-    chosen = dict(dtype=m.dtype, attention=m.attention, remat=m.remat)
+    chosen = dict(dtype=m.dtype, attention=m.attention, remat=m.remat, matmul_precision=m.get("matmul_precision", "default"))
     if "lora" in m and m.lora.rank:
         chosen.update(lora_rank=m.lora.rank, lora_alpha=float(m.lora.alpha),
                       lora_targets=models.lora.parse_targets(m.lora.targets))

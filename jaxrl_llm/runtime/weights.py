@@ -52,7 +52,11 @@ class WeightStore:
         """Every process publishes each version (with many processes the learner's global
         params are first gathered onto this process's devices: a collective). `base`: with
         LoRA, the frozen weights that `params` (adapters) complete."""
+        fresh = base is None and any(x.dtype != self.dtype for x in jax.tree_util.tree_leaves(params))
+        if fresh:  # cast where the learner holds them (sharded): only the store's dtype is gathered
+            params = self._copy(params)
         params = distributed.to_local(params)
+        fresh = fresh or distributed.count() > 1  # a private copy already (cast, or gathered)
         self.published_bytes = lora.size_bytes(params)
         adapters = None
         if base is not None:  # a private copy: the learner donates its state to the next step
@@ -60,11 +64,9 @@ class WeightStore:
         if base is not None:  # the merge made a private copy in the store's dtype, on `_device`
             copy = params if self.placement is None else sharding.put(params, self.placement)
         elif sharding.shares_host_copy(self.placement):
-            if any(x.dtype != self.dtype for x in jax.tree_util.tree_leaves(params)):
-                params = self._copy(params)
-            copy = sharding.put(params, self.placement)  # already private: one host copy for all devices
+            copy = sharding.put(params, self.placement)  # staged through one host copy for all devices
         else:
-            copy = self._copy(params)
+            copy = params if fresh else self._copy(params)
             if self.placement is not None:
                 copy = jax.device_put(copy, self.placement)
         with self._cond:

@@ -27,7 +27,7 @@ from jaxrl_llm import validation
 LOCK, HISTORY, EVAL_SET, POLICY = "run.lock", "config_history.jsonl", "eval_set.json", "policy.json"
 # Settings a resume may change without saying so: how long, how often to evaluate, save and log.
 FREE = ("train.steps", "train.eval_every", "train.save_every", "train.keep", "train.tensorboard", "train.progress",
-        "train.resume", "train.preempt_grace_s", "train.allow_changes", "train.check_memory",
+        "train.resume", "train.preempt_grace_s", "train.allow_changes", "train.check_memory", "train.deterministic",
         "learner.total_steps")  # total_steps follows train.steps in the shipped configs
 # Where and on how many processes / devices it runs: a deployment, not the experiment.
 FREE_PREFIXES = ("distributed.", "mesh.", "cpu_devices", "runtime.sampler_devices", "runtime.remote.host",
@@ -139,10 +139,19 @@ def changes(workdir: str, config, model: dict) -> tuple[list, list]:
     model_diff = [f"model {k}: {last['model'].get(k)!r} -> {model[k]!r}" for k in MODEL_KEYS
                   if k in last["model"] and last["model"][k] != model[k]]
     now = flat(config)
-    keys = sorted(set(now) | set(last["config"]))
+    # A key the last start did not have is a setting added by a newer version of this code: not
+    # a change of the experiment (`introduced` records it on resume).
+    keys = sorted(set(last["config"]) | {k for k in now if k in last["config"]})
     other = [f"{k}: {last['config'].get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}" for k in keys
              if k not in FREE and not k.startswith(FREE_PREFIXES) and last["config"].get(k) != now.get(k)]
     return model_diff, other
+
+
+def introduced(workdir: str, config) -> list:
+    """Settings this start has that the workdir's last start did not (added to the code since)."""
+    last = last_run(workdir)
+    return [] if last is None else [f"{k}: new setting -> {v!r}" for k, v in sorted(flat(config).items())
+                                    if k not in last["config"]]
 
 
 def check_resume(workdir: str, config, model: dict, version: int) -> list:
@@ -157,6 +166,7 @@ def check_resume(workdir: str, config, model: dict, version: int) -> list:
         raise ValueError(f"resuming {workdir} (version {version}) with changed settings: " + "; ".join(other)
                          + ". Pass --config.train.allow_changes=True to resume with them (they are recorded), "
                          "or use another --workdir")
+    other += introduced(workdir, config)
     last = last_run(workdir)
     if last and config.learner.schedule == "cosine" and last["config"].get("train.steps") != config.train.steps:
         other.append(f"train.steps: {last['config'].get('train.steps')!r} -> {config.train.steps!r} "
