@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from configs import default  # noqa: E402
-from jaxrl_llm.run import experiment  # noqa: E402
+from jaxrl_llm.run import experiment, xla  # noqa: E402
 
 from common import across_isas, cpu_kind, parse_args, report  # noqa: E402
 
@@ -56,7 +56,7 @@ def main():
     args = parse_args(__doc__, extra=extra)
     if across_isas(args):  # each ISA in its own processes
         return
-    experiment.set_cpu_devices(args.cpu_devices)
+    xla.set_cpu_devices(args.cpu_devices)
     c = default.get_config()
     b = experiment.build(c)
     params = experiment.initial_params(c, None, b.model_cfg, b.task, jax.random.key(c.seed), b.greedy, [])

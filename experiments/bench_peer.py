@@ -217,10 +217,10 @@ def main():
     import numpy as np
 
     import common
-    from jaxrl_llm.run import experiment
+    from jaxrl_llm.run import xla
 
     if a.sampler_devices:
-        experiment.set_cpu_devices(-1)
+        xla.set_cpu_devices(-1)
 
     path = a.setup or tempfile.mkdtemp(prefix="bench_peer_")
     if not a.setup:

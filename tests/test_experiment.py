@@ -8,7 +8,7 @@ import pytest
 
 from configs.default import get_config
 from jaxrl_llm.run import config as config_lib
-from jaxrl_llm.run import experiment
+from jaxrl_llm.run import experiment, xla
 from jaxrl_llm import objectives
 
 
@@ -44,8 +44,10 @@ def test_every_objective_runs_and_writes_metrics(name, tmp_path):
     steps = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval/reward" in r]
     assert len(steps) == 2 and [r["step"] for r in evals] == [0, 1, 2]
-    for key in ("loss", "clip_frac", "is_weight/max", "staleness/mean", "reward/mean", "tokens_per_s"):
+    for key in ("loss", "clip_frac", "is_weight/max", "staleness/mean", "reward/mean", "tokens_per_s",
+                "compile/programs", "compile/cache_hits", "compile/seconds"):
         assert key in steps[-1], key
+    assert steps[0]["compile/programs"] >= 1  # the first step compiles (or loads) the step's programs
     for r in steps:  # rewards are in [0, 1]: some reward iff a positive mean
         assert 0.0 <= r["reward/nonzero"] <= 1.0 and (r["reward/nonzero"] > 0) == (r["reward/mean"] > 0)
     assert all(r["eval_set"] == "generated (seed 12345)" and r["eval/problems"] == c.task.eval_size for r in evals)
@@ -203,7 +205,7 @@ def test_a_run_whose_first_batches_all_score_zero_is_warned_once():
     def records(nonzero, version=0, k=3):
         lines, written = [], []
         out = SimpleNamespace(writer=SimpleNamespace(write=written.append), log=lines.append,
-                              progress=SimpleNamespace(update=lambda *a: None, enabled=True))
+                              progress=SimpleNamespace(update=lambda *a: None, enabled=True), compiles=xla.CompileLog())
         c = _tiny()
         c.task.zero_reward_steps = k
         on = experiment._StepRecords(c, out, None, SimpleNamespace(check=lambda: None), 0, 0.0, version)
@@ -233,28 +235,3 @@ def test_a_checkpoint_is_read_straight_into_the_learners_shardings(tmp_path):
     gate = b.params["layers_0"]["mlp"]["gate"]["kernel"]
     assert gate.sharding == b.learner.layout.param_sh["layers_0"]["mlp"]["gate"]["kernel"]
     assert gate.sharding.spec == P("fsdp", "tensor") and len(gate.sharding.device_set) == 8
-
-
-def test_matmul_precision_reaches_programs_traced_on_any_thread(monkeypatch):
-    """model.matmul_precision is process-wide for the run (sampler threads trace too), restored
-    after; train.deterministic asks XLA:GPU for deterministic ops once, before the backend starts."""
-    import threading
-
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((4, 4))
-    lowered = lambda: jax.jit(lambda a, b: a @ b * 2.0).lower(x, x).as_text()  # noqa: E731
-    seen = []
-    with experiment.matmul_precision("highest"):
-        t = threading.Thread(target=lambda: seen.append(lowered()))
-        t.start()
-        t.join()
-        assert "precision = [HIGHEST, HIGHEST]" in lowered()
-    assert "precision = [HIGHEST, HIGHEST]" in seen[0] and "precision = [DEFAULT, DEFAULT]" in lowered()
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    experiment.set_deterministic(True)
-    experiment.set_deterministic(True)
-    import os
-
-    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8 --xla_gpu_deterministic_ops=true"

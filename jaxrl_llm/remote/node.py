@@ -152,7 +152,7 @@ class Node:
         task_cfg = ml_collections.ConfigDict(hello["task"])
         task = tasks.make(task_cfg, hello["hf_path"])
         mcfg = models.ModelConfig.from_dict(hello["model"])
-        # the learner's matmul precision, process-wide as the run applies it (experiment.matmul_precision)
+        # the learner's matmul precision, process-wide as the run applies it (run.xla.matmul_precision)
         jax.config.update("jax_default_matmul_precision", None if mcfg.matmul_precision == "default" else
                           mcfg.matmul_precision)
         sampler = backend.make(mcfg, SamplerConfig(**_tuples(hello["sampler"])),

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from jaxrl_llm.run import config as config_lib
-from jaxrl_llm.run import experiment
+from jaxrl_llm.run import experiment, xla
 from jaxrl_llm.research import claims as C
 from jaxrl_llm.research import cost, report, stats, sweep
 
@@ -241,7 +241,7 @@ def main(argv=None) -> list[dict]:
     os.makedirs(args.workdir, exist_ok=True)
     print(f"{len(runs)} runs ({len(selected)} claims, seeds {seeds}, {steps} steps each) in {args.workdir}/runs")
     t0, measured = time.time(), {}
-    with experiment.compilation_cache(os.path.join(args.workdir, "jax_cache")):
+    with xla.compilation_cache(os.path.join(args.workdir, "jax_cache")):
         run_all(runs, args.workdir)
     if any(c.key == "a3po_vs_decoupled_ppo" for c in selected):
         measured["a3po_cost"] = a3po_cost(args.workdir, seeds, args.cost_shapes)

@@ -20,7 +20,7 @@ import os
 
 from jaxrl_llm.run import config as config_lib
 from jaxrl_llm import objectives
-from jaxrl_llm.run import experiment
+from jaxrl_llm.run import experiment, xla
 from jaxrl_llm import validation as V
 from jaxrl_llm.research import report, stats
 from jaxrl_llm.runtime import delay as delay_lib
@@ -127,7 +127,7 @@ def run(config, workdir: str, log=print) -> list[dict]:
     os.makedirs(workdir, exist_ok=True)
     dirs = []
     # Cells of one seed share their warm start, and all cells their compiled programs.
-    with experiment.compilation_cache(os.path.join(workdir, "jax_cache")):
+    with xla.compilation_cache(os.path.join(workdir, "jax_cache")):
         for i, (name, c) in enumerate(grid):
             log(f"[{i + 1}/{len(grid)}] {name}")
             d = os.path.join(workdir, name)
@@ -155,7 +155,7 @@ def main(argv):
     config = _CONFIG.value
     if _SEEDS.value:
         config.sweep.seeds = _SEEDS.value
-    experiment.set_cpu_devices(config.cpu_devices)
+    xla.set_cpu_devices(config.cpu_devices)
     run(config, _WORKDIR.value)
     print(open(os.path.join(_WORKDIR.value, "results.md")).read())
 

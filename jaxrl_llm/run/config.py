@@ -49,6 +49,7 @@ TRAIN = V.Section(
     preempt_grace_s=(30.0, V.positive()),
     check_memory=(True, V.boolean()),  # refuse a memory plan beyond what is available
     deterministic=(False, V.boolean()),  # GPU: deterministic XLA ops (scatter-adds too), at some speed
+    compile_cache=(True, V.boolean()),  # keep programs that took >= 1 s to compile in <workdir>/xla_cache
     allow_changes=(False, V.boolean()))  # resume with settings outside workdir.FREE changed (recorded)
 model_config, aux_model_config, train_config = MODEL.config, AUX_MODEL.config, TRAIN.config
 TOP_RULES = {"seed": V.integer(0), "cpu_devices": V.integer(0, extra=(-1,))}

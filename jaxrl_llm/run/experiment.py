@@ -18,7 +18,7 @@ import numpy as np
 from jaxrl_llm import models, validation
 from jaxrl_llm.models import adapters as peft_adapters
 from jaxrl_llm.parallel import distributed, preemption
-from jaxrl_llm.run import memory, paths
+from jaxrl_llm.run import memory, paths, xla
 from jaxrl_llm.run.metrics import MetricsWriter, Progress
 from jaxrl_llm.run.parts import Parts, build, initial_params  # noqa: F401  (build: the run's parts, public here)
 from jaxrl_llm.store import checkpoint, frozen_base
@@ -27,56 +27,11 @@ from jaxrl_llm.store.checkpoint import Checkpointer
 from jaxrl_llm.tasks import splits, warmstart
 
 
+COMPILE_CACHE = "xla_cache"  # under the workdir: JAX's persistent cache, so a restart compiles nothing slow again
+
+
 class BadStepsError(validation.Refused):
     """Too many consecutive training steps with non-finite loss or gradients."""
-
-
-@contextlib.contextmanager
-def compilation_cache(directory: str):
-    """Within: every compiled program is kept in `directory` (JAX's persistent cache), so runs
-    that differ only in seed or in values the programs take as inputs (a sweep's cells) compile
-    once. JAX's previous settings come back on exit."""
-    settings = {"jax_compilation_cache_dir": directory, "jax_persistent_cache_min_compile_time_secs": 0.0,
-                "jax_persistent_cache_min_entry_size_bytes": 0}
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    before = {k: getattr(jax.config, k) for k in settings}
-    try:
-        for k, v in settings.items():
-            jax.config.update(k, v)
-        cc.reset_cache()  # JAX decides whether to use the cache once, at its first compile
-        yield
-    finally:
-        for k, v in before.items():
-            jax.config.update(k, v)
-        cc.reset_cache()
-
-
-@contextlib.contextmanager
-def matmul_precision(value: str):
-    """Within: float32 matmuls at `value` (jax_default_matmul_precision), process-wide, so that
-    sampler threads trace with the learner's precision (JAX's context manager is per thread)."""
-    before = jax.config.jax_default_matmul_precision
-    jax.config.update("jax_default_matmul_precision", None if value == "default" else value)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_default_matmul_precision", before)
-
-
-def set_deterministic(on: bool) -> None:
-    """GPU: deterministic XLA ops (the embedding gradient's scatter-add among them). Must run
-    before the backend starts, like `set_cpu_devices`; CPUs are deterministic already."""
-    flag = "--xla_gpu_deterministic_ops=true"
-    if on and flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-
-
-def set_cpu_devices(n: int) -> None:
-    """Expose `n` CPU devices to JAX (-1: one per core; 0: leave JAX's default). Must run before
-    the first JAX computation; samplers and the learner then split rows over them."""
-    if n:
-        jax.config.update("jax_num_cpu_devices", os.cpu_count() if n < 0 else n)
 
 
 def run(config, workdir: str, log=None) -> dict:
@@ -86,9 +41,13 @@ def run(config, workdir: str, log=None) -> dict:
     os.makedirs(workdir, exist_ok=True)
     lock = _hold(workdir)
     try:
-        precision = config.model.get("matmul_precision", "default")  # a bad value is refused by name in `build`
-        with matmul_precision(precision if precision in models.config.PRECISIONS else "default"):
-            return _run(config, workdir, log)
+        with contextlib.ExitStack() as stack:
+            precision = config.model.get("matmul_precision", "default")  # a bad value is refused by name in `build`
+            stack.enter_context(xla.matmul_precision(precision if precision in models.config.PRECISIONS else "default"))
+            if config.train.get("compile_cache", True):  # one directory per process: no two write one entry
+                stack.enter_context(xla.compilation_cache(
+                    os.path.join(workdir, COMPILE_CACHE, f"process_{distributed.index()}"), min_compile_s=1.0))
+            return _run(config, workdir, log, stack.enter_context(xla.CompileLog()))
     finally:
         if lock is not None:
             lock.release()
@@ -117,7 +76,7 @@ def _agreed(problem: str, elsewhere: str) -> str:
     return problem
 
 
-def _run(config, workdir: str, log) -> dict:
+def _run(config, workdir: str, log, compiles: xla.CompileLog) -> dict:
     t_start = time.time()
     b = build(config)
     user_config, config = config, b.plan.config  # from here on the resolved, immutable one
@@ -131,7 +90,7 @@ def _run(config, workdir: str, log) -> dict:
     state, resumed, changed, shape = _resume_or_init(b, user_config, workdir, ckpt, notes)
     _record_start(b, workdir, resumed)
     b = b.without_weights()  # the learner holds its own copy now
-    out = _Output(b, user_config, workdir, state, resumed, log)
+    out = _Output(b, user_config, workdir, state, resumed, log, compiles)
     out.start(notes, ckpt, state, resumed, changed, shape)
     evaluate = _Evaluator(b, out, t_start)
     summary = {}
@@ -139,7 +98,8 @@ def _run(config, workdir: str, log) -> dict:
         summary["eval/reward_start"] = evaluate(state)["eval/reward"]
     state = _train(b, state, ckpt, out, evaluate, summary, t_start)
     summary.update(version=int(state.version), time_s=time.time() - t_start,
-                   reward_failures=b.orchestrator.reward_failures)
+                   reward_failures=b.orchestrator.reward_failures, compile_s=sum(compiles.total.values()))
+    out.log("longest compiles: " + ", ".join(f"{name} {s:.1f} s" for name, s in compiles.slowest(5)))
     return summary
 
 
@@ -200,8 +160,8 @@ class _Output:
     """Where the run reports: the workdir's records, the metrics writer, the progress bar and
     `log` (process 0 alone writes and prints)."""
 
-    def __init__(self, b: Parts, user_config, workdir: str, state, resumed: bool, log):
-        config, self.main = b.plan.config, distributed.is_main()
+    def __init__(self, b: Parts, user_config, workdir: str, state, resumed: bool, log, compiles: xla.CompileLog):
+        config, self.main, self.compiles = b.plan.config, distributed.is_main(), compiles
         self.user_config, self.workdir, self.orchestrator = user_config, workdir, b.orchestrator
         # Records past the restored version (or all, starting afresh) belong to a run that died.
         self.writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=self.main,
@@ -283,6 +243,7 @@ class _StepRecords:
                 "--config.learner.max_bad_steps (0: never stop) to tolerate more")
         rec = {"step": int(m["version"]), "time_s": time.time() - self.t_start}
         rec.update({k: v for k, v in m.items() if isinstance(v, (int, float, list))})
+        rec.update(self.out.compiles.drain())  # XLA compilations since the last step (any thread)
         self.out.writer.write(rec)
         self._watch_zero_rewards(rec["step"], m.get("reward/nonzero", 1.0))
         self.out.progress.update(rec["step"], m)
@@ -359,8 +320,8 @@ def main(config, workdir: str) -> int:
     """The CLI's whole job after parsing flags: start the processes' runtime, run, print the
     summary; returns the exit code (128 + the signal after a preemption, saved and resumable:
     130 after Ctrl-C, 143 after SIGTERM)."""
-    set_cpu_devices(config.cpu_devices)
-    set_deterministic(config.train.get("deterministic", False))
+    xla.set_cpu_devices(config.cpu_devices)
+    xla.set_deterministic(config.train.get("deterministic", False))
     distributed.initialize(config.distributed)  # many processes, when asked; else a no-op
     summary = run(config, workdir)
     if distributed.is_main():

@@ -28,6 +28,7 @@ LOCK, HISTORY, EVAL_SET, POLICY = "run.lock", "config_history.jsonl", "eval_set.
 # Settings a resume may change without saying so: how long, how often to evaluate, save and log.
 FREE = ("train.steps", "train.eval_every", "train.save_every", "train.keep", "train.tensorboard", "train.progress",
         "train.resume", "train.preempt_grace_s", "train.allow_changes", "train.check_memory", "train.deterministic",
+        "train.compile_cache",
         "learner.total_steps")  # total_steps follows train.steps in the shipped configs
 # Where and on how many processes / devices it runs: a deployment, not the experiment.
 FREE_PREFIXES = ("distributed.", "mesh.", "cpu_devices", "runtime.sampler_devices", "runtime.remote.host",
