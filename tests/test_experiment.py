@@ -235,3 +235,23 @@ def test_a_checkpoint_is_read_straight_into_the_learners_shardings(tmp_path):
     gate = b.params["layers_0"]["mlp"]["gate"]["kernel"]
     assert gate.sharding == b.learner.layout.param_sh["layers_0"]["mlp"]["gate"]["kernel"]
     assert gate.sharding.spec == P("fsdp", "tensor") and len(gate.sharding.device_set) == 8
+
+
+def test_evaluation_reads_the_samplers_copy_once_published(tmp_path, monkeypatch):
+    """#51 item 8: after the first evaluation (nothing published yet) the greedy reward is
+    computed from the weight store's copy of that version, and equals the masters' reward."""
+    calls = []
+    accuracy = experiment._Evaluator.accuracy
+
+    def spy(self, params, sampler, local=False):
+        got = accuracy(self, params, sampler, local)
+        if local:  # the same version from the learner's float32 masters
+            state = self.b.orchestrator.state
+            calls.append(got == accuracy(self, self.b.learner.policy_params(state), sampler))
+        else:
+            calls.append(None)
+        return got
+
+    monkeypatch.setattr(experiment._Evaluator, "accuracy", spy)
+    experiment.run(_tiny(), str(tmp_path), log=lambda *_: None)
+    assert calls == [None, True, True]

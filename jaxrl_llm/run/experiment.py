@@ -203,15 +203,30 @@ class _Evaluator:
         eval_set = getattr(b.task, "eval_set", None)  # which split, so no record is read as held out wrongly
         self.about = {"eval/problems": len(problems), **({"eval_set": splits.describe(eval_set)} if eval_set else {})}
 
-    def accuracy(self, params, sampler) -> float:
-        local = warmstart.accuracy(distributed.to_local(params), sampler, self.b.task, self.prompts,
-                                   scorer=self.b.scorer)
-        total, n = distributed.host_sum(np.array([local * len(self.prompts), len(self.prompts)]))
+    def accuracy(self, params, sampler, local: bool = False) -> float:
+        """`local`: `params` are this process's already (a published copy), not the learner's."""
+        params = params if local else distributed.to_local(params)
+        mine = warmstart.accuracy(params, sampler, self.b.task, self.prompts, scorer=self.b.scorer)
+        total, n = distributed.host_sum(np.array([mine * len(self.prompts), len(self.prompts)]))
         return float(total / n)
+
+    def published(self, state):
+        """The samplers' copy of the policy at this version (compute dtype, on their devices, LoRA
+        merged), when the store holds it and the policy is what samples: no gather of the float32
+        masters per evaluation. Every process publishes every version, so all agree."""
+        lrn = self.b.learner
+        if lrn.aux is not None and lrn.aux.samples:
+            return None
+        try:
+            return self.b.orchestrator.store.get(int(state.version))
+        except LookupError:  # not published yet (the first evaluation)
+            return None
 
     def __call__(self, state) -> dict:
         b = self.b
-        rec = {"eval/reward": self.accuracy(b.learner.policy_params(state), b.greedy)}
+        copy = self.published(state)
+        rec = {"eval/reward": self.accuracy(b.learner.policy_params(state), b.greedy) if copy is None else
+               self.accuracy(copy, b.greedy, local=True)}
         if b.aux_eval:
             rec[f"eval/{b.learner.aux.name}_reward"] = self.accuracy(state.aux.params, b.aux_greedy)
         rec.update(self.about, step=int(state.version), time_s=time.time() - self.t_start)
