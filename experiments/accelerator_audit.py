@@ -156,7 +156,8 @@ def tensor8() -> str:
     mc = ml_collections.ConfigDict({**sharding.default_config().to_dict(), "data": 1, "tensor": 8})
     cfg = QWEN7B.replace(num_layers=1)
     shapes = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
-    problems = sharding.check_divisible(models.logical_axes(cfg), shapes, sharding.make_mesh(mc), 512, cfg=mc)
+    problems = sharding.check_divisible(models.logical_axes(cfg), shapes, sharding.make_mesh(mc), 512, cfg=mc,
+                                        kv_heads=cfg.num_kv_heads)
     return "; ".join(problems) or "runs"
 
 

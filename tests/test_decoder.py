@@ -20,7 +20,7 @@ def test_logical_axes_cover_every_parameter():
     flat_a = dict(jax.tree_util.tree_leaves_with_path(axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
     for path, leaf in flat_p:
         spec = flat_a[path]
-        assert len(spec) == leaf.ndim and set(spec) <= {"embed", "heads", "kv", "mlp", "vocab"}, (path, spec)
+        assert len(spec) == leaf.ndim and set(spec) <= {"embed", "heads", "kv_heads", "kv", "mlp", "vocab"}, (path, spec)
     assert axes["embed"] == jax.sharding.PartitionSpec("vocab", "embed")
     assert axes["lm_head"] == jax.sharding.PartitionSpec("embed", "vocab")
     assert axes["layers_0"]["mlp"]["down"]["kernel"] == jax.sharding.PartitionSpec("mlp", "embed")

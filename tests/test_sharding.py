@@ -60,9 +60,10 @@ def test_divisibility_is_checked_from_the_rules_before_anything_is_placed():
     shapes = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
     axes = models.logical_axes(cfg)
     mesh = lambda **kw: sharding.make_mesh(ml_collections.ConfigDict({**sharding.default_config().to_dict(), **kw}))
-    tensor8 = sharding.check_divisible(axes, shapes, mesh(data=1, tensor=8), 512)
-    assert len(tensor8) == 1 and "mesh.tensor=8 does not divide the model's heads [4, 28]" in tensor8[0]
-    assert "one of [1, 2, 4]" in tensor8[0]
+    tensor8 = sharding.check_divisible(axes, shapes, mesh(data=1, tensor=8), 512, kv_heads=4)
+    assert len(tensor8) == 1 and "mesh.tensor=8 does not divide the model's heads [28]" in tensor8[0]
+    assert "one of [1, 2, 4]" in tensor8[0]  # the 4 KV heads are replicated over tensor=8, not split
+    assert "kv_heads [4]" in sharding.check_divisible(axes, shapes, mesh(data=1, tensor=8), 512)[0]  # no fallback
     assert sharding.check_divisible(axes, shapes, mesh(data=1, fsdp=8), 512) == []
     rows = sharding.check_divisible(axes, shapes, mesh(data=2, fsdp=4), 500)
     assert rows == ["the batch's 500 rows do not split over the learner's data x fsdp = 8 devices: change "
@@ -70,3 +71,24 @@ def test_divisibility_is_checked_from_the_rules_before_anything_is_placed():
                     "devices from the learner)"]
     # The vocabulary over tensor when a rule maps it there (152064 = 2^7 x 1188: 8 divides it).
     assert sharding.indivisible(axes, shapes, {"tensor": 5})["tensor"][1]["vocab"] == {152064}
+
+
+def test_kv_heads_the_tensor_axis_does_not_divide_are_replicated_and_train():
+    """Qwen2.5-1.5B-like heads (12 query, 2 KV) on tensor=4: queries split, K/V projections
+    replicated (MaxText's choice), and a learner step runs on that mesh."""
+    from jaxrl_llm import models, testing
+    from jaxrl_llm.learner import learner as L
+    from jaxrl_llm.models.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=1, num_heads=12, num_kv_heads=2,
+                      head_dim=4)
+    mesh = sharding.make_mesh(ml_collections.ConfigDict({**sharding.default_config().to_dict(), "data": 2,
+                                                         "tensor": 4}))
+    sh = sharding.param_shardings(models.logical_axes(cfg), mesh, kv_heads=2)
+    attn = sh["layers_0"]["attn"]
+    assert attn["q"]["kernel"].spec == P("fsdp", "tensor", None) and attn["k"]["kernel"].spec == P("fsdp", None, None)
+    lrn = L.Learner(cfg, {"name": "ppo"}, mesh=mesh)
+    st = lrn.init(jax.random.key(0))
+    assert st.params["layers_0"]["attn"]["v"]["kernel"].sharding.spec == P("fsdp", None, None)
+    _, m = lrn.train_step(st, testing.model_batch(models.init_params(cfg, jax.random.key(1)), cfg))
+    assert np.isfinite(m["loss"])

@@ -205,7 +205,8 @@ def _resolve(model_cfg, cfg, objective_cfg, mesh, mesh_cfg, aux_model_cfg, dist)
     aux = _active_aux(objective, aux_model_cfg)
     aux_ctx = AuxContext(model_cfg, aux_model_cfg, dist, cfg.logprob_chunk)
     opt = update.make_optimizer(cfg)
-    param_sh = sharding.param_shardings(decoder.logical_axes(model_cfg.without_lora()), mesh, mesh_cfg)
+    param_sh = sharding.param_shardings(decoder.logical_axes(model_cfg.without_lora()), mesh, mesh_cfg,
+                                        kv_heads=model_cfg.num_kv_heads)
     init_params, base_sh = functools.partial(decoder.init_params, model_cfg), None
     if model_cfg.lora_rank:
         # Adapters are replicated: r (in + out) per target is ~1-2% of the base at rank 16, so
@@ -216,7 +217,8 @@ def _resolve(model_cfg, cfg, objective_cfg, mesh, mesh_cfg, aux_model_cfg, dist)
     aux_sh = None
     if aux is not None:
         axes = aux.logical_axes and aux.logical_axes(aux_ctx)
-        aux_sh = sharding.param_shardings(axes, mesh, mesh_cfg) if axes is not None else sharding.replicated(mesh)
+        kv = aux_model_cfg.num_kv_heads if aux_model_cfg is not None else 0
+        aux_sh = sharding.param_shardings(axes, mesh, mesh_cfg, kv) if axes is not None else sharding.replicated(mesh)
     # Pure data parallelism on CPU (fsdp = tensor = 1): one flat gradient all-reduce
     # (`minibatches.replica_value_and_grad`); gloo makes one call per buffer. GPU/TPU
     # collectives combine buffers themselves, and the flat copy would cost a gradient's memory.

@@ -1,7 +1,7 @@
 """Flax decoder for Qwen2 / Qwen3 / Llama: GQA, RoPE (linear / Llama-3 / YaRN scaling), RMSNorm,
 SwiGLU, optional attention and MLP biases.
 
-Parameters carry logical axis names (embed, heads, kv, mlp, vocab) for sharding rules.
+Parameters carry logical axis names (embed, heads, kv_heads, kv, mlp, vocab) for sharding rules.
 The model returns final hidden states; logits are formed by the chunked log-prob heads
 (`heads.py`) so the full [B, L, V] tensor is never built for a batch.
 
@@ -129,10 +129,11 @@ class Attention(nn.Module):
         x_NxD = x_BxTxD.reshape(b * t, -1)  # 2-D GEMMs: see MLP
 
         def proj(name, heads):
+            axis = "heads" if name == "q" else "kv_heads"  # KV heads may be replicated (`sharding.rules`)
             y = nn.DenseGeneral(
                 (heads, c.head_dim), use_bias=c.qkv_bias, name=name, dtype=c.dtype, param_dtype=c.param_dtype,
-                kernel_init=_part(_init, ("embed", "heads", "kv")),
-                bias_init=_part(nn.initializers.zeros, ("heads", "kv")),
+                kernel_init=_part(_init, ("embed", axis, "kv")),
+                bias_init=_part(nn.initializers.zeros, (axis, "kv")),
             )(x_NxD)
             return (y + lora_side(self, name, x_NxD, (heads, c.head_dim))).reshape(b, t, heads, c.head_dim)
 

@@ -25,6 +25,7 @@ BATCH_AXES = ("data", "fsdp")
 DEFAULT_RULES = (
     ("embed", "fsdp"),
     ("heads", "tensor"),
+    ("kv_heads", "tensor"),  # replicated instead where the KV heads do not divide (`_rules`)
     ("kv", None),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
@@ -58,18 +59,25 @@ def make_mesh(cfg=None, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
-def _rules(cfg):
+def _rules(cfg, mesh_shape=None, kv_heads: int = 0):
+    """The logical rules; with `kv_heads` (the model's), KV heads that their mesh axes do not
+    divide are replicated instead, as MaxText does (each tensor shard computes every KV head
+    its query heads read: more K/V projection work, no indivisible split)."""
     rules = tuple((str(k), v if v is None or isinstance(v, str) else tuple(v)) for k, v in (cfg.rules if cfg else DEFAULT_RULES))
     for _, axis in rules:
         for a in (axis,) if isinstance(axis, str) or axis is None else axis:
             if a is not None and a not in MESH_AXES:
                 raise ValueError(f"sharding rule names unknown mesh axis {a!r}; valid: {', '.join(MESH_AXES)}")
+    if kv_heads and mesh_shape is not None:
+        size = lambda axis: int(np.prod([mesh_shape.get(a, 1) for a in ((axis,) if isinstance(axis, str) else axis or ())]))  # noqa: E731
+        rules = tuple((k, None if k == "kv_heads" and kv_heads % size(v) else v) for k, v in rules)
     return rules
 
 
-def param_shardings(logical_axes, mesh: Mesh, cfg=None):
-    """NamedSharding tree from a tree of logical PartitionSpecs (models.logical_axes)."""
-    return nn.logical_to_mesh_sharding(logical_axes, mesh, _rules(cfg))
+def param_shardings(logical_axes, mesh: Mesh, cfg=None, kv_heads: int = 0):
+    """NamedSharding tree from a tree of logical PartitionSpecs (models.logical_axes); with
+    `kv_heads`, KV heads replicated where the mesh does not divide them (`_rules`)."""
+    return nn.logical_to_mesh_sharding(logical_axes, mesh, _rules(cfg, dict(mesh.shape), kv_heads))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -138,11 +146,11 @@ def _aligned_host_copy(x, align: int = 64):
     return out
 
 
-def indivisible(logical_axes, shapes, mesh_shape: dict, cfg=None) -> dict:
+def indivisible(logical_axes, shapes, mesh_shape: dict, cfg=None, kv_heads: int = 0) -> dict:
     """Parameter dimensions the mesh cannot split: {mesh axis: (its size, {logical axis: {dims}},
     an example parameter path)}, from the logical rules alone (nothing compiled or placed).
     `shapes`: a tree like `logical_axes` of arrays or ShapeDtypeStructs."""
-    rules = dict(_rules(cfg))
+    rules = dict(_rules(cfg, mesh_shape, kv_heads))
     found = {}
     for (path, spec), leaf in zip(jax.tree_util.tree_leaves_with_path(
             logical_axes, is_leaf=lambda x: isinstance(x, P)), jax.tree_util.tree_leaves(shapes)):
@@ -156,12 +164,14 @@ def indivisible(logical_axes, shapes, mesh_shape: dict, cfg=None) -> dict:
     return found
 
 
-def check_divisible(logical_axes, shapes, mesh: Mesh, rows: int, what: str = "model", cfg=None) -> list:
+def check_divisible(logical_axes, shapes, mesh: Mesh, rows: int, what: str = "model", cfg=None,
+                    kv_heads: int = 0) -> list:
     """One line per split that cannot happen, each naming the setting that fixes it: parameter
-    dimensions over their mesh axes (heads and KV heads by `tensor`, vocab, MLP, embed by `fsdp`)
+    dimensions over their mesh axes (query heads by `tensor`, vocab, MLP, embed by `fsdp`; KV
+    heads `tensor` does not divide are replicated, given `kv_heads`)
     and the batch's rows over data x fsdp. Checked at start-up, before anything compiles."""
     problems, n = [], mesh.size
-    for axis, (size, dims, example) in indivisible(logical_axes, shapes, dict(mesh.shape), cfg).items():
+    for axis, (size, dims, example) in indivisible(logical_axes, shapes, dict(mesh.shape), cfg, kv_heads).items():
         every = sorted({d for ds in dims.values() for d in ds})
         fits = [d for d in range(1, n + 1) if n % d == 0 and all(x % d == 0 for x in every)]
         said = ", ".join(f"{name} {sorted(ds)}" for name, ds in sorted(dims.items()))

@@ -101,7 +101,7 @@ def check_layout(config, mcfg, acfg, learner_devices) -> None:
         if cfg is not None:
             shapes = jax.eval_shape(lambda cfg=cfg: models.init_params(cfg.without_lora(), jax.random.key(0)))
             problems += sharding.check_divisible(models.logical_axes(cfg.without_lora()), shapes, mesh,
-                                                 rows if what == "model" else 0, what, config.mesh)
+                                                 rows if what == "model" else 0, what, config.mesh, cfg.num_kv_heads)
     if problems:
         raise ValueError("; ".join(problems))
 
