@@ -9,9 +9,10 @@ behind verl, TRL and AReaL do.
 Layout: slot s holds one row as [prompt, left-padded to the run's bucket P | N new tokens], its
 t-th new token at cache position P + t. Slots sit at different depths, so the decode step
 (`decode.decode_step`, shared with static batching) writes per-slot columns. A segment attends
-over the first w cache positions only, w = P + the deepest slot's reach rounded up to a segment
-(memory-bound decode reads no more cache than it must). Programs: one insert per power-of-two
-count of new rows and one segment per w, whatever the mix of lengths.
+over the first w cache positions only, w = P + the deepest slot's reach rounded up to a
+power-of-two number of segments (memory-bound decode reads at most twice the cache it must).
+Programs: one insert per power-of-two count of new rows and one segment per w, about
+log2(N / decode_segment) + 1 of them, whatever the mix of lengths.
 
 A row's draws come from (key, its global row id) alone (`decode.row_uniforms`), so it yields
 the same tokens, log-probs and top-K in any slot, at any slot count, as in a static batch.
@@ -97,6 +98,14 @@ def _segment(params, st, version, p: int, width: int, steps: int, mcfg, scfg):
                                for f, c in zip(full[0], st.cache)],
                         key_valid_BxW=put(full[1], st.key_valid_BxW, (0, 0)))
     return st
+
+
+def attention_width(reach: int, seg: int, n: int) -> int:
+    """New-token positions a segment attends over when the deepest slot will reach `reach`: a
+    power-of-two number of segments (at most twice what it reads), capped at N, so one decode
+    program serves each of ~log2(N / seg) + 1 widths instead of one per segment (32 programs at
+    N = 1,024 and 32-step segments; 6 here)."""
+    return min(n, _pow2(-(-reach // seg)) * seg)
 
 
 def _pow2(n: int) -> int:
@@ -249,8 +258,7 @@ class SlotEngine:
         row that ended a turn waits for its reply instead): (state, their ids, their outputs)."""
         n = self.sampler.cfg.max_new_tokens
         st = self._fill(st, s)
-        reach = s.steps[s.row_of >= 0].max() + self.seg
-        width = int(p + min(n, -(-reach // self.seg) * self.seg))  # a Python int: one static key
+        width = p + attention_width(int(s.steps[s.row_of >= 0].max()) + self.seg, self.seg, n)  # one static key
         st = self._segment(params, st, version, p=p, width=width)
         before = s.steps.copy()
         done, s.steps = (np.array(x) for x in jax.device_get((st.done_B, st.step)))
