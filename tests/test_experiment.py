@@ -255,3 +255,19 @@ def test_evaluation_reads_the_samplers_copy_once_published(tmp_path, monkeypatch
     monkeypatch.setattr(experiment._Evaluator, "accuracy", spy)
     experiment.run(_tiny(), str(tmp_path), log=lambda *_: None)
     assert calls == [None, True, True]
+
+
+def test_samplers_sharing_an_fsdp_learners_devices_get_whole_weights_once_per_version():
+    """#51 item 8: with mesh.fsdp=2 and shared devices the store publishes a replicated copy on
+    the sampler mesh, so no sampler call gathers the learner's shards."""
+    import jax
+
+    c = _tiny()
+    c.mesh.fsdp = 2
+    b = experiment.build(c)
+    state = b.learner.init(jax.random.key(0))
+    assert not b.learner.policy_params(state)["embed"].sharding.is_fully_replicated
+    b.orchestrator.publish(state)
+    _, params = b.orchestrator.store.latest()
+    leaf = params["embed"]
+    assert leaf.sharding.is_fully_replicated and leaf.sharding.device_set == set(b.orchestrator.sampler.mesh.devices.flat)

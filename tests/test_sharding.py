@@ -92,3 +92,19 @@ def test_kv_heads_the_tensor_axis_does_not_divide_are_replicated_and_train():
     assert st.params["layers_0"]["attn"]["v"]["kernel"].sharding.spec == P("fsdp", None, None)
     _, m = lrn.train_step(st, testing.model_batch(models.init_params(cfg, jax.random.key(1)), cfg))
     assert np.isfinite(m["loss"])
+
+
+def test_tpu_meshes_follow_the_chips_topology(monkeypatch):
+    """TPU devices go through mesh_utils (topology-aware); others keep their order."""
+    import types
+
+    from jax.experimental import mesh_utils
+
+    cpu = jax.devices()
+    assert sharding.device_grid(cpu, [2, 2, 2]).tolist() == np.asarray(cpu).reshape(2, 2, 2).tolist()
+    tpus = [types.SimpleNamespace(platform="tpu", id=i) for i in range(4)]
+    asked = []
+    monkeypatch.setattr(mesh_utils, "create_device_mesh",
+                        lambda sizes, devices, **kw: asked.append((sizes, kw)) or np.asarray(devices[::-1]).reshape(sizes))
+    grid = sharding.device_grid(tpus, [1, 2, 2])
+    assert asked == [([1, 2, 2], {"allow_split_physical_axes": True})] and grid[0, 0, 0].id == 3

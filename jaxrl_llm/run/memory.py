@@ -217,7 +217,9 @@ def estimate(config, task, mcfg, acfg=None, obj=None, layout: Layout = Layout())
     # Sampler weight copies: simulated keeps a window of versions; async samples from one while
     # the learner publishes the next; the others hand over between steps.
     keep = r.max_staleness + 1 if r.mode == "simulated" else 2 if r.mode == "async" else 1
-    sampler_rows = (s.slots or rows) + rows if s.batching == "continuous" else rows  # slots + prefilled pool
+    # Continuous: the slots, plus the rows outside them (prefilled and waiting, or parked on a
+    # multi-turn environment with their whole cache: at most `rows` of either, each planned whole).
+    sampler_rows = (s.slots or rows) + rows if s.batching == "continuous" else rows
     samplers = r.num_samplers if r.mode == "async" else 1
     cache = s.cache_dtype if s.cache_dtype != "auto" else config.model.dtype
     one = sampler(rollout, -(-sampler_rows // layout.samplers), prompt, new, cache, rollout.dtype, layout.platform)

@@ -71,10 +71,13 @@ def build(config) -> Parts:
                           mesh_cfg=c.mesh, aux_model_cfg=p.aux_model, dist=p.sampler.dist)
     placed = lrn.layout.base_sh if lrn.layout.lora else lrn.layout.param_sh  # the full model's shardings
     params, aux_params = _load(c.model, p.model, placed), p.aux_model and _load(c.aux_model, p.aux_model)
-    # Samplers split rows over their devices (data parallel); with devices of their own, the
-    # weight store publishes each version onto them.
+    # Samplers split rows over their devices (data parallel), each holding whole weights. The
+    # weight store publishes each version onto them when they are devices of their own, or when
+    # the learner shards its params (fsdp / tensor): a sampler handed sharded weights would
+    # all-gather them inside every call.
     mesh = Mesh(np.asarray(p.sampler_devices), ("data",))
-    placement = NamedSharding(mesh, PartitionSpec()) if p.own_sampler_devices else None
+    sharded = lrn.mesh.size > 1 and not sharding.pure_data(lrn.mesh)
+    placement = NamedSharding(mesh, PartitionSpec()) if p.own_sampler_devices or sharded else None
     scorer = tasks.scorer(p.task, c.task)
     orch = orchestrator.Orchestrator(lrn, backend.make(lrn.rollout_model_cfg, p.sampler, mesh), p.task, c.runtime,
                                      placement=placement, scorer=scorer,
