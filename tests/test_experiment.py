@@ -69,7 +69,7 @@ def test_resume_continues_from_the_workdir(tmp_path):
     (dict(runtime=dict(mode="hogwild")), "runtime.mode='hogwild': expected one of 'sync', 'iterative'"),
     (dict(runtime=dict(sampler_devices=8)), "sampler_devices=8 leaves no device for the learner: 8 available"),
     # Layouts that used to fail at the first step, after every compile (#51 item 7):
-    (dict(mesh=dict(data=1, tensor=8)), r"mesh.tensor=8 does not divide the model's heads \[1, 2\].*one of \[1\]"),
+    (dict(mesh=dict(data=1, tensor=8)), r"mesh.tensor=8 does not divide the model's heads \[2\], vocab \[17\].*one of \[1\]"),
     (dict(runtime=dict(sampler_devices=1)), "8 rows do not split over the learner's data x fsdp = 7 devices"),
     (dict(model=dict(matmul_precision="tf32")), "model.matmul_precision='tf32': expected one of 'default'"),
 ])
@@ -271,3 +271,18 @@ def test_samplers_sharing_an_fsdp_learners_devices_get_whole_weights_once_per_ve
     _, params = b.orchestrator.store.latest()
     leaf = params["embed"]
     assert leaf.sharding.is_fully_replicated and leaf.sharding.device_set == set(b.orchestrator.sampler.mesh.devices.flat)
+
+
+def test_model_dtype_auto_is_bfloat16_on_accelerators_and_float32_on_cpu():
+    from jaxrl_llm.run import plan
+
+    c = _tiny()
+    assert c.model.dtype == "auto" and plan.resolve(c).model.dtype == "float32"  # this CPU
+    for platform, want in (("gpu", "bfloat16"), ("tpu", "bfloat16"), ("cpu", "float32")):
+        d = _tiny()
+        plan.resolve_dtypes(d, platform)
+        assert d.model.dtype == want and d.aux_model.dtype == want
+    d = _tiny()
+    d.model.dtype = "float32"  # asked for: kept on a GPU too
+    plan.resolve_dtypes(d, "gpu")
+    assert d.model.dtype == "float32"

@@ -29,7 +29,9 @@ def _model(size_low: int, sizes: tuple, **more) -> V.Section:
     return V.Section(**more,
         hf_path=("", V.anything()),  # a local Hugging Face directory (paths.py); empty: a random model of these sizes
         **{f: (n, V.integer(size_low)) for f, n in zip(_SIZES, sizes)},
-        dtype=("float32", V.one_of(*models.config.DTYPES)),  # compute (and sampler weights); master weights stay float32
+        # compute (and sampler weights); master weights stay float32. auto: bfloat16 on a GPU / TPU
+        # (float32 accumulation and log-softmax), float32 on CPU (`plan.resolve_dtypes`)
+        dtype=("auto", V.one_of("auto", *models.config.DTYPES)),
         attention=("auto", V.one_of(*models.config.ATTENTION)),  # models/decoder.py: attention
         remat=("none", V.one_of(*models.config.REMAT)))  # none | full | dots: decoder layers recomputed in backward
 

@@ -49,6 +49,7 @@ def resolve(config) -> RunPlan:
     or program compiled."""
     objective = config_lib.validate(config)
     config = paths.resolved(config)  # hub ids -> local snapshot directories (the caller's config is untouched)
+    resolve_dtypes(config)
     task = tasks.make(config.task, config.model.hf_path)
     mcfg = model_cfg(config.model, task)
     acfg = model_cfg(config.aux_model, task) if config_lib.has_aux_model(config) else None
@@ -87,6 +88,18 @@ def check_sampling(config, task, mcfg: models.ModelConfig) -> None:
                         f"{config.model.hf_path} (max_position_embeddings)")
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def resolve_dtypes(config, platform: Optional[str] = None) -> None:
+    """`model.dtype=auto` (and the auxiliary's) -> bfloat16 where matmuls run natively in it (GPU,
+    TPU: float32 accumulation, float32 heads and master weights), float32 on CPU, whose bf16
+    matmuls are emulated. In place, on the resolved copy: every consumer sees the dtype."""
+    import jax
+
+    chosen = "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
+    for section in ("model", "aux_model"):
+        if config[section].dtype == "auto":
+            config[section].dtype = chosen
 
 
 def check_layout(config, mcfg, acfg, learner_devices) -> None:
