@@ -137,6 +137,8 @@ def test_resumes_with_changes_are_refused_or_allowed_and_recorded(tmp_path):
     history = [json.loads(x) for x in open(os.path.join(wd, workdir_lib.HISTORY))]
     assert [h["version"] for h in history] == [0, 2, 3]
     assert history[-1]["config"]["objective.name"] == "ppo" and "objective.name: 'a3po' -> 'ppo'" in history[-1]["changes"]
+    # model.dtype=auto is recorded as it resolved here: a workdir of the old float32 default resumes unchanged.
+    assert {h["config"]["model.dtype"] for h in history} == {"float32"}
     # A workdir from before a setting existed resumes: the new setting is recorded, not refused.
     del history[-1]["config"]["model.matmul_precision"]
     with open(os.path.join(wd, workdir_lib.HISTORY), "w") as f:

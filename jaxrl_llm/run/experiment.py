@@ -13,6 +13,7 @@ import sys
 import time
 
 import jax
+import ml_collections
 import numpy as np
 
 from jaxrl_llm import models, validation
@@ -129,6 +130,16 @@ def _checkpointer(config, workdir: str, notes: list) -> Checkpointer:
     return Checkpointer(ckdir, save_every=config.train.save_every, keep=config.train.keep)
 
 
+def as_recorded(user_config, resolved):
+    """The user's config as the workdir's history compares it: `auto` dtypes as they resolved
+    on this platform (a run moved from CPU to GPU changes its numerics; one that only upgraded
+    to the `auto` default does not)."""
+    out = ml_collections.ConfigDict(user_config.to_dict())
+    for section in ("model", "aux_model"):
+        out[section].dtype = resolved[section].dtype
+    return out
+
+
 def _resume_or_init(b: Parts, user_config, workdir: str, ckpt: Checkpointer, notes: list):
     """The learner's state: the newest readable checkpoint (its LoRA base from the workdir's
     record) or a new one from the loaded or warm-started weights. Returns (state, resumed,
@@ -138,7 +149,7 @@ def _resume_or_init(b: Parts, user_config, workdir: str, ckpt: Checkpointer, not
     saved = ckpt.manager.all_steps()
     frozen_base.check_resumable(workdir, mcfg, bool(saved))
     shape = {k: getattr(mcfg, k) for k in workdir_lib.MODEL_KEYS}
-    changed = workdir_lib.check_resume(workdir, user_config, shape, max(saved)) if saved else []
+    changed = workdir_lib.check_resume(workdir, as_recorded(user_config, config), shape, max(saved)) if saved else []
     restored = ckpt.restore_newest_readable(lrn.abstract_state(), log=notes.append)
     if restored is not None:
         if lora:  # the adapters' frozen base: referenced by the workdir, not in the checkpoint
@@ -162,6 +173,7 @@ class _Output:
 
     def __init__(self, b: Parts, user_config, workdir: str, state, resumed: bool, log, compiles: xla.CompileLog):
         config, self.main, self.compiles = b.plan.config, distributed.is_main(), compiles
+        self.config = config
         self.user_config, self.workdir, self.orchestrator = user_config, workdir, b.orchestrator
         # Records past the restored version (or all, starting afresh) belong to a run that died.
         self.writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=self.main,
@@ -175,7 +187,8 @@ class _Output:
         if self.main:
             with open(os.path.join(self.workdir, "config.json"), "w") as f:
                 json.dump(workdir_lib.public(self.user_config), f, indent=2)  # as the user ran it, secrets redacted
-            workdir_lib.record(self.workdir, self.user_config, shape, int(state.version), changed if resumed else [])
+            workdir_lib.record(self.workdir, as_recorded(self.user_config, self.config), shape, int(state.version),
+                               changed if resumed else [])
         for note in notes:
             self.log(note)
         if not resumed:
