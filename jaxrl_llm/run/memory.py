@@ -221,7 +221,7 @@ def estimate(config, task, mcfg, acfg=None, obj=None, layout: Layout = Layout())
     # multi-turn environment with their whole cache: at most `rows` of either, each planned whole).
     sampler_rows = (s.slots or rows) + rows if s.batching == "continuous" else rows
     samplers = r.num_samplers if r.mode == "async" else 1
-    cache = s.cache_dtype if s.cache_dtype != "auto" else config.model.dtype
+    cache = s.cache_dtype if s.cache_dtype != "auto" else mcfg.dtype  # the resolved compute dtype
     one = sampler(rollout, -(-sampler_rows // layout.samplers), prompt, new, cache, rollout.dtype, layout.platform)
     plan["sampler_weights"] = keep * one.pop("weights")
     plan.update({f"sampler_{k}": samplers * v for k, v in one.items()})

@@ -94,12 +94,15 @@ def resolve_dtypes(config, platform: Optional[str] = None) -> None:
     """`model.dtype=auto` (and the auxiliary's) -> bfloat16 where matmuls run natively in it (GPU,
     TPU: float32 accumulation, float32 heads and master weights), float32 on CPU, whose bf16
     matmuls are emulated. In place, on the resolved copy: every consumer sees the dtype."""
-    import jax
-
-    chosen = "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
     for section in ("model", "aux_model"):
         if config[section].dtype == "auto":
-            config[section].dtype = chosen
+            config[section].dtype = auto_dtype(platform)
+
+
+def auto_dtype(platform: Optional[str] = None) -> str:
+    import jax
+
+    return "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
 
 
 def check_layout(config, mcfg, acfg, learner_devices) -> None:
@@ -122,7 +125,7 @@ def check_layout(config, mcfg, acfg, learner_devices) -> None:
 def model_cfg(m, task) -> models.ModelConfig:
     """The decoder of model section `m`: a local HF checkpoint's config.json (read, nothing
     loaded) or a random model sized by `m`; compute dtype, attention kernel and remat from `m`."""
-    chosen = dict(dtype=m.dtype, attention=m.attention, remat=m.remat, matmul_precision=m.get("matmul_precision", "default"))
+    chosen = dict(dtype=auto_dtype() if m.dtype == "auto" else m.dtype, attention=m.attention, remat=m.remat, matmul_precision=m.get("matmul_precision", "default"))
     if "lora" in m and m.lora.rank:
         chosen.update(lora_rank=m.lora.rank, lora_alpha=float(m.lora.alpha),
                       lora_targets=models.lora.parse_targets(m.lora.targets))
