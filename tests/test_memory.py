@@ -50,7 +50,7 @@ def test_lora_plan_matches_the_compiled_step_and_publishes_the_adapters_only():
 
 
 def test_kv_cache_term_is_the_sampler_cache():
-    """The plan's cache term is twice (a window grows by copying) the cache the sampler allocates."""
+    """The plan's cache term is twice (continuous batching copies a window) the cache the sampler allocates."""
     from jaxrl_llm.models import decoder
     from jaxrl_llm.rollout import SamplerConfig, decode
 

@@ -160,6 +160,7 @@ def test_mid_generation_refresh_tags_each_token_with_its_params_version(qwen):
     assert set(np.asarray(swapped.versions[:, 22:]).ravel().tolist()) == {9}
     stale = sampler.generate(params, PROMPTS, key, version=4, refresh=lambda: (3, other))  # older: ignored
     np.testing.assert_array_equal(np.asarray(stale.tokens), np.asarray(plain.tokens))
+    assert sampler._segment._cache_size() == 1  # one program for the three segments (`end` is an input)
 
 
 def _skewed_logp(v, rows, seed, keep=None):

@@ -72,14 +72,6 @@ def per_device(mesh, f, in_specs, out_specs):
     return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def _pad_cache(cache, key_valid, width):
-    """Grow the cache and key mask to `width` positions (a copy once per segment)."""
-    extra = width - key_valid.shape[1]
-    grown = [{"k": jnp.pad(c["k"], [(0, 0)] * 3 + [(0, extra)]),
-              "v": jnp.pad(c["v"], [(0, 0), (0, 0), (0, extra), (0, 0)])} for c in cache]
-    return grown, jnp.pad(key_valid, [(0, 0), (0, extra)])
-
-
 def row_keys(key, row_ids_B):
     """Each row's own key: `key` folded with the row's id (its index in the batch)."""
     return jax.vmap(lambda r: jax.random.fold_in(key, r))(row_ids_B)
@@ -98,10 +90,10 @@ def prefill(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg: Mo
     """Run the prompt through the model -> the DecodeState for `decode_segment`. `rows`: the
     mesh axes the batch is split over (inside `shard_map`), so draws follow global row ids;
     or `keys_B`, the rows' own keys (`row_keys`; `key` is then unused). `width`: cache
-    positions to allocate (default: the prompt and the first segment)."""
+    positions to allocate (default: the prompt and every new token, P + N)."""
     b, p = prompt_BxP.shape
     n = scfg.max_new_tokens
-    width = width or p + segment_ends(n, scfg)[0]
+    width = width or p + n
     cache = [{"k": jnp.zeros((b, mcfg.num_kv_heads, mcfg.head_dim, width), scfg.cache_dtype),
               "v": jnp.zeros((b, mcfg.num_kv_heads, width, mcfg.head_dim), scfg.cache_dtype)}
              for _ in range(mcfg.num_layers)]
@@ -127,19 +119,17 @@ def prefill(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg: Mo
 
 
 def segment_ends(n: int, scfg: SamplerConfig) -> list:
-    # Decode runs in segments of `decode_segment` steps; segment j attends over a cache of
-    # p + (j+1) * seg positions, not the full p + n: decode is memory-bound on the cache reads.
+    """Where the host-driven path's segments of `decode_segment` steps end (weights may be
+    refreshed between them)."""
     seg = min(scfg.decode_segment or n, n)
     return list(range(seg, n, seg)) + [n]
 
 
-def decode_segment(params, st: DecodeState, version, p: int, end: int, mcfg: ModelConfig, scfg: SamplerConfig):
-    """Decode steps up to `end` with `params` (p = prompt bucket; both static), growing the
-    cache to p + end first. A token is tagged with the version of the params whose logits it
-    was sampled from, so a mid-generation weight swap tags tokens exactly."""
-    if st.key_valid_BxW.shape[1] < p + end:
-        cache, key_valid = _pad_cache(st.cache, st.key_valid_BxW, p + end)
-        st = st.replace(cache=cache, key_valid_BxW=key_valid)
+def decode_segment(params, st: DecodeState, version, p: int, end, mcfg: ModelConfig, scfg: SamplerConfig):
+    """Decode steps up to `end` with `params` (p = prompt bucket, static; `end` may be traced:
+    one program for every segment) over the full-width cache `prefill` allocated. A token is
+    tagged with the version of the params whose logits it was sampled from, so a
+    mid-generation weight swap tags tokens exactly."""
     body = functools.partial(decode_step, params, unembed_matrix(params, mcfg), version=version, p=p, mcfg=mcfg,
                              scfg=scfg)
     return jax.lax.while_loop(lambda st: (st.step < end) & ~jnp.all(st.done_B), body, st)

@@ -53,14 +53,15 @@ class Sampler:
             specs = DecodeState.specs(rows)
             return local(f, (rep, r, r, r, rep, rep), specs)(params, prompt, mask, limit, key, version)
 
-        def segment(params, st, version, p, end, mcfg, scfg):
-            f = functools.partial(decode.decode_segment, p=p, end=end, mcfg=mcfg, scfg=scfg)
-            return local(f, (rep, DecodeState.specs(rows), rep), DecodeState.specs(rows))(params, st, version)
+        def segment(params, st, version, end, p, mcfg, scfg):
+            f = lambda params, st, version, end: decode.decode_segment(params, st, version, p, end, mcfg, scfg)  # noqa: E731
+            return local(f, (rep, DecodeState.specs(rows), rep, rep), DecodeState.specs(rows))(params, st, version, end)
 
         self._generate = jax.jit(generate, static_argnames=("mcfg", "scfg"))
-        # Host-driven pieces for mid-generation weight refresh (same code, one jit per segment).
+        # Host-driven pieces for mid-generation weight refresh (same code; `end` is an input, so
+        # one segment program serves every segment).
         self._prefill = jax.jit(prefill, static_argnames=("mcfg", "scfg"))
-        self._segment = jax.jit(segment, static_argnames=("p", "end", "mcfg", "scfg"))
+        self._segment = jax.jit(segment, static_argnames=("p", "mcfg", "scfg"))
 
     def bucket(self, length: int) -> int:
         for b in self.cfg.prompt_buckets:
@@ -116,7 +117,7 @@ class Sampler:
             newer = refresh() if j else None
             if newer is not None and newer[0] > version:
                 version, params = newer[0], self.place_params(newer[1])
-            st = self._segment(params, st, version, p=toks.shape[1], end=end, mcfg=self.model_cfg, scfg=self.cfg)
+            st = self._segment(params, st, version, np.int32(end), p=toks.shape[1], mcfg=self.model_cfg, scfg=self.cfg)
         return to_batch(toks, mask, group_ids, decode.outputs(st, self.cfg))
 
     def lower_generate(self, params, prompts, key):

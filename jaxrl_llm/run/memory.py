@@ -18,9 +18,9 @@ Learner (one step, `num_minibatches` updates over `rows` sequences of `seq_len` 
   each adapted projection's low-rank intermediate (rows x tokens x rank).
 Sampler (one call over `rows` rows): its weight copy in its compute dtype, the float32
   unembedding the decode loop forms once (a copy when tied or not float32), the KV cache
-  (2 x layers x rows x kv heads x head_dim x positions) twice (a segment's window grows by
-  copying), per-step logits, and the prefill's attention over the prompt; on CPU a float32
-  copy of one layer's bfloat16 weights (XLA:CPU's bf16 matmuls run in float32; the decode
+  (2 x layers x rows x kv heads x head_dim x positions) twice (continuous batching copies a
+  segment's window out and back), per-step logits, and the prefill's attention over the
+  prompt; on CPU a float32 copy of one layer's bfloat16 weights (XLA:CPU's bf16 matmuls run in float32; the decode
   step converts layer by layer, `rollout.decode._upcast_in_loop`).
 
 Every figure is per device (`Layout`): the learner's parameters, gradients and moments divide
