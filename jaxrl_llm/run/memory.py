@@ -20,8 +20,8 @@ Sampler (one call over `rows` rows): its weight copy in its compute dtype, the f
   unembedding the decode loop forms once (a copy when tied or not float32), the KV cache
   (2 x layers x rows x kv heads x head_dim x positions) twice (continuous batching copies a
   segment's window out and back), per-step logits, and the prefill's attention over the
-  prompt; on CPU a float32 copy of one layer's bfloat16 weights (XLA:CPU's bf16 matmuls run in float32; the decode
-  step converts layer by layer, `rollout.decode._upcast_in_loop`).
+  prompt; on CPU a float32 copy of one layer's bfloat16 weights (XLA:CPU's bf16 matmuls run
+  in float32; the decode step converts layer by layer, `rollout.decode._upcast_in_loop`).
 
 Every figure is per device (`Layout`): the learner's parameters, gradients and moments divide
 over fsdp x tensor, its rows over data x fsdp, its heads / MLP / vocabulary over tensor; each
