@@ -203,10 +203,10 @@ def decode_step(params, unembed_DxV, st: DecodeState, version, p: int, mcfg: Mod
 def generate(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg: ModelConfig, scfg: SamplerConfig,
               rows=None):
     """A static batch, prefill to outputs, in one program whatever N: segments of
-    `decode_segment` steps in a fixed-trip loop (XLA knows its trip count, so an accelerator
-    runs it without reading a predicate back per step), the done-check once per segment in the
-    outer loop. The cache is allocated at its full width P + N once; the segment loop is not
-    unrolled, so the program does not grow with N. Steps past N in the last segment are inert:
+    `decode_segment` steps in a fixed-trip loop (a known trip count, which XLA:GPU can run
+    without reading a predicate back per step; unmeasured here), the done-check once per
+    segment in the outer loop. The cache is allocated at its full width P + N once; the
+    segment loop is not unrolled, so the program does not grow with N. Steps past N in the last segment are inert:
     every row is done by then, their column writes fall outside the outputs (scatters drop them)
     and their cache write lands on the last position, which nothing reads afterwards."""
     n, p = scfg.max_new_tokens, prompt_BxP.shape[1]
