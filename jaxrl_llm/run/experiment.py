@@ -100,7 +100,8 @@ def _run(config, workdir: str, log, compiles: xla.CompileLog) -> dict:
     state = _train(b, state, ckpt, out, evaluate, summary, t_start)
     summary.update(version=int(state.version), time_s=time.time() - t_start,
                    reward_failures=b.orchestrator.reward_failures, compile_s=sum(compiles.total.values()))
-    out.log("longest compiles: " + ", ".join(f"{name} {s:.1f} s" for name, s in compiles.slowest(5)))
+    if compiles.total:
+        out.log("longest compiles: " + ", ".join(f"{name} {s:.1f} s" for name, s in compiles.slowest(5)))
     return summary
 
 
@@ -136,7 +137,8 @@ def as_recorded(user_config, resolved):
     to the `auto` default does not)."""
     out = ml_collections.ConfigDict(user_config.to_dict())
     for section in ("model", "aux_model"):
-        out[section].dtype = resolved[section].dtype
+        if section in out:
+            out[section].dtype = resolved[section].dtype
     return out
 
 
@@ -172,8 +174,8 @@ class _Output:
     `log` (process 0 alone writes and prints)."""
 
     def __init__(self, b: Parts, user_config, workdir: str, state, resumed: bool, log, compiles: xla.CompileLog):
-        config, self.main, self.compiles = b.plan.config, distributed.is_main(), compiles
-        self.config = config
+        self.config = config = b.plan.config
+        self.main, self.compiles = distributed.is_main(), compiles
         self.user_config, self.workdir, self.orchestrator = user_config, workdir, b.orchestrator
         # Records past the restored version (or all, starting afresh) belong to a run that died.
         self.writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=self.main,
