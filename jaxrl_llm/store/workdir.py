@@ -140,9 +140,9 @@ def changes(workdir: str, config, model: dict) -> tuple[list, list]:
     model_diff = [f"model {k}: {last['model'].get(k)!r} -> {model[k]!r}" for k in MODEL_KEYS
                   if k in last["model"] and last["model"][k] != model[k]]
     now = flat(config)
-    # A key the last start did not have is a setting added by a newer version of this code: not
-    # a change of the experiment (`introduced` records it on resume).
-    keys = sorted(set(last["config"]) | {k for k in now if k in last["config"]})
+    # Only the last start's keys: one it did not have is a setting added by a newer version of
+    # this code, not a change of the experiment (`introduced` records it on resume).
+    keys = sorted(last["config"])
     other = [f"{k}: {last['config'].get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}" for k in keys
              if k not in FREE and not k.startswith(FREE_PREFIXES) and last["config"].get(k) != now.get(k)]
     return model_diff, other
