@@ -35,7 +35,6 @@ before the step (`forward.batch_stats`), each below the step's own forward: they
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Optional
 
@@ -69,17 +68,14 @@ class Layout:
         return (self.platform or jax.default_backend()) == "cpu"
 
     @classmethod
-    def of(cls, mesh_cfg, learner_devices, sampler_devices, shared: bool) -> "Layout":
-        """From a `mesh` section (one size may be -1: the remaining devices) and the devices."""
+    def of(cls, mesh, sampler_devices, shared: bool) -> "Layout":
+        """From the learner's mesh (`sharding.make_mesh`) and the samplers' devices."""
         import jax
 
-        n = len(learner_devices)
-        sizes = {a: int(mesh_cfg[a]) for a in ("data", "fsdp", "tensor")}
-        known = math.prod(v for v in sizes.values() if v != -1)
-        sizes = {a: (max(1, n // known) if v == -1 else v) for a, v in sizes.items()}
-        local = sum(d.process_index == jax.process_index() for d in learner_devices)
+        local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        sizes = {a: mesh.shape.get(a, 1) for a in ("data", "fsdp", "tensor")}
         return cls(**sizes, samplers=max(1, len(sampler_devices)), shared=shared, local=max(1, local),
-                   platform=learner_devices[0].platform)
+                   platform=mesh.devices.flat[0].platform)
 
 
 def nbytes(dtype: str) -> int:

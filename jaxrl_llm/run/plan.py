@@ -58,13 +58,14 @@ def resolve(config) -> RunPlan:
             models.check_weights(config[section].hf_path, cfg)
     check_sampling(config, task, mcfg)
     learner_devices, sampler_devices = config_lib.devices(config)
-    check_layout(config, mcfg, acfg, learner_devices)
+    mesh = sharding.make_mesh(config.mesh, learner_devices)
+    check_layout(config, mcfg, acfg, mesh)
     warnings = tuple(getattr(task, "warnings", ()))
     if config.task.name in tasks.MULTI_TURN and len(sampler_devices) > 1:
         warnings += (f"task {config.task.name!r} is multi-turn, whose episodes decode on one device for now: the "
                      f"samplers use 1 of this process's {len(sampler_devices)} sampler devices",)
         sampler_devices = sampler_devices[:1]
-    layout = memory.Layout.of(config.mesh, learner_devices, sampler_devices, not config.runtime.sampler_devices)
+    layout = memory.Layout.of(mesh, sampler_devices, not config.runtime.sampler_devices)
     parts = memory.estimate(config, task, mcfg, acfg, objective, layout)
     memory.check_run(config, task, mcfg, acfg, parts, layout)
     return RunPlan(config=ml_collections.FrozenConfigDict(config), task=task, model=mcfg, aux_model=acfg,
@@ -105,12 +106,11 @@ def auto_dtype(platform: Optional[str] = None) -> str:
     return "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
 
 
-def check_layout(config, mcfg, acfg, learner_devices) -> None:
+def check_layout(config, mcfg, acfg, mesh) -> None:
     """Every split the learner's mesh must make divides evenly (`sharding.check_divisible`),
     refused with the settings that fix it before any weight is loaded or program compiled."""
     import jax
 
-    mesh = sharding.make_mesh(config.mesh, learner_devices)
     rows = config.runtime.prompts_per_batch * config.sampler.num_samples * distributed.count()
     problems = []
     for what, cfg in (("model", mcfg), ("aux_model", acfg)):
