@@ -44,7 +44,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 import common  # noqa: E402
 
 from jaxrl_llm import models, testing  # noqa: E402
-from jaxrl_llm.models import decoder, heads  # noqa: E402
+from jaxrl_llm.models import attention as attn, heads  # noqa: E402
 from jaxrl_llm.models.config import ModelConfig  # noqa: E402
 from jaxrl_llm.models.policy_dist import PolicyDist  # noqa: E402
 from jaxrl_llm.run import memory  # noqa: E402
@@ -172,7 +172,7 @@ def main():
     out.update(plans())
     out.update(prox_pass())
     out["tensor8_kvheads4"] = tensor8()
-    out["attention_auto"] = {f"{p}_{d}": decoder.kernel(_tiny(64, dtype=d), p)
+    out["attention_auto"] = {f"{p}_{d}": attn.kernel(_tiny(64, dtype=d), p)
                              for p in ("cpu", "gpu", "tpu") for d in ("float32", "bfloat16")}
     out["seconds"] = time.perf_counter() - t0
     common.report(out, a.out or None)

@@ -5,7 +5,7 @@
 
 On a GPU, at Qwen2.5-0.5B shapes (random weights, nothing downloaded):
   * attention parity: `jax.nn.dot_product_attention` with cuDNN (`implementation="cudnn"`) and
-    with the platform's default, each against the einsum path (`decoder.attention`), bf16, on
+    with the platform's default, each against the einsum path (`models.attention`), bf16, on
     the masks the learner uses (left padding + causal); the max abs difference and each one's time;
   * a bf16 learner step (PPO on GRPO advantages, AdamW, packing off): trained tokens/s and MFU
     (6 x matmul FLOPs per token + attention, over the device's dense bf16 peak);
@@ -68,7 +68,7 @@ def parity(cfg, rows: int, length: int, repeats: int, accelerator: bool) -> dict
     import jax
     import jax.numpy as jnp
 
-    from jaxrl_llm.models import decoder
+    from jaxrl_llm.models import attention as attn
 
     keys = jax.random.split(jax.random.key(0), 3)
     hd, n, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -79,7 +79,7 @@ def parity(cfg, rows: int, length: int, repeats: int, accelerator: bool) -> dict
     pos = jnp.arange(length)
     mask = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, None, :] >= pad[:, :, None])
     mask = mask & (pos[None, :, None] >= pad[:, :, None])
-    einsum, dpa = (jax.jit(lambda q, k, v, m, c=cfg.replace(attention=impl): decoder.attention(q, k, v, m, c))
+    einsum, dpa = (jax.jit(lambda q, k, v, m, c=cfg.replace(attention=impl): attn.attention(q, k, v, m, c))
                    for impl in ("einsum", "dot_product_attention"))
     want = einsum(q, k, v, mask).astype(jnp.float32)
     valid = mask.any(-1)[..., None, None]  # padding queries' outputs are unused

@@ -74,7 +74,7 @@ def attention(s) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxrl_llm.models import decoder
+    from jaxrl_llm.models import attention as attn
 
     cfg = s.cfg
     rows, length = 4, s.seq_len
@@ -86,10 +86,10 @@ def attention(s) -> dict:
     pad = jnp.arange(rows)[:, None] * (length // (2 * rows))
     mask = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, None, :] >= pad[:, :, None])
     valid = mask.any(-1)[..., None, None]
-    run = lambda impl: jax.jit(lambda q, k, v, m, c=cfg.replace(attention=impl): decoder.attention(q, k, v, m, c))  # noqa: E731
+    run = lambda impl: jax.jit(lambda q, k, v, m, c=cfg.replace(attention=impl): attn.attention(q, k, v, m, c))  # noqa: E731
     want = run("einsum")(q, k, v, mask).astype(jnp.float32)
     out = {"shape": f"{rows}x{length}x{cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim}",
-           "auto": decoder.kernel(cfg)}
+           "auto": attn.kernel(cfg)}
     for impl in ("xla", "cudnn", "chunked", "einsum") if s.accelerator else ("xla", "chunked", "einsum"):
         try:
             f = run(impl)

@@ -35,4 +35,4 @@ def test_the_audit_reaches_the_issues_bar(tmp_path):
     assert r["prox_pass_temp_vs_plan"] <= 1.3 < r["prox_pass_temp_whole_batch_vs_plan"]
     assert r["tensor8_kvheads4"].startswith("mesh.tensor=8 does not divide the model's heads [28]")  # KV: replicated
     assert r["attention_auto"] == {"cpu_float32": "chunked", "cpu_bfloat16": "chunked", "gpu_float32": "xla",
-                                   "gpu_bfloat16": "cudnn", "tpu_float32": "xla", "tpu_bfloat16": "xla"}
+                                   "gpu_bfloat16": "cudnn", "tpu_float32": "splash", "tpu_bfloat16": "splash"}

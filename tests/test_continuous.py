@@ -130,7 +130,7 @@ def test_heavy_tail_keeps_slots_fuller_than_a_static_batch(params):
 
 
 def test_dot_product_attention_kernel_decodes_the_same(params):
-    """decoder.attention through jax.nn.dot_product_attention (prefill, per-slot decode against
+    """models.attention through jax.nn.dot_product_attention (prefill, per-slot decode against
     the cache) gives the einsum kernel's completions."""
     scfg = _base(temperature=0.0)
     ref = _sampler(scfg).generate(params[0], PROMPTS, jax.random.key(4))

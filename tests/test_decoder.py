@@ -1,4 +1,4 @@
-"""`models/decoder.py`: parameter axes, RoPE scaling, rematerialisation and chunked attention."""
+"""`models/decoder.py`: parameter axes, RoPE scaling and rematerialisation."""
 
 import jax
 import jax.numpy as jnp
@@ -66,73 +66,6 @@ def test_remat_keeps_gradients_and_cuts_activation_memory():
         nbytes, grads = temp_bytes_and_grads(remat)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, base)
         assert nbytes < base_bytes / 2, (remat, nbytes, base_bytes)  # measured ~0.2 (full), ~0.25 (dots)
-
-
-def test_attention_in_query_chunks_is_exact():
-    """Long sequences attend in blocks of `attention_chunk` queries (recomputed in backward), the
-    last block padded when the length is not a multiple: the same logits and gradients as one
-    block, with left padding."""
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=8, attention="chunked", attention_chunk=0)
-    params = models.init_params(cfg, jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (3, 60), 0, 64)
-    mask = jnp.ones_like(tokens).at[0, :9].set(0).at[2, :40].set(0)
-
-    def run(chunk):
-        c = cfg.replace(attention_chunk=chunk)
-        loss = lambda p: jnp.sum(jnp.square(decoder.forward(p, c, tokens, mask)) * mask[..., None])
-        return models.full_logits(params, c, tokens, mask), jax.grad(loss)(params)
-
-    (ref_logits, ref_grads), (logits, grads) = run(0), run(16)  # 60 = 3 x 16 + 12
-    np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=0)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), grads, ref_grads)  # f32 sums
-
-
-def _attention_reference(q, k, v, mask):
-    """NumPy, float64: softmax(q k^T / sqrt(hd)) v per head, KV heads shared by groups."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    b, t, n, hd = q.shape
-    g = n // k.shape[1]
-    out = np.zeros((b, t, n, hd))
-    for h in range(n):
-        s = np.einsum("btd,bds->bts", q[:, :, h], k[:, h // g]) / np.sqrt(hd)
-        s = np.where(mask, s, -np.inf)
-        p = np.exp(s - s.max(-1, keepdims=True))
-        out[:, :, h] = np.einsum("bts,bsd->btd", p / p.sum(-1, keepdims=True), v[:, h // g])
-    return out
-
-
-@pytest.mark.parametrize("kernel", ["xla", "einsum", "chunked"])
-def test_every_cpu_kernel_matches_numpy_with_padding_segments_and_a_cache(kernel):
-    """Each attention kernel that runs on CPU against a NumPy restatement, on the three masks the
-    code builds: causal with left padding, two packed segments, and one decode query over a
-    partly filled cache (cuDNN runs on GPU only: experiments/gpu_check.py compares it there)."""
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
-                      head_dim=8, attention=kernel, attention_chunk=8)
-    rng = np.random.default_rng(0)
-    b, t, s = 2, 20, 20
-    causal = np.tril(np.ones((t, s), bool))[None]
-    padded = causal & (np.arange(s) >= np.array([[3], [0]]))[:, None, :]
-    seg = (np.arange(t) < 11)
-    packed = causal & (seg[:, None] == seg[None, :])[None]
-    cache = np.zeros((b, 1, 32), bool)
-    cache[0, 0, :17], cache[1, 0, 4:9] = True, True
-    for mask in (padded, np.broadcast_to(packed, (b, t, s)), cache):
-        tq, ts = mask.shape[1:]
-        q = rng.normal(size=(b, tq, 4, 8)).astype(np.float32)
-        k, v = rng.normal(size=(b, 2, 8, ts)).astype(np.float32), rng.normal(size=(b, 2, ts, 8)).astype(np.float32)
-        got = decoder.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), cfg)
-        real = mask.any(-1)  # a query with no allowed key has an unused output
-        np.testing.assert_allclose(np.asarray(got)[real], _attention_reference(q, k, v, mask)[real], atol=2e-5)
-
-
-def test_auto_picks_the_platforms_kernel():
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
-                      head_dim=8)
-    assert decoder.kernel(cfg, "cpu") == "chunked" and decoder.kernel(cfg, "tpu") == "xla"
-    assert decoder.kernel(cfg, "gpu") == "xla" and decoder.kernel(cfg.replace(dtype="bfloat16"), "gpu") == "cudnn"
-    assert decoder.kernel(cfg.replace(attention="dot_product_attention"), "gpu") == "xla"  # the old name
-    assert decoder.kernel(cfg.replace(attention="einsum"), "gpu") == "einsum"
 
 
 def test_full_remat_recomputes_one_layer_at_a_time():

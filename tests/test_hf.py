@@ -47,7 +47,7 @@ def test_logits_match_transformers(hf_pair):
 @pytest.mark.parametrize("attention", ["einsum", "xla"])
 def test_left_padded_logits_match_transformers(hf_pair, attention):
     _, model, _, params, cfg = hf_pair
-    cfg = cfg.replace(attention=attention)  # both kernels of decoder.attention
+    cfg = cfg.replace(attention=attention)  # both kernels of models.attention
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (3, 24))
     mask = np.ones_like(tokens)
     mask[0, :7], mask[2, :15] = 0, 0

@@ -53,6 +53,22 @@ def test_sharded_step_equals_single_device_and_params_are_sharded():
     assert multi._step._cache_size() == 1 and single._step._cache_size() == 1
 
 
+def test_splash_step_on_a_mesh_equals_the_chunked_step_on_one_device():
+    """`model.attention=splash` (TPU's kernel; Pallas' interpreter on CPU) inside the sharded
+    step, prox pass included: per-shard `shard_map`, the same loss and parameters as chunked."""
+    obj = {"name": "decoupled_ppo"}
+    single = _learner(obj, mesh=sharding.make_mesh(None, jax.devices()[:1]))
+    mesh = sharding.make_mesh(dict(data=2, fsdp=2, tensor=2, rules=sharding.DEFAULT_RULES))
+    c = L.default_config()
+    c.lr, c.num_minibatches, c.packing = 3e-3, 2, "off"
+    multi = L.Learner(CFG.replace(attention="splash"), obj, c, mesh=mesh)
+    s1, s8 = single.init(jax.random.key(0)), multi.init(jax.random.key(0))
+    batch = testing.model_batch(s1.params, CFG, seed=0, version=0)
+    (s1, m1), (s8, m8) = single.train_step(s1, batch), multi.train_step(s8, batch)
+    assert m1["loss"] == pytest.approx(m8["loss"], abs=1e-5)
+    _params_close(s1.params, s8.params, 1e-5)
+
+
 def test_minibatches_versions_staleness_and_no_retrace():
     lrn = _learner({"name": "ppo"}, num_minibatches=4)
     st = lrn.init(jax.random.key(1))

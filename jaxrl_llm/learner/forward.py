@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_llm.learner import minibatches, packing
 from jaxrl_llm.parallel import sharding
 from jaxrl_llm.batch import TrajectoryBatch
-from jaxrl_llm.models import heads, lora
+from jaxrl_llm.models import attention, heads, lora
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.policy_dist import PolicyDist
 
@@ -57,13 +57,15 @@ def stats(fwd: Forward, params, batch: TrajectoryBatch, topk: int = 0, gather: b
                             split(gather_ids))
         return {k: v.reshape(-1, *v.shape[2:]) for k, v in out.items()}
     if packed is None:
-        return heads.sequence_logprobs(full(params), fwd.model_cfg, batch.tokens, batch.input_mask,
-                                       kept_BxL=batch.behav_kept, gather_ids_BxLxK=gather_ids, **kw)
+        with attention.on_mesh(fwd.model_cfg, fwd.mesh):
+            return heads.sequence_logprobs(full(params), fwd.model_cfg, batch.tokens, batch.input_mask,
+                                           kept_BxL=batch.behav_kept, gather_ids_BxLxK=gather_ids, **kw)
     rows = lambda x: jax.lax.with_sharding_constraint(x, fwd.on_shards)  # noqa: E731
     pack = lambda x: None if x is None else rows(packing.pack(x, packed.src))
-    s = heads.sequence_logprobs(full(params), fwd.model_cfg, pack(batch.tokens), kept_BxL=pack(batch.behav_kept),
-                                gather_ids_BxLxK=pack(gather_ids),
-                                segments=(rows(packed.segment), rows(packed.position)), **kw)
+    with attention.on_mesh(fwd.model_cfg, fwd.mesh):
+        s = heads.sequence_logprobs(full(params), fwd.model_cfg, pack(batch.tokens), kept_BxL=pack(batch.behav_kept),
+                                    gather_ids_BxLxK=pack(gather_ids),
+                                    segments=(rows(packed.segment), rows(packed.position)), **kw)
     return {k: packing.unpack(v, packed.dst) for k, v in s.items()}
 
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
 DTYPES = ("float32", "bfloat16")
-ATTENTION = ("auto", "xla", "cudnn", "chunked", "einsum", "dot_product_attention")  # the last: xla's old name
+ATTENTION = ("auto", "xla", "cudnn", "splash", "chunked", "einsum", "dot_product_attention")  # the last: xla's old name
 # Rematerialisation of decoder layers under grad (`decoder.Decoder`): none keeps every
 # activation; full keeps each layer's input only and recomputes the layer in the backward pass;
 # dots keeps the matmul outputs without batch dims (the projections), recomputing the rest.
@@ -52,9 +52,10 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of matmuls; log-prob heads are always float32
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
-    # Attention kernel (`decoder.kernel`): xla | cudnn (jax.nn.dot_product_attention with that
-    # implementation), chunked (head-major einsums in blocks of `attention_chunk` queries),
-    # einsum (one block), or auto: cudnn on GPU in 16-bit compute, else xla there; chunked on CPU.
+    # Attention kernel (`attention.kernel`): xla | cudnn (jax.nn.dot_product_attention with that
+    # implementation), splash (Pallas' flash kernel for TPU), chunked (head-major einsums in blocks
+    # of `attention_chunk` queries), einsum (one block), or auto: cudnn on GPU in 16-bit compute,
+    # else xla there; splash on TPU; chunked on CPU.
     attention: str = "auto"
     remat: str = "none"
     matmul_precision: str = "default"  # PRECISIONS; the run applies it process-wide (sampler and learner alike)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
 
 import flax.linen as nn
 import jax
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.models import lora
+from jaxrl_llm.models.attention import Segments, attention, self_mask
 from jaxrl_llm.models.config import ModelConfig
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -163,71 +163,6 @@ class Attention(nn.Module):
         return o.reshape(b, t, -1), new_cache
 
 
-def kernel(cfg: ModelConfig, platform: Optional[str] = None) -> str:
-    """The attention kernel `cfg.attention` names on `platform` (default: JAX's backend), `auto`
-    resolved: cuDNN's flash attention on GPU when the compute dtype is 16-bit (cuDNN takes no
-    float32), else XLA's there and on TPU (no Pallas splash kernel yet); chunked einsums on CPU."""
-    impl = "xla" if cfg.attention == "dot_product_attention" else cfg.attention
-    if impl != "auto":
-        return impl
-    platform = platform or jax.default_backend()
-    if platform in ("gpu", "cuda", "rocm"):
-        return "cudnn" if cfg.dtype in ("bfloat16", "float16") else "xla"
-    return "xla" if platform == "tpu" else "chunked"
-
-
-def attention(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS, cfg: ModelConfig):
-    """The one attention of learner, prefill and decode: softmax(q k^T / sqrt(hd)) v over the
-    keys `mask_BxTxS` allows (left padding, causality, packed segments, a cache's filled
-    positions, per-slot lengths: all one boolean mask), GQA by head groups -> [B, T, N, H].
-    Keys come transposed ([B, KVH, hd, S]: the decode cache's layout). A query with no allowed
-    key (padding) gets a finite, unused output. The kernel is `kernel(cfg)`'s:
-
-      xla | cudnn  `jax.nn.dot_product_attention` with that implementation (cuDNN: flash
-                   attention, no [T, S] scores held);
-      einsum       head-major einsums, q [B, KVH, G*T, hd] @ k [B, KVH, hd, S] as plain batched
-                   GEMMs (~5x faster than contracting k along its minor dim for decode on CPU);
-      chunked      the einsums in blocks of `attention_chunk` queries (the last block padded),
-                   each recomputed in the backward pass, so a layer never holds more than one
-                   block's [chunk, S] scores (the full [T, S] grow as T^2: 235 MB per layer for
-                   2 x 1,024 tokens and 14 heads in float32). Same values: softmax is per query."""
-    impl = kernel(cfg)
-    if impl in ("xla", "cudnn"):
-        return _fused(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS, cfg, impl)
-    b, t = q_BxTxNxH.shape[:2]
-    chunk = cfg.attention_chunk
-    if impl == "einsum" or not chunk or t <= chunk:
-        return _einsum(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS, cfg)
-    n = -(-t // chunk)
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-    split = lambda x: pad(x).reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
-    one = jax.checkpoint(lambda qm: _einsum(qm[0], k_BxKxHxS, v_BxKxSxH, qm[1], cfg))
-    out = jax.lax.map(one, (split(q_BxTxNxH), split(mask_BxTxS)))
-    return out.swapaxes(0, 1).reshape(b, n * chunk, *out.shape[3:])[:, :t]
-
-
-def _fused(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS, cfg: ModelConfig, implementation: str):
-    k, v = k_BxKxHxS.transpose(0, 3, 1, 2), v_BxKxSxH.transpose(0, 2, 1, 3)  # [B, S, KVH, hd]
-    # A padding query with no allowed key: let it see key 0 (its output is unused) so that no
-    # kernel divides by an empty softmax.
-    first = jnp.arange(mask_BxTxS.shape[-1])[None, None, :] == 0
-    mask = mask_BxTxS | (~jnp.any(mask_BxTxS, -1, keepdims=True) & first)
-    return jax.nn.dot_product_attention(q_BxTxNxH.astype(cfg.dtype), k.astype(cfg.dtype), v.astype(cfg.dtype),
-                                        mask=mask[:, None], implementation=implementation).astype(cfg.dtype)
-
-
-def _einsum(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS, cfg: ModelConfig):
-    b, t = q_BxTxNxH.shape[:2]
-    kv, groups, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    q = q_BxTxNxH.reshape(b, t, kv, groups, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, groups * t, hd)
-    scores = jnp.einsum("bkqd,bkds->bkqs", q, k_BxKxHxS.astype(q.dtype), preferred_element_type=jnp.float32)
-    scores = scores.reshape(b, kv, groups, t, -1) / math.sqrt(hd)
-    scores = jnp.where(mask_BxTxS[:, None, None], scores, -1e30)
-    probs = jax.nn.softmax(scores, -1).astype(cfg.dtype).reshape(b, kv, groups * t, -1)
-    out = jnp.einsum("bkqs,bksd->bkqd", probs, v_BxKxSxH.astype(cfg.dtype))
-    return out.reshape(b, kv, groups, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads, hd)
-
-
 class MLP(nn.Module):
     cfg: ModelConfig
 
@@ -364,22 +299,20 @@ def causal_mask(input_mask_BxL):
 
 def forward(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL):
     """Full-sequence forward (learner / teacher forcing): hidden states [B, L, D]."""
-    hidden, _ = Decoder(cfg).apply(
-        {"params": params}, tokens_BxL, padding_positions(input_mask_BxL), causal_mask(input_mask_BxL))
+    mask = self_mask(cfg, input_mask_BxL, lambda: causal_mask(input_mask_BxL))
+    hidden, _ = Decoder(cfg).apply({"params": params}, tokens_BxL, padding_positions(input_mask_BxL), mask)
     return hidden
 
 
 def segment_mask(segment_BxL):
     """[B, L, L] attention mask of packed rows: causal, within one segment, never onto padding
     (segment 0). A padding query attends nothing (its output is finite and unused)."""
-    length = segment_BxL.shape[1]
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    same = segment_BxL[:, :, None] == segment_BxL[:, None, :]
-    return causal[None] & same & (segment_BxL[:, None, :] > 0)
+    return Segments(segment_BxL).dense()
 
 
 def forward_packed(params, cfg: ModelConfig, tokens_BxL, segment_BxL, position_BxL):
     """Full-sequence forward over packed rows (several sequences per row, `packing.py`)."""
-    hidden, _ = Decoder(cfg).apply({"params": params}, tokens_BxL, position_BxL, segment_mask(segment_BxL))
+    mask = self_mask(cfg, segment_BxL, lambda: segment_mask(segment_BxL))
+    hidden, _ = Decoder(cfg).apply({"params": params}, tokens_BxL, position_BxL, mask)
     return hidden
 

@@ -38,7 +38,7 @@ import dataclasses
 import os
 from typing import Optional
 
-from jaxrl_llm.models import decoder, lora
+from jaxrl_llm.models import attention as attn, lora
 from jaxrl_llm.models.config import ModelConfig
 
 GB = 2**30
@@ -89,9 +89,10 @@ def layer_activations(cfg: ModelConfig, rows: int, length: int, tensor: int = 1)
     d, hd = cfg.hidden_size, cfg.head_dim
     f, h, k = (-(-x // tensor) for x in (cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads))
     per_token = 5 * d * 4 + a * (2 * (h + 2 * k) * hd + h * hd + 4 * f)
-    c, kernel = cfg.attention_chunk, decoder.kernel(cfg)
-    # decoder.attention's [queries, keys] scores: one block when chunked, none held by cuDNN's flash
-    queries = 0 if kernel == "cudnn" else c if kernel == "chunked" and c and length > c else length
+    c, kernel = cfg.attention_chunk, attn.kernel(cfg)
+    # models.attention's [queries, keys] scores: one block when chunked, none held by the flash
+    # kernels (cuDNN's, splash)
+    queries = 0 if kernel in ("cudnn", "splash") else c if kernel == "chunked" and c and length > c else length
     return rows * length * per_token + rows * h * queries * length * (4 + a)
 
 
