@@ -44,10 +44,10 @@ def test_logits_match_transformers(hf_pair):
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("attention", ["einsum", "xla"])
+@pytest.mark.parametrize("attention", ["einsum", "xla", "splash"])
 def test_left_padded_logits_match_transformers(hf_pair, attention):
     _, model, _, params, cfg = hf_pair
-    cfg = cfg.replace(attention=attention)  # both kernels of models.attention
+    cfg = cfg.replace(attention=attention)  # the fused, einsum and splash kernels
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (3, 24))
     mask = np.ones_like(tokens)
     mask[0, :7], mask[2, :15] = 0, 0
