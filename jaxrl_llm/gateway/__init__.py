@@ -1,0 +1,8 @@
+"""An OpenAI-compatible gateway in front of the sampler's slots: agents written against a chat
+client are trained on exactly the tokens the sampler drew for them (`docs/agents.md`).
+
+  chat      messages <-> token ids through the chat template; tool-call parsing
+  sessions  the session protocol (extend, branch, reward, timeout), no I/O
+  service   sessions' rows in the continuous-batching slots; closed sessions as batch rows
+  server    the HTTP face (FastAPI / uvicorn)
+"""

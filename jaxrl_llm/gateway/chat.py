@@ -1,0 +1,153 @@
+"""OpenAI chat messages <-> the token ids a session's row holds, through the tokenizer's chat
+template. No I/O.
+
+The rule that keeps "trained exactly as sampled": the model's turns are never encoded from
+text. A session's row starts with its first request rendered by the template (the prompt);
+after each model turn, the next request's new messages (tool results, a user message) are
+rendered *as the template renders what follows that turn* and tokenised on their own
+(`ChatFormat.extension`): the text after the turn's closing token in the rendering of the
+whole conversation. The row then reads: prompt, sampled tokens, extension, sampled tokens, ...
+
+Tool calls are the Hermes / Qwen format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+inside the assistant's turn, parsed into OpenAI `tool_calls` (`parse_turn`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Optional, Sequence
+
+CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+class ChatError(ValueError):
+    """A request the session cannot take, with the field that is wrong."""
+
+
+def _content(msg: dict, where: str) -> str:
+    c = msg.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):  # content parts: text only
+        parts = []
+        for i, p in enumerate(c):
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise ChatError(f"{where}.content[{i}]: only text parts are supported")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise ChatError(f"{where}.content: a string or a list of text parts")
+
+
+def _arguments(raw: Any, where: str):
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise ChatError(f"{where}.function.arguments: not JSON") from None
+    return raw
+
+
+def normal(msg: Any, where: str = "messages") -> dict:
+    """A message as the template and the history check see it: role, text content, and for an
+    assistant its tool calls (name, parsed arguments); a tool message its call id. Anything
+    else a client echoes back (refusal: None, annotations, ids of our choosing) is dropped."""
+    if not isinstance(msg, dict):
+        raise ChatError(f"{where}: a message object")
+    role = msg.get("role")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise ChatError(f"{where}.role: one of system, developer, user, assistant, tool (got {role!r})")
+    out = {"role": "system" if role == "developer" else role, "content": _content(msg, where)}
+    if role == "assistant" and msg.get("tool_calls"):
+        calls = []
+        for i, c in enumerate(msg["tool_calls"]):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ChatError(f"{where}.tool_calls[{i}].function.name: missing")
+            calls.append({"name": fn["name"], "arguments": _arguments(fn.get("arguments"), f"{where}.tool_calls[{i}]")})
+        out["tool_calls"] = calls
+    if role == "tool":
+        out["tool_call_id"] = str(msg.get("tool_call_id") or "")
+    return out
+
+
+def _template_message(m: dict) -> dict:
+    """A normal message as HF chat templates take it (tool calls in the OpenAI shape)."""
+    if "tool_calls" not in m:
+        return dict(m)
+    calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in m["tool_calls"]]
+    return {"role": "assistant", "content": m["content"], "tool_calls": calls}
+
+
+def parse_turn(text: str, turn_id: str) -> tuple[dict, list]:
+    """A model turn's text (its closing token dropped) -> (assistant message in the OpenAI shape,
+    its tool calls as `normal` records them). A block that is not a JSON call stays as text."""
+    calls, api = [], []
+    kept = text
+    for i, m in enumerate(CALL.finditer(text)):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            continue
+        args = obj.get("arguments", {})
+        calls.append({"name": obj["name"], "arguments": args})
+        api.append({"id": f"call_{turn_id}_{i}", "type": "function",
+                    "function": {"name": obj["name"], "arguments": json.dumps(args)}})
+        kept = kept.replace(m.group(0), "", 1)
+    msg = {"role": "assistant", "content": kept.strip() if calls else text}
+    if api:
+        msg["tool_calls"] = api
+    return msg, calls
+
+
+class ChatFormat:
+    """A tokenizer's chat template, the turn-closing token and the tools a session declared."""
+
+    def __init__(self, tokenizer, stop_id: int):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the gateway needs a tokenizer with a chat template")
+        self.tokenizer, self.stop_id = tokenizer, int(stop_id)
+        self.stop_text = tokenizer.decode([self.stop_id])
+
+    def _render(self, msgs: Sequence[dict], tools, generation: bool) -> str:
+        kw = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template([_template_message(m) for m in msgs], tokenize=False,
+                                                  add_generation_prompt=generation, **kw)
+
+    def encode(self, text: str) -> list:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt(self, msgs: Sequence[dict], tools=None) -> list:
+        """The first request's ids: the messages rendered, the assistant header open."""
+        return self.encode(self._render(msgs, tools, True))
+
+    def extension(self, before: Sequence[dict], new: Sequence[dict], tools=None) -> list:
+        """The ids that follow a model turn (`before` ends with it) when `new` messages come:
+        the whole conversation rendered, from just after the turn's closing token on."""
+        said = self._render(before, tools, False)
+        cut = said.rfind(self.stop_text)
+        if cut < 0:
+            raise ChatError(f"the chat template does not close an assistant turn with {self.stop_text!r}")
+        cut += len(self.stop_text)
+        full = self._render(list(before) + list(new), tools, True)
+        if not full.startswith(said[:cut]):
+            raise ChatError("the chat template renders the earlier conversation differently once new messages "
+                            "follow; this session cannot be extended token for token")
+        return self.encode(full[cut:])
+
+    def reply(self, ids: Sequence[int], turn_id: str) -> tuple[dict, list]:
+        """The model's turn (`ids`, the closing token included if it was drawn) -> `parse_turn`."""
+        body = list(ids[:-1]) if len(ids) and ids[-1] == self.stop_id else list(ids)
+        return parse_turn(self.tokenizer.decode(body), turn_id)
+
+
+def first_difference(a: Sequence[dict], b: Sequence[dict]) -> Optional[int]:
+    """The first index where two normal message lists differ (None: `a` is a prefix of `b`)."""
+    for i, m in enumerate(a):
+        if i >= len(b) or b[i] != m:
+            return i
+    return None

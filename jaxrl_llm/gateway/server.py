@@ -1,0 +1,178 @@
+"""The gateway's HTTP face: OpenAI-compatible chat completions in front of `service.Gateway`.
+
+FastAPI on uvicorn: the stack `openai`-style servers in Python use (vLLM, SGLang, AReaL's proxy),
+with pydantic-free handlers here because every field is checked by `service.Gateway._check`
+and refused by name. A session is named by the base URL (`/s/<session>/v1`, what a stock client
+takes as `base_url`) or by the `X-Session-Id` header. Loopback by default; any other host needs
+the run's token, sent as the bearer key (`api_key=` of the stock client).
+
+  POST /v1/chat/completions          one assistant turn (`stream=true`: server-sent events)
+  GET  /v1/models                    the one model served
+  POST /rl/sessions/{id}/reward      {"reward": r}: the session closes and is trained
+  GET  /rl/stats                     the sessions' counters
+"""
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import re
+import threading
+import time
+import uuid
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from jaxrl_llm.gateway import chat
+
+SESSION_HEADER = "x-session-id"
+MAX_BODY = 4 << 20  # bytes a request body may have
+SESSION_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+
+
+def _error(status: int, message: str, param: Optional[str] = None):
+    kind = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error"}.get(status,
+                                                                                          "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+
+
+def _param(message: str) -> str:
+    head = message.split(":", 1)[0].split("[", 1)[0].split(".", 1)[0]
+    return head if head.replace("_", "").isalnum() else None
+
+
+def app(gateway, token: Optional[str] = None):
+    """The ASGI app over `gateway`; `token`: the bearer key every request must carry (None: none)."""
+    api = FastAPI(title="jaxrl_llm gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @api.middleware("http")
+    async def guard(request: Request, call_next):
+        if token is not None:
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+                return _error(401, "a bearer token is required (the run's token)")
+        if int(request.headers.get("content-length") or 0) > MAX_BODY:
+            return _error(413, f"request body over {MAX_BODY} bytes")
+        return await call_next(request)
+
+    async def body_of(request: Request) -> dict:
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise chat.ChatError(f"body: over {MAX_BODY} bytes")
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise chat.ChatError("body: not JSON") from None
+
+    async def completions(request: Request, session: Optional[str]):
+        session = session or request.headers.get(SESSION_HEADER)
+        if not session or not SESSION_ID.fullmatch(session):
+            return _error(400, "a session id (1-128 of A-Z a-z 0-9 _ . : -): /s/<session>/v1 as the base URL, "
+                          "or the X-Session-Id header", "session")
+        try:
+            body = await body_of(request)
+            future = gateway.chat(session, body)
+        except chat.ChatError as e:
+            return _error(409 if "in flight" in str(e) else 400, str(e), _param(str(e)))
+        try:
+            message, finish = await asyncio.wrap_future(future)
+        except chat.ChatError as e:
+            return _error(409, str(e))
+        out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": gateway.model}
+        if body.get("stream"):
+            return StreamingResponse(_events(out, message, finish), media_type="text/event-stream")
+        return JSONResponse({**out, "object": "chat.completion",
+                             "choices": [{"index": 0, "message": message, "finish_reason": finish}]})
+
+    @api.post("/v1/chat/completions")
+    async def plain(request: Request):
+        return await completions(request, None)
+
+    @api.post("/s/{session}/v1/chat/completions")
+    async def named(session: str, request: Request):
+        return await completions(request, session)
+
+    async def models():
+        return {"object": "list", "data": [{"id": gateway.model, "object": "model", "owned_by": "jaxrl_llm",
+                                            "created": 0}]}
+
+    api.get("/v1/models")(models)
+    api.get("/s/{session}/v1/models")(models)
+
+    @api.post("/rl/sessions/{session}/reward")
+    async def reward(session: str, request: Request):
+        try:
+            body = await body_of(request)
+            value = body.get("reward") if isinstance(body, dict) else None
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise chat.ChatError("reward: a number")
+            gateway.reward(session, float(value))
+        except KeyError:
+            return _error(404, f"no session {session!r}")
+        except chat.ChatError as e:
+            return _error(400, str(e), _param(str(e)))
+        return JSONResponse({"session": session, "reward": float(value)})
+
+    @api.get("/rl/stats")
+    async def stats():
+        return gateway.counts()
+
+    return api
+
+
+def _events(head: dict, message: dict, finish: str):
+    """The answer as chat.completion.chunk events: the role, the content, each tool call, the
+    finish reason, then [DONE]. The turn is decoded whole before it is sent (slots decode in
+    segments), so the events arrive together."""
+    def chunk(delta, reason=None):
+        c = {**head, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta,
+                                                                      "finish_reason": reason}]}
+        return f"data: {json.dumps(c)}\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    if message.get("content"):
+        yield chunk({"content": message["content"]})
+    for i, call in enumerate(message.get("tool_calls", ())):
+        yield chunk({"tool_calls": [{"index": i, **call}]})
+    yield chunk({}, finish)
+    yield "data: [DONE]\n\n"
+
+
+class Server:
+    """uvicorn serving `app(gateway, token)` on a thread; `port=0` picks a free one (`.port`)."""
+
+    def __init__(self, gateway, host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None):
+        import uvicorn
+
+        if not _loopback(host) and not token:
+            raise ValueError(f"gateway.host={host!r} is not loopback: the gateway needs the run's token there")
+        self.config = uvicorn.Config(app(gateway, token), host=host, port=port, log_level="warning",
+                                     access_log=False, lifespan="off")
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True, name="gateway-http")
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway could not serve on {host}:{port}")
+            time.sleep(0.01)
+        self.host, self.port = host, self.server.servers[0].sockets[0].getsockname()[1]
+
+    def url(self, session: Optional[str] = None) -> str:
+        base = f"http://{self.host}:{self.port}"
+        return f"{base}/s/{session}/v1" if session else f"{base}/v1"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,203 @@
+"""The gateway's engine side: sessions' rows decoded in the sampler's continuous-batching slots
+on a thread of their own, and each closed session handed over as rows of the batch contract.
+
+Requests from every agent share the slots: a session's first request feeds a new row
+(`continuous.SlotEngine.stream`'s `feed`), a turn's end parks the row (its slot goes to another
+row) until the session's next request forces its observation in (`rollout.turns`), and a
+session whose reward came (or that timed out) leaves. A row's draws follow its key and id alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from concurrent.futures import Future
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from jaxrl_llm.batch import TrajectoryBatch
+from jaxrl_llm.gateway import chat, sessions as sessions_lib
+from jaxrl_llm.rollout.sampler import to_batch
+from jaxrl_llm.rollout.turns import Turns
+
+# Request fields: what the run's sampling distribution fixes (checked for equality), what is
+# taken, and what is ignored; any other field is refused by name.
+FIXED = ("temperature", "top_p", "top_k")
+TAKEN = ("model", "messages", "tools", "tool_choice", "stream", "stream_options", "max_tokens",
+         "max_completion_tokens", "n", "parallel_tool_calls")
+IGNORED = ("user", "metadata", "store")
+ZERO = ("presence_penalty", "frequency_penalty")  # accepted at their neutral value only
+
+
+@dataclasses.dataclass
+class Closed:
+    """A session that ended: its rows (one, or more when it branched) and its reward."""
+
+    session: str
+    reward: float
+    batch: TrajectoryBatch  # one row per branch, in order; `rewards` filled
+    branched: np.ndarray  # bool per row
+    turns: np.ndarray
+    tool_calls: np.ndarray
+
+
+class Gateway:
+    """Sessions over one sampler's slots. `params`/`version`: the weights it decodes with
+    (`refresh()` as in `Sampler.generate` may swap them between segments)."""
+
+    def __init__(self, sampler, format: chat.ChatFormat, params, version: int = 0, *, model: str = "policy",
+                 slots: int = 8, max_turns: int = 8, timeout_s: float = 300.0, max_obs: int = 256, seed: int = 0,
+                 refresh: Optional[Callable] = None, clock=None):
+        cfg = sampler.cfg
+        if format.stop_id not in cfg.turn_stop_ids:
+            raise ValueError(f"the sampler's turn_stop_ids {cfg.turn_stop_ids} must hold the chat turn's closing "
+                             f"token {format.stop_id}")
+        if cfg.eos_token_id == format.stop_id:
+            raise ValueError("the sampler's EOS is the chat turn's closing token: no session could go on")
+        self.sampler, self.format, self.model, self.max_obs = sampler, format, model, max_obs
+        kw = {} if clock is None else {"clock": clock}
+        self.sessions = sessions_lib.Sessions(format, max_turns, timeout_s, **kw)
+        self.width = sampler.cfg.prompt_buckets[-1]
+        self._lock = threading.RLock()
+        self._new: list = []  # rows whose first request came, not yet fed
+        self._outputs: dict[int, dict] = {}  # row -> its outputs once it left the slots
+        self._closed: list = []
+        self._stop = threading.Event()
+        self._error: list = []
+        self._prompts: dict = {}  # row -> (its prompt ids, mask) as fed, until handed over
+        self._engine = sampler.slots(slots)
+        self._thread = threading.Thread(target=self._run, args=(params, version, seed, refresh), daemon=True,
+                                        name="gateway-slots")
+        self._thread.start()
+
+    # -- requests (any thread) ------------------------------------------------------------------
+
+    def chat(self, session: str, body: dict) -> Future:
+        """A chat completion request -> Future[(assistant message, finish reason, usage)]."""
+        self._check(body)
+        with self._lock:
+            try:
+                answer, row = self.sessions.request(session, body.get("messages"), body.get("tools") or None)
+            except chat.ChatError:
+                self.sessions.counts["refused"] += 1
+                raise
+            if row is not None:
+                if len(row.prompt) > self.width:
+                    self.sessions._close(row)
+                    raise chat.ChatError(f"messages: {len(row.prompt)} prompt tokens exceed the largest "
+                                         f"sampler.prompt_buckets ({self.width})")
+                self._new.append(row)
+        return answer
+
+    def reward(self, session: str, value: float) -> None:
+        if not math.isfinite(value):
+            raise chat.ChatError("reward: a finite number")
+        with self._lock:
+            self.sessions.reward(session, value)
+            self._settle()
+
+    def closed(self) -> list:
+        """Sessions closed since the last call (`Closed`), oldest first."""
+        with self._lock:
+            out, self._closed = self._closed, []
+        return out
+
+    def counts(self) -> dict:
+        with self._lock:
+            return dict(self.sessions.counts)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _check(self, body: dict) -> None:
+        if not isinstance(body, dict):
+            raise chat.ChatError("body: a JSON object")
+        for k, v in body.items():
+            if k in FIXED:
+                run = getattr(self.sampler.cfg, k)
+                if v is not None and not math.isclose(float(v), float(run), rel_tol=0, abs_tol=1e-9):
+                    raise chat.ChatError(f"{k}: this run samples with {k}={run}; its tokens are trained as drawn")
+            elif k in ZERO:
+                if v not in (None, 0, 0.0):
+                    raise chat.ChatError(f"{k}: only 0 (the run's sampling distribution)")
+            elif k not in TAKEN and k not in IGNORED:
+                raise chat.ChatError(f"{k}: not supported by this gateway")
+        if body.get("n") not in (None, 1):
+            raise chat.ChatError("n: one choice per request (open more sessions for more samples)")
+        if body.get("tool_choice") not in (None, "auto"):
+            raise chat.ChatError("tool_choice: only 'auto' (the model decides, as it was sampled)")
+        budget = self.sampler.cfg.max_new_tokens
+        for k in ("max_tokens", "max_completion_tokens"):
+            v = body.get(k)
+            if v is not None and (not isinstance(v, int) or v < budget):
+                raise chat.ChatError(f"{k}: at least the run's session budget sampler.max_new_tokens={budget} "
+                                     "(a turn cannot be cut shorter than the slots decode it)")
+
+    # -- the slots (one thread) -----------------------------------------------------------------
+
+    def _feed(self, engine, key):
+        with self._lock:
+            rows, self._new = self._new, []
+        if self._stop.is_set():
+            return None
+        if not rows:
+            return ()
+        p, cfg = self.width, self.sampler.cfg
+        toks = np.full((len(rows), p), cfg.pad_token_id, np.int32)
+        mask = np.zeros((len(rows), p), np.int32)
+        for i, r in enumerate(rows):
+            toks[i, p - len(r.prompt):], mask[i, p - len(r.prompt):] = r.prompt, 1
+        ids = np.asarray([r.id for r in rows], np.int64)
+        self._prompts.update({r.id: (toks[i], mask[i]) for i, r in enumerate(rows)})
+        return ids, toks, mask, np.full(len(rows), cfg.max_new_tokens), engine.row_keys(key, ids)
+
+    def _respond(self, row: int, tokens, obs) -> Future:
+        with self._lock:
+            return self.sessions.respond(row, tokens, obs)
+
+    def _run(self, params, version, seed, refresh) -> None:
+        try:
+            engine = self._engine
+            key = jax.random.key(seed)
+            turns = Turns(self._respond, release=True, max_obs=self.max_obs)
+            for ids, got in engine.stream(params, self.width, version, lambda: self._feed(engine, key),
+                                          refresh=refresh, stop=self._stop.is_set, turns=turns):
+                with self._lock:
+                    for i, row in enumerate(ids.tolist()):
+                        out = {f: x[i] for f, x in got.items()}
+                        real = out["valid_BxN"]
+                        self.sessions.finished(row, out["tokens_BxN"][real], out["obs_BxN"][real], bool(out["eos_B"]))
+                        self._outputs[row] = out
+                    self.sessions.expire()
+                    self._settle()
+        except Exception as e:  # surfaced to every waiting request; the server reports it
+            self._error.append(e)
+            with self._lock:
+                for row in self.sessions.rows.values():
+                    if row.answer is not None and not row.answer.done():
+                        row.answer.set_exception(e)
+
+    def _settle(self) -> None:
+        """Hand over every session whose reward came (or that timed out) once all its rows left
+        the slots; timed-out sessions are dropped, counted."""
+        s = self.sessions
+        for name, reward in list(s.rewards.items()):
+            rows = sorted((r for r in s.rows.values() if r.session == name), key=lambda r: r.id)
+            if not all(r.id in self._outputs for r in rows):
+                continue
+            outs = [self._outputs.pop(r.id) for r in rows]
+            for r in rows:
+                del s.rows[r.id]
+            del s.latest[name], s.rewards[name]
+            if math.isnan(reward):
+                continue
+            stacked = {f: np.stack([o[f] for o in outs]) for f in outs[0]}
+            toks, mask = (np.stack(x) for x in zip(*[self._prompts.pop(r.id) for r in rows]))
+            batch = to_batch(toks, mask, np.zeros(len(rows), np.int32), self._engine.outputs(stacked))
+            batch = batch.replace(rewards=np.full(len(rows), reward, np.float32))
+            self._closed.append(Closed(name, reward, batch, np.asarray([r.branched for r in rows]),
+                                       np.asarray([r.turns for r in rows]), np.asarray([r.tool_calls for r in rows])))

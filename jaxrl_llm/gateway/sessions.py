@@ -1,0 +1,165 @@
+"""Sessions: the protocol between agents' chat requests and the decode slots' rows. No I/O, no
+threads of its own; an injectable clock (`runtime/leases.py` style).
+
+A session is one episode: one row of the sampler (`Row`), opened by its first request (the
+prompt), extended by each next request whose messages continue the conversation exactly (the
+assistant turns this gateway returned, then new messages: their ids are forced into the row as
+an observation), and closed by a reward. Per row the states are
+
+    generating --(the model's turn ends: its message answers the request)--> waiting
+    waiting    --(a request that extends it)------------------------------> generating
+    waiting    --(reward, or session_timeout_s idle)-----------------------> closed
+
+and the row may end from the model's side (EOS, its token budget, the turn limit). A request
+that does not extend the row (history edited or dropped, or a row that has ended) opens a new
+row of the same session, flagged `branched` and counted: the new row's prompt is the whole
+conversation as sent, and nothing is spliced into the old row, which closes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import Future
+from typing import Callable, Optional
+
+from jaxrl_llm.gateway import chat
+from jaxrl_llm.tasks.envs import Reply
+
+COUNTERS = ("opened", "closed", "timed_out", "branched", "refused", "turns", "tool_calls")
+
+
+@dataclasses.dataclass
+class Row:
+    """One row of a session in the decode slots."""
+
+    id: int
+    session: str
+    prompt: list  # the first request rendered (ids)
+    messages: list  # the conversation so far, `chat.normal` form (the assistant turns included)
+    tools: Optional[list]
+    branched: bool = False
+    state: str = "generating"  # generating | waiting | closed
+    answer: Optional[Future] = None  # the request waiting for the model's turn: (message, finish reason)
+    reply: Optional[Future] = None  # the slots' wait for this row's next observation (`tasks.envs.Reply`)
+    turns: int = 0
+    tool_calls: int = 0
+    seen: float = 0.0  # clock of the last request or answer
+    ended: bool = False  # the model's side ended the row (EOS, budget, turn limit)
+
+
+class Sessions:
+    """Every session's rows; `format` renders and parses messages (`chat.ChatFormat`)."""
+
+    def __init__(self, format: chat.ChatFormat, max_turns: int, timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.format, self.max_turns, self.timeout_s, self.clock = format, max_turns, timeout_s, clock
+        self.rows: dict[int, Row] = {}
+        self.latest: dict[str, int] = {}  # session -> its newest row
+        self.rewards: dict[str, float] = {}
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self._next = 0
+
+    def request(self, session: str, messages, tools=None) -> tuple[Future, Optional[Row]]:
+        """A chat request of `session` -> (the future of its answer, the new row to start or None
+        when the request extends a waiting row, which goes on by itself)."""
+        msgs = [chat.normal(m, f"messages[{i}]") for i, m in enumerate(messages or [])]
+        if not msgs:
+            raise chat.ChatError("messages: at least one message")
+        if session in self.rewards:
+            raise chat.ChatError(f"session {session!r} is closed (its reward was given)")
+        answer: Future = Future()
+        row = self.rows.get(self.latest.get(session, -1))
+        if row is not None and row.state == "generating":
+            raise chat.ChatError(f"session {session!r} has a request in flight; send the next one after its answer")
+        if row is not None and row.state == "waiting" and not row.ended and tools == row.tools:
+            split = chat.first_difference(row.messages, msgs)
+            if split is None and len(msgs) > len(row.messages):
+                ids = self.format.extension(row.messages, msgs[len(row.messages):], tools)
+                row.messages, row.state, row.answer, row.seen = msgs, "generating", answer, self.clock()
+                row.reply.set_result(Reply(obs_ids=tuple(ids)))
+                return answer, None
+        new = Row(self._next, session, self.format.prompt(msgs, tools), msgs, tools, branched=row is not None,
+                  answer=answer, seen=self.clock())
+        self._next += 1
+        if row is not None:  # a branch: the old row closes as it is, counted
+            self.counts["branched"] += 1
+            self._close(row)
+        else:
+            self.counts["opened"] += 1
+        self.rows[new.id], self.latest[session] = new, new.id
+        return answer, new
+
+    def respond(self, row_id: int, tokens, obs) -> Future:
+        """The slots' side (`rollout.turns.Turns.respond`): the row's turn ended; its message
+        answers the waiting request; the returned future is the row's next observation."""
+        row, reply = self.rows[row_id], Future()
+        row.reply = reply
+        if row.state == "closed":  # the session moved on (branch, timeout) while this turn decoded
+            reply.set_result(Reply(done=True))
+            return reply
+        row.turns += 1
+        self._answer(row, self._turn(row, tokens, obs), "tool_calls" if row.messages[-1].get("tool_calls") else "stop")
+        if row.turns >= self.max_turns:
+            row.ended = True
+            reply.set_result(Reply(done=True))
+        return reply
+
+    def finished(self, row_id: int, tokens, obs, eos: bool) -> None:
+        """The row left the slots (EOS, budget, turn limit, or closed): a request still waiting
+        gets the last turn (finish reason `stop` at EOS, else `length`)."""
+        row = self.rows[row_id]
+        row.ended = True
+        if row.state == "generating" and row.answer is not None and not row.answer.done():
+            row.turns += 1
+            self._answer(row, self._turn(row, tokens, obs), "stop" if eos else "length")
+
+    def reward(self, session: str, value: float) -> list:
+        """The session's reward: its rows close. Returns the ids of its rows."""
+        if session not in self.latest:
+            raise KeyError(session)
+        if session in self.rewards:
+            raise chat.ChatError(f"session {session!r} already has a reward")
+        self.rewards[session] = float(value)
+        ids = [r.id for r in self.rows.values() if r.session == session]
+        for i in ids:
+            self._close(self.rows[i])
+        self.counts["closed"] += 1
+        return ids
+
+    def expire(self) -> list:
+        """Sessions idle past `timeout_s` with no reward: closed and dropped. Returns their names."""
+        now, gone = self.clock(), []
+        for s, i in list(self.latest.items()):
+            row = self.rows[i]
+            if s not in self.rewards and row.state != "generating" and now - row.seen > self.timeout_s:
+                gone.append(s)
+        for s in gone:
+            for row in [r for r in self.rows.values() if r.session == s]:
+                self._close(row)
+            self.rewards[s] = float("nan")
+            self.counts["timed_out"] += 1
+        return gone
+
+    def _turn(self, row: Row, tokens, obs) -> dict:
+        start = max((i + 1 for i, o in enumerate(obs) if o), default=0)
+        msg, calls = self.format.reply(list(tokens[start:]), f"{row.id}_{row.turns}")
+        row.messages = row.messages + [chat.normal(msg)]
+        row.tool_calls += len(calls)
+        self.counts["turns"] += 1
+        self.counts["tool_calls"] += len(calls)
+        return msg
+
+    def _answer(self, row: Row, msg: dict, finish: str) -> None:
+        row.state, row.seen = "waiting", self.clock()
+        if row.answer is not None and not row.answer.done():
+            row.answer.set_result((msg, finish))
+
+    def _close(self, row: Row) -> None:
+        if row.state == "closed":
+            return
+        row.state = "closed"
+        if row.reply is not None and not row.reply.done():
+            row.reply.set_result(Reply(done=True))
+        if row.answer is not None and not row.answer.done():
+            row.answer.set_exception(chat.ChatError(f"session {row.session!r} closed before its answer"))

@@ -1,0 +1,224 @@
+"""`gateway/`: agents on the stock `openai` client, sessions in the sampler's slots, and rows that
+hold exactly the ids the sampler drew.
+
+The policy is scripted so that turns are predictable: a word-level tokenizer of 19 tokens, a
+one-hot embedding and an unembedding that makes each script token's successor ~0.999 likely
+(`\\n` -> <tool_call> -> a call's JSON -> </tool_call> -> <|im_end|>) on top of random layers,
+so every turn is one tool call and log-probs still depend on the context."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm.gateway import chat, server as server_lib, service
+from jaxrl_llm.learner import forward
+from jaxrl_llm.models import decoder
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.policy_dist import PolicyDist
+from jaxrl_llm.rollout import Sampler, SamplerConfig
+
+openai = pytest.importorskip("openai")
+
+CALL = '{"name": "calc", "arguments": {"x": 2}}'
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "\n", CALL]
+WORDS = ["<unk>", "user", "assistant", "tool", "system", "what", "is", "two", "plus", "three", "five", "hi"]
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "add", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+QUESTION = [{"role": "user", "content": "what is two plus three"}]
+
+
+@functools.cache
+def tokenizer():
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from jaxrl_llm.testing import CHAT_TEMPLATE
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in SPECIAL])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                                pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def ids(*tokens):
+    return tokenizer().convert_tokens_to_ids(list(tokens))
+
+
+CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8, tie_word_embeddings=False)
+
+
+@functools.cache
+def params():
+    p = decoder.init_params(CFG, jax.random.key(0))
+    script = dict(zip(ids("\n", "<tool_call>", CALL, "</tool_call>"), ids("<tool_call>", CALL, "</tool_call>",
+                                                                          "<|im_end|>")))
+    head = np.asarray(p["lm_head"]).copy()
+    for t, nxt in script.items():  # the final norm maps one-hot e_t to sqrt(D) e_t: logit 12
+        head[t, nxt] += 12 / np.sqrt(CFG.hidden_size)
+    return {**p, "embed": jnp.eye(CFG.vocab_size, CFG.hidden_size), "lm_head": jnp.asarray(head)}
+
+
+@functools.cache
+def sampler():
+    eot, end = ids("<|endoftext|>", "<|im_end|>")
+    return Sampler(CFG, SamplerConfig(max_new_tokens=48, temperature=1.0, capture_topk=2, num_samples=1,
+                                      prompt_buckets=(32,), decode_segment=4, eos_token_id=eot, pad_token_id=eot,
+                                      turn_stop_ids=(end,), batching="continuous", slots=4))
+
+
+@pytest.fixture(scope="module")
+def served():
+    fmt = chat.ChatFormat(tokenizer(), ids("<|im_end|>")[0])
+    gw = service.Gateway(sampler(), fmt, params(), version=3, slots=4, max_turns=4, timeout_s=30, max_obs=16)
+    srv = server_lib.Server(gw, token="sesame")
+    yield gw, srv
+    srv.close()
+    gw.close()
+
+
+def _client(srv, session, key="sesame"):
+    return openai.OpenAI(base_url=srv.url(session), api_key=key, max_retries=0, timeout=60)
+
+
+def _reward(srv, session, value, key="sesame"):
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{srv.host}:{srv.port}/rl/sessions/{session}/reward", method="POST",
+                                 data=json.dumps({"reward": value}).encode(),
+                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _closed(gw, n=1):
+    import time
+
+    got, deadline = [], time.monotonic() + 60
+    while len(got) < n and time.monotonic() < deadline:
+        got += gw.closed()
+        time.sleep(0.02)
+    assert len(got) == n, gw.counts()
+    return got
+
+
+def test_three_tool_call_turns_round_trip_and_train_exactly_as_sampled(served):
+    """Three turns through the stock client: each answer is a parsed tool call; the session's row
+    is the first request rendered, then each turn's drawn ids and each tool result's rendered
+    ids (loss 0, version -1); the learner's forward over it gives every behaviour log-prob."""
+    gw, srv = served
+    client, msgs = _client(srv, "s-three"), list(QUESTION)
+    for turn in range(3):
+        out = client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "calc"
+        assert choice.message.tool_calls[0].function.arguments == '{"x": 2}'
+        msgs += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "five"}]
+    _reward(srv, "s-three", 1.0)
+    (done,) = _closed(gw)
+    b = jax.tree.map(np.asarray, done.batch)
+    assert done.session == "s-three" and done.reward == 1.0 and b.rewards.tolist() == [1.0]
+    fmt = gw.format
+    prompt = fmt.prompt([chat.normal(m) for m in QUESTION])
+    turn = ids("<tool_call>", CALL, "</tool_call>", "<|im_end|>")
+    ext = fmt.extension([chat.normal(m) for m in msgs[:2]], [chat.normal(msgs[2])])
+    assert ext == ids("\n", "<|im_start|>", "tool", "\n", "five", "<|im_end|>", "\n", "<|im_start|>", "assistant", "\n")
+    real = b.input_mask[0] > 0
+    row = b.tokens[0][real].tolist()
+    want = prompt + turn + ext + turn + ext + turn
+    assert row[:len(want)] == want  # the fourth turn was decoding when the reward came
+    p = 32
+    drawn = b.loss_mask[0] > 0
+    obs = real & ~drawn
+    obs[:p] = False
+    assert obs.sum() == 2 * len(ext) and (b.versions[0][obs] == -1).all() and (b.versions[0][drawn] == 3).all()
+    stats = forward.batch_stats(forward.Forward(CFG, PolicyDist(1.0), 16, None), params(),
+                                jax.tree.map(jnp.asarray, done.batch), None, gather=False)
+    np.testing.assert_allclose(np.asarray(stats["logp"])[0][drawn], b.behav_logp[0][drawn], atol=2e-4)
+    assert (b.behav_logp[0][drawn] < 0).all()
+
+
+def test_requests_outside_the_runs_distribution_or_token_are_refused_by_name(served):
+    gw, srv = served
+    client = _client(srv, "s-refused")
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="policy", messages=QUESTION, temperature=0.5)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.chat.completions.create(model="policy", messages=QUESTION, logit_bias={"3": 1.0})
+    with pytest.raises(openai.BadRequestError, match="n: one choice"):
+        client.chat.completions.create(model="policy", messages=QUESTION, n=2)
+    with pytest.raises(openai.AuthenticationError):
+        _client(srv, "s-refused", key="wrong").chat.completions.create(model="policy", messages=QUESTION)
+    assert [m.id for m in client.models.list().data] == ["policy"]
+
+
+def test_an_edited_history_is_a_flagged_branch_never_spliced(served):
+    """The agent rewrites its first message after a turn: a new row of the session, flagged,
+    whose prompt is the conversation as sent; the old row keeps only what it had."""
+    gw, srv = served
+    client = _client(srv, "s-branch")
+    first = client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS).choices[0].message
+    edited = [{"role": "user", "content": "what is two plus five"}, first.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "five"}]
+    second = client.chat.completions.create(model="policy", messages=edited, tools=TOOLS)
+    assert second.choices[0].finish_reason == "tool_calls"
+    _reward(srv, "s-branch", 0.5)
+    (done,) = _closed(gw)
+    assert done.branched.tolist() == [False, True] and gw.counts()["branched"] >= 1
+    b = jax.tree.map(np.asarray, done.batch)
+    fmt = gw.format
+    for r, msgs in enumerate((QUESTION, edited)):
+        prompt = fmt.prompt([chat.normal(m) for m in msgs])
+        assert b.tokens[r][b.input_mask[r] > 0].tolist()[:len(prompt)] == prompt
+    obs = (b.input_mask[0] > 0) & (b.loss_mask[0] == 0)
+    assert obs[32:].sum() == 0  # nothing was forced into the old row
+
+
+def test_a_streamed_answer_is_the_same_turn_as_events(served):
+    gw, srv = served
+    client = _client(srv, "s-stream")
+    chunks = list(client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS, stream=True))
+    calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert calls and calls[0][0].function.name == "calc" and calls[0][0].function.arguments == '{"x": 2}'
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    _reward(srv, "s-stream", 0.0)
+    assert _closed(gw)[0].session == "s-stream"
+
+
+def test_many_concurrent_sessions_share_the_slots_none_lost_none_twice(served):
+    """32 sessions of two turns each through `AsyncOpenAI` over 4 slots: every session is handed
+    over once, with its own reward, and holds its own two turns."""
+    import asyncio
+
+    gw, srv = served
+
+    async def agent(i):
+        client = openai.AsyncOpenAI(base_url=srv.url(f"many-{i}"), api_key="sesame", max_retries=0, timeout=120)
+        msgs = list(QUESTION)
+        for _ in range(2):
+            m = (await client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)).choices[0].message
+            msgs += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id,
+                                                       "content": "five"}]
+        await asyncio.to_thread(_reward, srv, f"many-{i}", float(i))
+        await client.close()
+
+    async def main():
+        await asyncio.gather(*(agent(i) for i in range(32)))
+
+    asyncio.run(main())
+    done = _closed(gw, 32)
+    assert sorted(d.session for d in done) == sorted(f"many-{i}" for i in range(32))
+    for d in done:
+        b = jax.tree.map(np.asarray, d.batch)
+        assert b.rewards.tolist() == [float(d.session.split("-")[1])] and d.turns.tolist() in ([2], [3])
+        drawn = b.tokens[0][b.loss_mask[0] > 0].tolist()
+        assert drawn[:8] == 2 * ids("<tool_call>", CALL, "</tool_call>", "<|im_end|>")
+    assert gw.closed() == []

@@ -1,0 +1,115 @@
+"""`gateway/sessions.py`: the session protocol with an injected clock and a stub format (no
+slots, no HTTP): extension, branch, the model's side ending a row, rewards and timeouts."""
+
+import pytest
+
+from jaxrl_llm.gateway import chat, sessions
+
+
+class Format:
+    """Renders a message as [role id, one id per content character]; the turn closes with 99."""
+    stop_id = 99
+
+    def prompt(self, msgs, tools=None):
+        return [t for m in msgs for t in [len(m["role"])] + [ord(c) for c in m["content"]]]
+
+    def extension(self, before, new, tools=None):
+        return [-1] + self.prompt(new)
+
+    def reply(self, ids, turn_id):
+        text = "".join(chr(i) for i in ids if i != 99)
+        return {"role": "assistant", "content": text}, []
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _table(max_turns=4, timeout=10.0):
+    clock = Clock()
+    return sessions.Sessions(Format(), max_turns, timeout, clock=clock), clock
+
+
+USER = {"role": "user", "content": "hi"}
+
+
+def test_a_session_extends_its_row_and_a_reward_closes_it():
+    t, _ = _table()
+    answer, row = t.request("a", [USER])
+    assert row.prompt == [4, ord("h"), ord("i")] and not row.branched
+    reply = t.respond(row.id, [ord("o"), ord("k"), 99], [False] * 3)
+    assert answer.result() == ({"role": "assistant", "content": "ok"}, "stop")
+    nxt, again = t.request("a", [USER, {"role": "assistant", "content": "ok"}, {"role": "tool", "content": "5"}])
+    assert again is None and reply.result().obs_ids == (-1, 4, ord("5")) and not reply.result().done
+    with pytest.raises(chat.ChatError, match="in flight"):  # one request at a time per session
+        t.request("a", [USER])
+    t.respond(row.id, [ord("o"), ord("k"), 99, -1, 4, 53, ord("x"), 99], [False] * 3 + [True] * 3 + [False] * 2)
+    assert nxt.result()[0]["content"] == "x" and row.turns == 2
+    assert t.reward("a", 1.0) == [row.id] and row.state == "closed" and t.counts["closed"] == 1
+    with pytest.raises(chat.ChatError, match="closed"):
+        t.request("a", [USER])
+    with pytest.raises(chat.ChatError, match="already"):
+        t.reward("a", 0.0)
+    with pytest.raises(KeyError):
+        t.reward("nobody", 0.0)
+
+
+@pytest.mark.parametrize("edit", ["changed", "dropped", "ended"])
+def test_anything_but_an_exact_continuation_branches(edit):
+    t, _ = _table()
+    _, row = t.request("b", [USER])
+    reply = t.respond(row.id, [ord("o"), 99], [False, False])
+    said = {"role": "assistant", "content": "o"}
+    if edit == "ended":  # the model's side ended the row (EOS): nothing can be appended to it
+        t.finished(row.id, [ord("o"), 99], [False, False], eos=True)
+        msgs = [USER, said, USER]
+    else:
+        msgs = [{"role": "user", "content": "ho"}, said, USER] if edit == "changed" else [USER]
+    _, new = t.request("b", msgs)
+    assert new is not None and new.branched and new.prompt == Format().prompt([chat.normal(m) for m in msgs])
+    assert row.state == "closed" and reply.result().done and t.counts["branched"] == 1
+
+
+def test_the_turn_limit_ends_the_row_and_the_model_side_answers_a_waiting_request():
+    t, _ = _table(max_turns=1)
+    answer, row = t.request("c", [USER])
+    assert t.respond(row.id, [ord("a"), 99], [False, False]).result().done and row.ended
+    answer2, row2 = t.request("d", [USER])
+    t.finished(row2.id, [ord("z")] * 3, [False] * 3, eos=False)  # the budget ran out mid-turn
+    assert answer2.result() == ({"role": "assistant", "content": "zzz"}, "length")
+
+
+def test_idle_sessions_time_out_and_are_dropped_counted():
+    t, clock = _table(timeout=10.0)
+    _, row = t.request("e", [USER])
+    reply = t.respond(row.id, [ord("a"), 99], [False, False])
+    _, busy = t.request("f", [USER])  # generating: the slots still owe it an answer, never expired
+    clock.now = 11.0
+    assert t.expire() == ["e"] and reply.result().done and t.counts["timed_out"] == 1
+    assert t.rewards["e"] != t.rewards["e"]  # nan: handed over as dropped
+    assert busy.state == "generating"
+
+
+def test_messages_are_checked_by_field():
+    t, _ = _table()
+    for bad, field in (([{"role": "wizard", "content": "x"}], "messages[0].role"),
+                       ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]"),
+                       ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f",
+                                                                                          "arguments": "{"}}]}],
+                        "messages[0].tool_calls[0].function.arguments"), ([], "messages")):
+        with pytest.raises(chat.ChatError, match=field.replace("[", r"\[").replace("]", r"\]")):
+            t.request("g", bad)
+
+
+def test_tool_calls_parse_from_the_models_own_format():
+    msg, calls = chat.parse_turn('I will add. <tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>'
+                                 '<tool_call>{"name": 3}</tool_call>', "t0")
+    assert calls == [{"name": "calc", "arguments": {"x": 1}}] and msg["content"] == 'I will add. <tool_call>{"name": 3}</tool_call>'
+    assert msg["tool_calls"] == [{"id": "call_t0_0", "type": "function",
+                                  "function": {"name": "calc", "arguments": '{"x": 1}'}}]
+    assert chat.normal(msg)["tool_calls"] == calls  # what a client echoes back compares equal
+    plain, none = chat.parse_turn("just text", "t1")
+    assert plain == {"role": "assistant", "content": "just text"} and none == []
