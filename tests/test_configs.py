@@ -13,8 +13,8 @@ from jaxrl_llm.research import sweep
 from tests.test_experiment import shrink
 
 CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob("configs/*.py") if not p.endswith("__init__.py"))
-# tool_arithmetic runs in tests/test_multiturn.py (the same config, shrunk)
-RUN_CONFIGS = [n for n in CONFIGS if n not in ("objectives", "staleness_sweep", "tool_arithmetic")]
+# tool_arithmetic runs in tests/test_multiturn.py, agent_calculator in tests/test_agents.py (the same configs, shrunk)
+RUN_CONFIGS = [n for n in CONFIGS if n not in ("objectives", "staleness_sweep", "tool_arithmetic", "agent_calculator")]
 
 
 def _shrink(c, steps=3):

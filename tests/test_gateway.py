@@ -73,10 +73,21 @@ def sampler():
                                       turn_stop_ids=(end,), batching="continuous", slots=4))
 
 
+class Clock:
+    """The monotonic clock, which a test may move forward."""
+    ahead = 0.0
+
+    def __call__(self):
+        import time
+
+        return time.monotonic() + self.ahead
+
+
 @pytest.fixture(scope="module")
 def served():
     fmt = chat.ChatFormat(tokenizer(), ids("<|im_end|>")[0])
-    gw = service.Gateway(sampler(), fmt, params(), version=3, slots=4, max_turns=4, timeout_s=30, max_obs=16)
+    gw = service.Gateway(sampler(), fmt, params(), version=3, slots=4, max_turns=4, timeout_s=30, max_obs=16,
+                         clock=Clock())
     srv = server_lib.Server(gw, token="sesame")
     yield gw, srv
     srv.close()
@@ -222,3 +233,43 @@ def test_many_concurrent_sessions_share_the_slots_none_lost_none_twice(served):
         drawn = b.tokens[0][b.loss_mask[0] > 0].tolist()
         assert drawn[:8] == 2 * ids("<tool_call>", CALL, "</tool_call>", "<|im_end|>")
     assert gw.closed() == []
+
+
+def test_a_client_that_goes_away_is_timed_out_and_dropped(served):
+    """A client that disconnects while its turn decodes: the turn still ends (its row parks, its
+    slot goes to others), and with no next request or reward the session times out, is dropped
+    and counted; nothing of it is handed over for training."""
+    gw, srv = served
+    before = gw.counts()["timed_out"]
+    impatient = openai.OpenAI(base_url=srv.url("s-gone"), api_key="sesame", max_retries=0, timeout=0.001)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS)
+    import time
+
+    deadline = time.monotonic() + 30
+    while gw.sessions.rows.get(gw.sessions.latest.get("s-gone", -1)) is None or \
+            gw.sessions.rows[gw.sessions.latest["s-gone"]].state == "generating":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    gw.sessions.clock.ahead += 31  # past gateway.session_timeout_s
+    assert _closed(gw) == ["s-gone"] and gw.counts()["timed_out"] == before + 1
+
+
+def test_text_completions_extend_a_session_too(served):
+    gw, srv = served
+    client = _client(srv, "s-text")
+    prompt = "<|im_start|>user\nwhat is two plus three<|im_end|>\n<|im_start|>assistant\n"
+    first = client.completions.create(model="policy", prompt=prompt)
+    assert first.choices[0].finish_reason == "stop" and CALL in first.choices[0].text
+    second = client.completions.create(model="policy", prompt=prompt + first.choices[0].text + " five \n")
+    assert CALL in second.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        gw_body = {"model": "policy", "prompt": "hi", "messages": QUESTION}
+        client.post("/completions", body=gw_body, cast_to=object)
+    _reward(srv, "s-text", 1.0)
+    (done,) = _closed(gw)
+    b = jax.tree.map(np.asarray, done.batch)
+    turn = ids("<tool_call>", CALL, "</tool_call>", "<|im_end|>")
+    row = b.tokens[0][b.input_mask[0] > 0].tolist()
+    want = gw.format.encode(prompt) + turn + ids("five", "\n") + turn
+    assert row[:len(want)] == want and done.branched.tolist() == [False]

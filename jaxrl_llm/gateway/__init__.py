@@ -5,4 +5,9 @@ client are trained on exactly the tokens the sampler drew for them (`docs/agents
   sessions  the session protocol (extend, branch, reward, timeout), no I/O
   service   sessions' rows in the continuous-batching slots; closed sessions as batch rows
   server    the HTTP face (FastAPI / uvicorn)
+  agents    `task.name=agent`: agents' sessions as a task's rows
+  embedded  the embedded calculator task's ids as a chat format
+
+It imports the rollout (the slots), tasks (formats, environments' rewards) and the batch
+contract; the run imports it. Never the learner, the runtime or the store.
 """

@@ -139,6 +139,9 @@ class ChatFormat:
                             "follow; this session cannot be extended token for token")
         return self.encode(full[cut:])
 
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
     def reply(self, ids: Sequence[int], turn_id: str) -> tuple[dict, list]:
         """The model's turn (`ids`, the closing token included if it was drawn) -> `parse_turn`."""
         body = list(ids[:-1]) if len(ids) and ids[-1] == self.stop_id else list(ids)

@@ -7,6 +7,7 @@ takes as `base_url`) or by the `X-Session-Id` header. Loopback by default; any o
 the run's token, sent as the bearer key (`api_key=` of the stock client).
 
   POST /v1/chat/completions          one assistant turn (`stream=true`: server-sent events)
+  POST /v1/completions               one text turn (the session's text so far, then new text)
   GET  /v1/models                    the one model served
   POST /rl/sessions/{id}/reward      {"reward": r}: the session closes and is trained
   GET  /rl/stats                     the sessions' counters
@@ -57,34 +58,8 @@ def app(gateway, token: Optional[str] = None):
             return _error(413, f"request body over {MAX_BODY} bytes")
         return await call_next(request)
 
-    async def body_of(request: Request) -> dict:
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise chat.ChatError(f"body: over {MAX_BODY} bytes")
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise chat.ChatError("body: not JSON") from None
-
-    async def completions(request: Request, session: Optional[str]):
-        session = session or request.headers.get(SESSION_HEADER)
-        if not session or not SESSION_ID.fullmatch(session):
-            return _error(400, "a session id (1-128 of A-Z a-z 0-9 _ . : -): /s/<session>/v1 as the base URL, "
-                          "or the X-Session-Id header", "session")
-        try:
-            body = await body_of(request)
-            future = gateway.chat(session, body)
-        except chat.ChatError as e:
-            return _error(409 if "in flight" in str(e) else 400, str(e), _param(str(e)))
-        try:
-            message, finish = await asyncio.wrap_future(future)
-        except chat.ChatError as e:
-            return _error(409, str(e))
-        out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": gateway.model}
-        if body.get("stream"):
-            return StreamingResponse(_events(out, message, finish), media_type="text/event-stream")
-        return JSONResponse({**out, "object": "chat.completion",
-                             "choices": [{"index": 0, "message": message, "finish_reason": finish}]})
+    async def completions(request: Request, session: Optional[str], kind: str = "chat"):
+        return await _answer(gateway, request, session or request.headers.get(SESSION_HEADER), kind)
 
     @api.post("/v1/chat/completions")
     async def plain(request: Request):
@@ -93,6 +68,14 @@ def app(gateway, token: Optional[str] = None):
     @api.post("/s/{session}/v1/chat/completions")
     async def named(session: str, request: Request):
         return await completions(request, session)
+
+    @api.post("/v1/completions")
+    async def plain_text(request: Request):
+        return await completions(request, None, "text")
+
+    @api.post("/s/{session}/v1/completions")
+    async def named_text(session: str, request: Request):
+        return await completions(request, session, "text")
 
     async def models():
         return {"object": "list", "data": [{"id": gateway.model, "object": "model", "owned_by": "jaxrl_llm",
@@ -103,23 +86,66 @@ def app(gateway, token: Optional[str] = None):
 
     @api.post("/rl/sessions/{session}/reward")
     async def reward(session: str, request: Request):
-        try:
-            body = await body_of(request)
-            value = body.get("reward") if isinstance(body, dict) else None
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise chat.ChatError("reward: a number")
-            gateway.reward(session, float(value))
-        except KeyError:
-            return _error(404, f"no session {session!r}")
-        except chat.ChatError as e:
-            return _error(400, str(e), _param(str(e)))
-        return JSONResponse({"session": session, "reward": float(value)})
+        return await _reward(gateway, session, request)
 
     @api.get("/rl/stats")
     async def stats():
         return gateway.counts()
 
     return api
+
+
+async def _body(request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise chat.ChatError(f"body: over {MAX_BODY} bytes")
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise chat.ChatError("body: not JSON") from None
+
+
+async def _answer(gateway, request: Request, session: Optional[str], kind: str):
+    """One turn of `session` for a chat (`kind="chat"`) or text completion request."""
+    if not session or not SESSION_ID.fullmatch(session):
+        return _error(400, "a session id (1-128 of A-Z a-z 0-9 _ . : -): /s/<session>/v1 as the base URL, "
+                      "or the X-Session-Id header", "session")
+    start = time.perf_counter()
+    try:
+        body = await _body(request)
+        future = (gateway.chat if kind == "chat" else gateway.complete)(session, body)
+    except chat.ChatError as e:
+        return _error(409 if "in flight" in str(e) else 400, str(e), _param(str(e)))
+    try:
+        message, finish = await asyncio.wrap_future(future)
+    except chat.ChatError as e:
+        return _error(409, str(e))
+    gateway.answered(1e3 * (time.perf_counter() - start))
+    out = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+           "model": gateway.model}
+    if kind == "text":
+        choice = {"index": 0, "text": message, "finish_reason": finish, "logprobs": None}
+        if body.get("stream"):
+            return StreamingResponse(_text_events(out, message, finish), media_type="text/event-stream")
+        return JSONResponse({**out, "object": "text_completion", "choices": [choice]})
+    if body.get("stream"):
+        return StreamingResponse(_events(out, message, finish), media_type="text/event-stream")
+    return JSONResponse({**out, "object": "chat.completion",
+                         "choices": [{"index": 0, "message": message, "finish_reason": finish}]})
+
+
+async def _reward(gateway, session: str, request: Request):
+    try:
+        body = await _body(request)
+        value = body.get("reward") if isinstance(body, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise chat.ChatError("reward: a number")
+        gateway.reward(session, float(value))
+    except KeyError:
+        return _error(404, f"no session {session!r}")
+    except chat.ChatError as e:
+        return _error(400, str(e), _param(str(e)))
+    return JSONResponse({"session": session, "reward": float(value)})
 
 
 def _events(head: dict, message: dict, finish: str):
@@ -137,6 +163,15 @@ def _events(head: dict, message: dict, finish: str):
     for i, call in enumerate(message.get("tool_calls", ())):
         yield chunk({"tool_calls": [{"index": i, **call}]})
     yield chunk({}, finish)
+    yield "data: [DONE]\n\n"
+
+
+def _text_events(head: dict, text: str, finish: str):
+    """A text completion as events: the text, the finish reason, then [DONE]."""
+    for piece, reason in ((text, None), ("", finish)):
+        c = {**head, "object": "text_completion", "choices": [{"index": 0, "text": piece, "finish_reason": reason,
+                                                                "logprobs": None}]}
+        yield f"data: {json.dumps(c)}\n\n"
     yield "data: [DONE]\n\n"
 
 

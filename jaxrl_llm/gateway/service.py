@@ -13,7 +13,7 @@ import dataclasses
 import math
 import threading
 from concurrent.futures import Future
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import numpy as np
@@ -26,7 +26,7 @@ from jaxrl_llm.rollout.turns import Turns
 # Request fields: what the run's sampling distribution fixes (checked for equality), what is
 # taken, and what is ignored; any other field is refused by name.
 FIXED = ("temperature", "top_p", "top_k")
-TAKEN = ("model", "messages", "tools", "tool_choice", "stream", "stream_options", "max_tokens",
+TAKEN = ("model", "messages", "prompt", "tools", "tool_choice", "stream", "stream_options", "max_tokens",
          "max_completion_tokens", "n", "parallel_tool_calls")
 IGNORED = ("user", "metadata", "store")
 ZERO = ("presence_penalty", "frequency_penalty")  # accepted at their neutral value only
@@ -37,20 +37,20 @@ class Closed:
     """A session that ended: its rows (one, or more when it branched) and its reward."""
 
     session: str
-    reward: float
-    batch: TrajectoryBatch  # one row per branch, in order; `rewards` filled
+    reward: Optional[float]  # None: the agent left it to the task
+    batch: TrajectoryBatch  # one row per branch, in order; `rewards` filled when given
     branched: np.ndarray  # bool per row
     turns: np.ndarray
     tool_calls: np.ndarray
 
 
 class Gateway:
-    """Sessions over one sampler's slots. `params`/`version`: the weights it decodes with
-    (`refresh()` as in `Sampler.generate` may swap them between segments)."""
+    """Sessions over one sampler's slots. `params`/`version`: the weights it decodes with until
+    `publish` gives newer ones."""
 
     def __init__(self, sampler, format: chat.ChatFormat, params, version: int = 0, *, model: str = "policy",
                  slots: int = 8, max_turns: int = 8, timeout_s: float = 300.0, max_obs: int = 256, seed: int = 0,
-                 refresh: Optional[Callable] = None, clock=None):
+                 clock=None):
         cfg = sampler.cfg
         if format.stop_id not in cfg.turn_stop_ids:
             raise ValueError(f"the sampler's turn_stop_ids {cfg.turn_stop_ids} must hold the chat turn's closing "
@@ -67,20 +67,32 @@ class Gateway:
         self._closed: list = []
         self._stop = threading.Event()
         self._error: list = []
+        self._published = None
+        self._latencies: list = []
         self._prompts: dict = {}  # row -> (its prompt ids, mask) as fed, until handed over
         self._engine = sampler.slots(slots)
-        self._thread = threading.Thread(target=self._run, args=(params, version, seed, refresh), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(params, version, seed), daemon=True,
                                         name="gateway-slots")
         self._thread.start()
 
     # -- requests (any thread) ------------------------------------------------------------------
 
     def chat(self, session: str, body: dict) -> Future:
-        """A chat completion request -> Future[(assistant message, finish reason, usage)]."""
-        self._check(body)
+        """A chat completion request -> Future[(assistant message, finish reason)]."""
+        return self._open(session, body, "messages")
+
+    def complete(self, session: str, body: dict) -> Future:
+        """A text completion request -> Future[(text, finish reason)]."""
+        return self._open(session, body, "prompt")
+
+    def _open(self, session: str, body: dict, kind: str) -> Future:
+        self._check(body, kind)
         with self._lock:
             try:
-                answer, row = self.sessions.request(session, body.get("messages"), body.get("tools") or None)
+                if kind == "prompt":
+                    answer, row = self.sessions.complete(session, body.get("prompt"))
+                else:
+                    answer, row = self.sessions.request(session, body.get("messages"), body.get("tools") or None)
             except chat.ChatError:
                 self.sessions.counts["refused"] += 1
                 raise
@@ -92,15 +104,33 @@ class Gateway:
                 self._new.append(row)
         return answer
 
-    def reward(self, session: str, value: float) -> None:
-        if not math.isfinite(value):
+    def reward(self, session: str, value: Optional[float]) -> None:
+        """Close `session` with `value` (None: the task will score its transcript)."""
+        if value is not None and not math.isfinite(value):
             raise chat.ChatError("reward: a finite number")
         with self._lock:
             self.sessions.reward(session, value)
             self._settle()
 
+    def abandon(self, session: str) -> None:
+        """Drop `session` (its agent failed); its rows leave the slots and are not handed over."""
+        with self._lock:
+            self.sessions.abandon(session)
+            self._settle()
+
+    def publish(self, version: int, params) -> None:
+        """Newer weights: the slots decode with them from their next segment on."""
+        with self._lock:
+            self._published = (version, params)
+
+    def _refresh(self):
+        with self._lock:
+            newer, self._published = self._published, None
+        return newer
+
     def closed(self) -> list:
-        """Sessions closed since the last call (`Closed`), oldest first."""
+        """Sessions handed over since the last call: `Closed`, or the name of one dropped (timed
+        out, abandoned), oldest first."""
         with self._lock:
             out, self._closed = self._closed, []
         return out
@@ -109,13 +139,27 @@ class Gateway:
         with self._lock:
             return dict(self.sessions.counts)
 
+    def answered(self, ms: float) -> None:
+        """A request was answered after `ms` milliseconds (the server reports each)."""
+        with self._lock:
+            self._latencies.append(ms)
+
+    def latencies(self) -> np.ndarray:
+        """Milliseconds of the requests answered since the last call."""
+        with self._lock:
+            out, self._latencies = np.asarray(self._latencies), []
+        return out
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=60)
 
-    def _check(self, body: dict) -> None:
+    def _check(self, body: dict, kind: str = "messages") -> None:
         if not isinstance(body, dict):
             raise chat.ChatError("body: a JSON object")
+        other = "prompt" if kind == "messages" else "messages"
+        if other in body or (kind == "prompt" and ("tools" in body or "tool_choice" in body)):
+            raise chat.ChatError(f"{other if other in body else 'tools'}: not a field of this endpoint")
         for k, v in body.items():
             if k in FIXED:
                 run = getattr(self.sampler.cfg, k)
@@ -140,7 +184,8 @@ class Gateway:
     # -- the slots (one thread) -----------------------------------------------------------------
 
     def _feed(self, engine, key):
-        with self._lock:
+        with self._lock:  # asked at every pass of the slots' loop, idle or not: timeouts are checked here
+            self.sessions.expire()
             rows, self._new = self._new, []
         if self._stop.is_set():
             return None
@@ -159,20 +204,19 @@ class Gateway:
         with self._lock:
             return self.sessions.respond(row, tokens, obs)
 
-    def _run(self, params, version, seed, refresh) -> None:
+    def _run(self, params, version, seed) -> None:
         try:
             engine = self._engine
             key = jax.random.key(seed)
             turns = Turns(self._respond, release=True, max_obs=self.max_obs)
             for ids, got in engine.stream(params, self.width, version, lambda: self._feed(engine, key),
-                                          refresh=refresh, stop=self._stop.is_set, turns=turns):
+                                          refresh=self._refresh, stop=self._stop.is_set, turns=turns):
                 with self._lock:
                     for i, row in enumerate(ids.tolist()):
                         out = {f: x[i] for f, x in got.items()}
                         real = out["valid_BxN"]
                         self.sessions.finished(row, out["tokens_BxN"][real], out["obs_BxN"][real], bool(out["eos_B"]))
                         self._outputs[row] = out
-                    self.sessions.expire()
                     self._settle()
         except Exception as e:  # surfaced to every waiting request; the server reports it
             self._error.append(e)
@@ -193,11 +237,12 @@ class Gateway:
             for r in rows:
                 del s.rows[r.id]
             del s.latest[name], s.rewards[name]
-            if math.isnan(reward):
+            if reward is not None and math.isnan(reward):
+                self._closed.append(name)
                 continue
             stacked = {f: np.stack([o[f] for o in outs]) for f in outs[0]}
             toks, mask = (np.stack(x) for x in zip(*[self._prompts.pop(r.id) for r in rows]))
             batch = to_batch(toks, mask, np.zeros(len(rows), np.int32), self._engine.outputs(stacked))
-            batch = batch.replace(rewards=np.full(len(rows), reward, np.float32))
+            batch = batch.replace(rewards=np.full(len(rows), np.nan if reward is None else reward, np.float32))
             self._closed.append(Closed(name, reward, batch, np.asarray([r.branched for r in rows]),
                                        np.asarray([r.turns for r in rows]), np.asarray([r.tool_calls for r in rows])))

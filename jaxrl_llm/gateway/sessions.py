@@ -26,7 +26,7 @@ from typing import Callable, Optional
 from jaxrl_llm.gateway import chat
 from jaxrl_llm.tasks.envs import Reply
 
-COUNTERS = ("opened", "closed", "timed_out", "branched", "refused", "turns", "tool_calls")
+COUNTERS = ("opened", "closed", "timed_out", "abandoned", "branched", "refused", "turns", "tool_calls")
 
 
 @dataclasses.dataclass
@@ -36,7 +36,7 @@ class Row:
     id: int
     session: str
     prompt: list  # the first request rendered (ids)
-    messages: list  # the conversation so far, `chat.normal` form (the assistant turns included)
+    messages: object  # the conversation so far: `chat.normal` messages (assistant turns included), or text
     tools: Optional[list]
     branched: bool = False
     state: str = "generating"  # generating | waiting | closed
@@ -56,31 +56,44 @@ class Sessions:
         self.format, self.max_turns, self.timeout_s, self.clock = format, max_turns, timeout_s, clock
         self.rows: dict[int, Row] = {}
         self.latest: dict[str, int] = {}  # session -> its newest row
-        self.rewards: dict[str, float] = {}
+        self.rewards: dict[str, Optional[float]] = {}  # None: the task scores it; nan: dropped
         self.counts = dict.fromkeys(COUNTERS, 0)
         self._next = 0
 
     def request(self, session: str, messages, tools=None) -> tuple[Future, Optional[Row]]:
         """A chat request of `session` -> (the future of its answer, the new row to start or None
         when the request extends a waiting row, which goes on by itself)."""
-        msgs = [chat.normal(m, f"messages[{i}]") for i, m in enumerate(messages or [])]
-        if not msgs:
-            raise chat.ChatError("messages: at least one message")
+        if not isinstance(messages, list) or not messages:
+            raise chat.ChatError("messages: a list of at least one message")
+        return self._request(session, [chat.normal(m, f"messages[{i}]") for i, m in enumerate(messages)], tools)
+
+    def complete(self, session: str, prompt) -> tuple[Future, Optional[Row]]:
+        """A text completion request (`/v1/completions`): it goes on in the session's row when
+        `prompt` starts with the row's text so far (its prompt, then each completion returned);
+        the rest is tokenised on its own. Anything else branches, as for chat."""
+        if not isinstance(prompt, str) or not prompt:
+            raise chat.ChatError("prompt: a non-empty string")
+        return self._request(session, prompt, None)
+
+    def _request(self, session: str, msgs, tools) -> tuple[Future, Optional[Row]]:
+        text = isinstance(msgs, str)
         if session in self.rewards:
             raise chat.ChatError(f"session {session!r} is closed (its reward was given)")
         answer: Future = Future()
         row = self.rows.get(self.latest.get(session, -1))
         if row is not None and row.state == "generating":
             raise chat.ChatError(f"session {session!r} has a request in flight; send the next one after its answer")
-        if row is not None and row.state == "waiting" and not row.ended and tools == row.tools:
-            split = chat.first_difference(row.messages, msgs)
-            if split is None and len(msgs) > len(row.messages):
+        if row is not None and row.state == "waiting" and not row.ended and tools == row.tools and \
+                isinstance(row.messages, str) == text and _extends(row.messages, msgs):
+            if text:
+                ids = self.format.encode(msgs[len(row.messages):])
+            else:
                 ids = self.format.extension(row.messages, msgs[len(row.messages):], tools)
-                row.messages, row.state, row.answer, row.seen = msgs, "generating", answer, self.clock()
-                row.reply.set_result(Reply(obs_ids=tuple(ids)))
-                return answer, None
-        new = Row(self._next, session, self.format.prompt(msgs, tools), msgs, tools, branched=row is not None,
-                  answer=answer, seen=self.clock())
+            row.messages, row.state, row.answer, row.seen = msgs, "generating", answer, self.clock()
+            row.reply.set_result(Reply(obs_ids=tuple(ids)))
+            return answer, None
+        prompt = self.format.encode(msgs) if text else self.format.prompt(msgs, tools)
+        new = Row(self._next, session, prompt, msgs, tools, branched=row is not None, answer=answer, seen=self.clock())
         self._next += 1
         if row is not None:  # a branch: the old row closes as it is, counted
             self.counts["branched"] += 1
@@ -99,7 +112,8 @@ class Sessions:
             reply.set_result(Reply(done=True))
             return reply
         row.turns += 1
-        self._answer(row, self._turn(row, tokens, obs), "tool_calls" if row.messages[-1].get("tool_calls") else "stop")
+        said = self._turn(row, tokens, obs)
+        self._answer(row, said, "tool_calls" if isinstance(said, dict) and said.get("tool_calls") else "stop")
         if row.turns >= self.max_turns:
             row.ended = True
             reply.set_result(Reply(done=True))
@@ -112,20 +126,30 @@ class Sessions:
         row.ended = True
         if row.state == "generating" and row.answer is not None and not row.answer.done():
             row.turns += 1
-            self._answer(row, self._turn(row, tokens, obs), "stop" if eos else "length")
+            cut = len(tokens) - 1 if eos else len(tokens)  # EOS is no text of the turn
+            self._answer(row, self._turn(row, tokens[:cut], obs[:cut]), "stop" if eos else "length")
 
-    def reward(self, session: str, value: float) -> list:
-        """The session's reward: its rows close. Returns the ids of its rows."""
+    def reward(self, session: str, value: Optional[float]) -> list:
+        """The session's reward (None: the task scores its transcript): its rows close. Returns
+        the ids of its rows."""
         if session not in self.latest:
             raise KeyError(session)
         if session in self.rewards:
             raise chat.ChatError(f"session {session!r} already has a reward")
-        self.rewards[session] = float(value)
+        self.rewards[session] = None if value is None else float(value)
         ids = [r.id for r in self.rows.values() if r.session == session]
         for i in ids:
             self._close(self.rows[i])
         self.counts["closed"] += 1
         return ids
+
+    def abandon(self, session: str) -> None:
+        """The session ends without a reward (its agent failed): closed and dropped, counted."""
+        if session in self.latest and session not in self.rewards:
+            for row in [r for r in self.rows.values() if r.session == session]:
+                self._close(row)
+            self.rewards[session] = float("nan")
+            self.counts["abandoned"] += 1
 
     def expire(self) -> list:
         """Sessions idle past `timeout_s` with no reward: closed and dropped. Returns their names."""
@@ -141,8 +165,15 @@ class Sessions:
             self.counts["timed_out"] += 1
         return gone
 
-    def _turn(self, row: Row, tokens, obs) -> dict:
+    def _turn(self, row: Row, tokens, obs):
+        """The turn that ended the row's tokens: its message (chat) or its text (completions)."""
         start = max((i + 1 for i, o in enumerate(obs) if o), default=0)
+        if isinstance(row.messages, str):
+            ids = [t for t in tokens[start:] if t != self.format.stop_id]
+            said = self.format.decode(ids)
+            row.messages += said
+            self.counts["turns"] += 1
+            return said
         msg, calls = self.format.reply(list(tokens[start:]), f"{row.id}_{row.turns}")
         row.messages = row.messages + [chat.normal(msg)]
         row.tool_calls += len(calls)
@@ -163,3 +194,10 @@ class Sessions:
             row.reply.set_result(Reply(done=True))
         if row.answer is not None and not row.answer.done():
             row.answer.set_exception(chat.ChatError(f"session {row.session!r} closed before its answer"))
+
+
+def _extends(before, now) -> bool:
+    """Whether the conversation `now` goes on from `before` (text, or messages) with something new."""
+    if isinstance(before, str):
+        return now.startswith(before) and len(now) > len(before)
+    return chat.first_difference(before, now) is None and len(now) > len(before)

@@ -17,6 +17,7 @@ from jaxrl_llm.run import paths
 from jaxrl_llm import validation as V
 from jaxrl_llm.objectives.registry import RULES as OBJECTIVE_RULES
 from jaxrl_llm import remote  # noqa: F401  registers the remote mode (and its runtime.remote section)
+from jaxrl_llm.gateway import config as gateway_config
 from jaxrl_llm.rollout import sampling
 from jaxrl_llm.runtime import orchestrator
 from jaxrl_llm.tasks import warmstart
@@ -62,7 +63,7 @@ def rules() -> dict:
     sections = {"task": tasks.RULES, "model": MODEL.rules, "aux_model": AUX_MODEL.rules,
                 "warm_start": warmstart.RULES, "sampler": sampling.RULES, "objective": OBJECTIVE_RULES,
                 "learner": learner.RULES, "runtime": orchestrator.rules(), "mesh": sharding.RULES,
-                "distributed": distributed.RULES, "train": TRAIN.rules}
+                "distributed": distributed.RULES, "train": TRAIN.rules, "gateway": gateway_config.RULES}
     out = dict(TOP_RULES)
     for name, rules in sections.items():
         out.update(V.flatten(rules, name + "."))
@@ -86,6 +87,9 @@ def validate(config):
     collect(tasks.validate, config.task, config.model.hf_path)
     obj = collect(objectives.make_config, config.objective)
     collect(orchestrator.validate, config.runtime, config.sampler.batching)
+    if config.task.name == "agent" and config.runtime.mode not in ("sync", "async"):
+        problems.append(f"task.name=agent runs in runtime.mode=sync or async (got {config.runtime.mode!r}; sampler "
+                        "nodes do not host a gateway yet)")
     if obj is not None:
         needs = objectives.required_passes(obj)
         if needs & {"topk", "logp_at_behav_topk"} and config.sampler.capture_topk == 0:

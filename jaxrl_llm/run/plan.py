@@ -14,6 +14,7 @@ import ml_collections
 
 from jaxrl_llm.run import config as config_lib
 from jaxrl_llm import models, objectives, tasks
+from jaxrl_llm.gateway import agents
 from jaxrl_llm.parallel import distributed, sharding
 from jaxrl_llm.run import memory, paths
 from jaxrl_llm.rollout import SamplerConfig
@@ -51,6 +52,8 @@ def resolve(config) -> RunPlan:
     config = paths.resolved(config)  # hub ids -> local snapshot directories (the caller's config is untouched)
     resolve_dtypes(config)
     task = tasks.make(config.task, config.model.hf_path)
+    if config.task.name == "agent":  # its agents play `task` through the gateway
+        task = agents.AgentTask(task, config.task.agent, agent_settings(config))
     mcfg = model_cfg(config.model, task)
     acfg = model_cfg(config.aux_model, task) if config_lib.has_aux_model(config) else None
     for section, cfg in (("model", mcfg), ("aux_model", acfg)):
@@ -61,7 +64,7 @@ def resolve(config) -> RunPlan:
     mesh = sharding.make_mesh(config.mesh, learner_devices)
     check_layout(config, mcfg, acfg, mesh)
     warnings = tuple(getattr(task, "warnings", ()))
-    if config.task.name in tasks.MULTI_TURN and len(sampler_devices) > 1:
+    if config.task.name in tasks.MULTI_TURN + ("agent",) and len(sampler_devices) > 1:
         warnings += (f"task {config.task.name!r} is multi-turn, whose episodes decode on one device for now: the "
                      f"samplers use 1 of this process's {len(sampler_devices)} sampler devices",)
         sampler_devices = sampler_devices[:1]
@@ -73,6 +76,13 @@ def resolve(config) -> RunPlan:
                    sampler=sampler_cfg(config, task), greedy=sampler_cfg(config, task, greedy=True),
                    learner_devices=tuple(learner_devices), sampler_devices=tuple(sampler_devices),
                    memory=types.MappingProxyType(parts), memory_layout=layout, warnings=warnings)
+
+
+def agent_settings(config) -> types.SimpleNamespace:
+    """What `gateway.agents.AgentTask` reads: the gateway section, the run's seed, the task's
+    observation width."""
+    return types.SimpleNamespace(**config.gateway.to_dict(), seed=config.seed,
+                                 max_obs_tokens=config.task.max_obs_tokens)
 
 
 def check_sampling(config, task, mcfg: models.ModelConfig) -> None:

@@ -193,6 +193,8 @@ class Orchestrator:
         m["processes"] = distributed.count()
         if self.producer.multi_turn:
             m.update(self._episode_metrics(version, batch))
+        if hasattr(self.producer.task, "metrics"):  # a task that plays its own rows (the agent gateway)
+            m.update(self.producer.task.metrics())
         return state, m
 
     def _episode_metrics(self, version: int, batch) -> dict:

@@ -120,7 +120,7 @@ class Producer:
     @property
     def streams(self) -> bool:
         """Whether groups are streamed as they finish (continuous batching) rather than batched."""
-        return self.sampler.cfg.batching == "continuous"
+        return self.sampler.cfg.batching == "continuous" and not hasattr(self.task, "rollouts")
 
     def prompts(self, worker: int, counter: int) -> list:
         """The prompts of draw `counter` of sampler `worker` (see `draw`)."""
@@ -152,6 +152,8 @@ class Producer:
         """Prompts -> completions (policy `version`; `refresh` may swap weights mid-generation,
         see `Sampler.generate`), handed to the scorer: returns while they are scored."""
         prompts, key = self.draw(worker, counter)
+        if hasattr(self.task, "rollouts"):  # the task plays its own rows (e.g. agents through the gateway)
+            return self._settled(*self.task.rollouts(self.sampler, params, prompts, key, version, refresh))
         if self.multi_turn:
             return self._settled(*multiturn.generate(self.sampler, self.task, params, prompts, key, version, refresh))
         return self.score(self.sampler.generate(params, prompts, key, version, refresh=refresh), prompts)

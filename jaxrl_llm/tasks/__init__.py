@@ -16,7 +16,8 @@ from __future__ import annotations
 from jaxrl_llm import validation as V
 from jaxrl_llm.tasks.scoring import Scorer, default_workers
 
-NAMES = ("arithmetic", "math", "tool_arithmetic", "math_tools")
+NAMES = ("arithmetic", "math", "tool_arithmetic", "math_tools", "agent")
+SOURCES = ("arithmetic", "tool_arithmetic")  # what task.name=agent's agents can play (gateway/agents.py)
 MULTI_TURN = ("tool_arithmetic", "math_tools")
 DEFAULT_ENV = {"tool_arithmetic": "calculator", "math_tools": "python"}
 
@@ -47,6 +48,8 @@ SECTION = V.Section(  # every task's fields, so any of them can be set from the 
     env=("", V.text()), max_turns=(4, V.integer(1)), turn_reward=("last", V.one_of("sum", "last")),
     max_obs_tokens=(64, V.integer(1)), tool_timeout=(5.0, V.positive()), tool_workers=(1, V.integer(1)),
     tool_isolation=("full", V.one_of("full", "weak")),
+    # agent: `module:function` of an async agent on the OpenAI client, playing `source`'s problems
+    agent=("", V.text()), source=("tool_arithmetic", V.one_of(*SOURCES)),
     # every task: warn when every sample of the run's first this-many batches scored exactly 0 (0: never)
     zero_reward_steps=(20, V.integer(0)),
 )
@@ -57,6 +60,10 @@ RULES = SECTION.rules
 def validate(c, hf_path: str = "") -> None:
     if c.name not in NAMES:
         raise ValueError(f"unknown task {c.name!r}; valid: {', '.join(NAMES)}")
+    if c.name == "agent":
+        if not c.agent:
+            raise ValueError("task.name=agent plays an agent: set --config.task.agent=module:function")
+        return validate(source(c), hf_path)
     if c.name in MULTI_TURN:
         from jaxrl_llm.tasks import envs, math_tools, tool_arithmetic  # noqa: F401  (they register theirs)
 
@@ -77,8 +84,20 @@ def validate(c, hf_path: str = "") -> None:
                              f"from stopping the run: set --config.task.reward_workers >= 1 (got {c.reward_workers})")
 
 
+def source(c):
+    """The task section of the task `task.name=agent` plays (`task.source`)."""
+    import ml_collections
+
+    out = ml_collections.ConfigDict(c.to_dict())
+    out.name = c.source
+    return out
+
+
 def make(c, hf_path: str = ""):
+    """The task `c` names; for `agent`, the task its agents play (the run wraps it: gateway/agents.py)."""
     validate(c, hf_path)
+    if c.name == "agent":
+        return make(source(c), hf_path)
     if c.name == "arithmetic":
         from jaxrl_llm.tasks.arithmetic import Arithmetic
 

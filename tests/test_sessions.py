@@ -16,6 +16,12 @@ class Format:
     def extension(self, before, new, tools=None):
         return [-1] + self.prompt(new)
 
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
     def reply(self, ids, turn_id):
         text = "".join(chr(i) for i in ids if i != 99)
         return {"role": "assistant", "content": text}, []
@@ -113,3 +119,21 @@ def test_tool_calls_parse_from_the_models_own_format():
     assert chat.normal(msg)["tool_calls"] == calls  # what a client echoes back compares equal
     plain, none = chat.parse_turn("just text", "t1")
     assert plain == {"role": "assistant", "content": "just text"} and none == []
+
+
+def test_a_text_session_goes_on_when_its_prompt_extends_the_text_so_far():
+    """`/v1/completions`: the next prompt must start with the prompt and the completion returned;
+    the rest is encoded alone. Another prefix branches."""
+    t, _ = _table()
+    answer, row = t.complete("t", "2+2=")
+    assert row.prompt == [ord(c) for c in "2+2="]
+    reply = t.respond(row.id, [ord("4"), 99], [False, False])
+    assert answer.result() == ("4", "stop") and row.messages == "2+2=4"
+    nxt, same = t.complete("t", "2+2=4 and 3+3=")
+    assert same is None and reply.result().obs_ids == tuple(ord(c) for c in " and 3+3=")
+    t.respond(row.id, [ord("4"), 99] + [ord(c) for c in " and 3+3="] + [ord("6"), 99], [False] * 2 + [True] * 9 + [False] * 2)
+    assert nxt.result() == ("6", "stop")
+    _, branch = t.complete("t", "2+2=5 and")
+    assert branch is not None and branch.branched and t.counts["branched"] == 1
+    with pytest.raises(chat.ChatError, match="prompt"):
+        t.complete("u", ["not", "text"])

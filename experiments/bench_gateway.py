@@ -1,0 +1,81 @@
+"""Trained tokens per second through the agent gateway vs the built-in environment on the same task.
+
+    python experiments/bench_gateway.py --workdir=runs/bench_gateway [--steps=30]
+
+Runs `configs/agent_calculator.py` (the calculator task played by `examples/calculator_agent.py`
+over the stock OpenAI client, `gateway.concurrency` = 64 sessions in flight) and
+`configs/tool_arithmetic.py` (the same problems, warm start and training with the built-in
+environment) one after the other, same seed, same length, on this machine. Trained tokens per
+second count the tokens with loss (rows x trained length) from the end of step `--skip` (compiles
+done) to the last step. Request latency is a request's arrival at the gateway to its answer
+(decoding included), the per-step p50 and p99 averaged over the measured steps. Writes
+experiments/results/bench_gateway_cpu.{json,md}; the goal is `gateway_vs_builtin_trained` >= 0.8
+(`fraction_of_goal`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from experiments.common import cpu_kind, report  # noqa: E402
+
+GOAL = 0.8
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RUNS = {"gateway": "configs/agent_calculator.py", "builtin": "configs/tool_arithmetic.py"}
+
+
+def rows_per_step(config: str) -> int:
+    """Rows every step trains: the config's prompts per batch x samples per prompt."""
+    import importlib
+
+    c = importlib.import_module(config[:-3].replace("/", ".")).get_config()
+    return c.runtime.prompts_per_batch * c.sampler.num_samples
+
+
+def measure(workdir: str, skip: int, rows: int) -> dict:
+    steps = [r for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))) if "loss" in r]
+    first, rest = steps[skip - 1], steps[skip:]
+    # runtime/length_trained_mean is over the whole run so far: tokens trained by a step = its mean x rows x steps
+    total = lambda r: rows * r["step"] * r["runtime/length_trained_mean"]  # noqa: E731
+    tokens = total(rest[-1]) - total(first)
+    out = {"steps": len(steps), "trained_tokens": tokens, "seconds": rest[-1]["time_s"] - first["time_s"],
+           "final_reward": steps[-1]["reward/mean"], "turns_per_episode": steps[-1].get("episode/turns")}
+    out["trained_tokens_per_s"] = tokens / out["seconds"]
+    p50 = [r["gateway/request_p50_ms"] for r in rest if "gateway/request_p50_ms" in r]
+    if p50:
+        out["request_p50_ms"] = sum(p50) / len(p50)
+        out["request_p99_ms"] = sum(r["gateway/request_p99_ms"] for r in rest if "gateway/request_p99_ms" in r) / len(p50)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--skip", type=int, default=5, help="steps left out of the measurement (compiles)")
+    ap.add_argument("--out", default=OUT)
+    args = ap.parse_args(argv)
+    got = {}
+    for name, config in RUNS.items():
+        d = os.path.join(args.workdir, name)
+        subprocess.run([sys.executable, "-m", "jaxrl_llm.main", f"--config={config}", f"--workdir={d}",
+                        f"--config.train.steps={args.steps}", f"--config.train.eval_every={args.steps}",
+                        f"--config.train.save_every={args.steps}", "--config.train.progress=False",
+                        "--config.train.resume=fresh"], check=True)
+        got[name] = measure(d, args.skip, rows_per_step(config))
+    g, b = got["gateway"], got["builtin"]
+    ratio = g["trained_tokens_per_s"] / b["trained_tokens_per_s"]
+    result = {"gateway_vs_builtin_trained": ratio, "fraction_of_goal": ratio / GOAL,
+              "gateway_request_p50_ms": g.get("request_p50_ms"), "gateway_request_p99_ms": g.get("request_p99_ms"),
+              "steps": args.steps, "skip": args.skip, "runs": got, **cpu_kind()}
+    os.makedirs(args.out, exist_ok=True)
+    report(result, os.path.join(args.out, "bench_gateway_cpu.json"))
+
+if __name__ == "__main__":
+    main()

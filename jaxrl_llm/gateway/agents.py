@@ -1,0 +1,213 @@
+"""`task.name=agent`: an agent written against the OpenAI client plays a task's problems through
+the gateway, and each of its sessions is one trained row.
+
+The agent is `async def agent(client, problem) -> reward | None` (`task.agent=module:function`),
+given a stock `openai.AsyncOpenAI` pointed at its session and `problem` ({"prompt": the
+problem's text}); None leaves the reward to the task (`task.source`'s own check on the
+transcript, as its built-in environment scores an episode). A prompt draw of P problems opens
+P x G sessions, `gateway.concurrency` at a time; a session whose agent fails or times out is
+dropped, counted, and played again (up to `gateway.max_attempts` times), so every group keeps its
+G rows. A session that branched trains its last row (the conversation its reward is for); the
+earlier ones are counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxrl_llm.gateway import server as server_lib, service
+from jaxrl_llm.tasks import arithmetic, envs
+
+
+def load(spec: str) -> Callable:
+    """`module:function` -> the agent coroutine function."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"task.agent={spec!r}: name it as module:function (e.g. examples.calculator_agent:agent)")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not asyncio.iscoroutinefunction(fn):
+        raise ValueError(f"task.agent={spec!r} is not an async function (async def agent(client, problem))")
+    return fn
+
+
+class Runner:
+    """Agents' sessions on an event loop of their own, at most `concurrency` at a time."""
+
+    def __init__(self, agent: Callable, url: Callable[[str], str], token: str, concurrency: int, timeout_s: float):
+        self.agent, self.url, self.token, self.timeout_s = agent, url, token, timeout_s
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="gateway-agents")
+        self.thread.start()
+        self._slots, self._http = asyncio.run_coroutine_threadsafe(self._shared(concurrency), self.loop).result()
+        self.errors: list = []  # (session, repr of the exception), newest last
+
+    @staticmethod
+    async def _shared(n):
+        """The loop's semaphore and one HTTP connection pool for every session's client (a client
+        of its own would build an SSL context per session: most of the agents' CPU time)."""
+        import openai
+
+        return asyncio.Semaphore(n), openai.DefaultAsyncHttpxClient()
+
+    def start(self, session: str, problem: dict) -> Future:
+        """Future[reward | None] of one session played by the agent."""
+        return asyncio.run_coroutine_threadsafe(self._play(session, problem), self.loop)
+
+    async def _play(self, session: str, problem: dict):
+        import openai
+
+        async with self._slots:
+            client = openai.AsyncOpenAI(base_url=self.url(session), api_key=self.token, max_retries=0,
+                                        timeout=self.timeout_s, http_client=self._http)
+            return await asyncio.wait_for(self.agent(client, dict(problem)), self.timeout_s)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._http.aclose(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+class AgentTask:
+    """`source` (a task) whose rows come from agents' sessions through a gateway (`rollouts`);
+    every other attribute is the source's (prompts, evaluation, rewards)."""
+
+    def __init__(self, source, agent: str, cfg, format=None):
+        self.source, self.agent_spec, self.cfg = source, agent, cfg
+        self.agent = load(agent)
+        if format is None:
+            from jaxrl_llm.gateway.embedded import ArithmeticChat
+
+            if not isinstance(source, arithmetic.Arithmetic):
+                raise ValueError("task.name=agent plays the embedded tasks for now (task.source=tool_arithmetic or "
+                                 "arithmetic)")
+            format = ArithmeticChat()
+        self.format = format
+        self.gateway = self.server = self.runner = None
+        self._lock = threading.Lock()
+        self._handed: dict = {}  # session -> its `Closed` (or its name: dropped), until its draw takes it
+        self._ids = itertools.count()
+        self.counts = {"sessions": 0, "dropped": 0, "branch_rows": 0, "agent_errors": 0}
+
+    def __getattr__(self, name):
+        if name == "source":
+            raise AttributeError(name)
+        return getattr(self.source, name)
+
+    def problem(self, prompt) -> dict:
+        return {"prompt": arithmetic.decode([t for t in prompt if t != arithmetic.BOS])}
+
+    def _start(self, sampler, params, version: int) -> None:
+        c = self.cfg
+        self.gateway = service.Gateway(sampler, self.format, params, version, slots=sampler.cfg.slots or c.concurrency,
+                                       max_turns=getattr(getattr(self.source, "turn", None), "max_turns", 1),
+                                       timeout_s=c.session_timeout_s, max_obs=c.max_obs_tokens, seed=c.seed)
+        token = secrets.token_urlsafe(24)
+        self.server = server_lib.Server(self.gateway, c.host, c.port, token=token)
+        self.runner = Runner(self.agent, self.server.url, token, c.concurrency, c.session_timeout_s)
+
+    def rollouts(self, sampler, params, prompts, key, version: int = 0, refresh=None):
+        """P x G sessions of `prompts` -> (batch, `envs.TOTALS` sums), rows as the sampler lays
+        out a static batch (row i * G + g: sample g of prompt i)."""
+        with self._lock:  # sampler threads (runtime.num_samplers) share one gateway
+            if self.gateway is None:
+                self._start(sampler, params, version)
+            else:
+                self.gateway.publish(version, params)
+        g = sampler.cfg.num_samples
+        want = [(i, k) for i in range(len(prompts)) for k in range(g)]
+        got: dict = {}
+        for attempt in range(self.cfg.max_attempts):
+            todo = [w for w in want if w not in got]
+            if not todo:
+                break
+            names = {f"d{next(self._ids)}-{i}-{k}-{attempt}": (i, k) for i, k in todo}
+            plays = {s: self.runner.start(s, self.problem(prompts[i])) for s, (i, _) in names.items()}
+            got.update(self._collect(names, plays))
+        missing = [w for w in want if w not in got]
+        if missing:
+            raise RuntimeError(f"{len(missing)} of {len(want)} agent sessions failed {self.cfg.max_attempts} times "
+                               f"(gateway.max_attempts); last agent error: {self.runner.errors[-1:]}")
+        return self._batch([got[w] for w in want], prompts, g)
+
+    def _collect(self, names: dict, plays: dict) -> dict:
+        """Wait for the sessions `names`: each is handed over (its `Closed`) or dropped."""
+        out, open_, settled = {}, set(names), set()
+        deadline = time.monotonic() + 2 * self.cfg.session_timeout_s + 60
+        while open_ and time.monotonic() < deadline:
+            for s in [s for s in open_ if plays[s].done() and s not in settled]:
+                settled.add(s)
+                try:
+                    self.gateway.reward(s, plays[s].result())
+                except Exception as e:  # the agent failed, gave a bad reward, or never asked anything
+                    self.runner.errors.append((s, repr(e)))
+                    self.counts["agent_errors"] += 1
+                    self.gateway.abandon(s)
+            with self._lock:  # other sampler threads' sessions stay for them
+                for c in self.gateway.closed():
+                    self._handed[c if isinstance(c, str) else c.session] = c
+                mine = [s for s in open_ if s in self._handed]
+                for name in mine:
+                    c = self._handed.pop(name)
+                    open_.discard(name)
+                    if isinstance(c, str):
+                        self.counts["dropped"] += 1
+                    else:
+                        out[names[name]] = c
+            time.sleep(0.005)
+        return out
+
+    def _batch(self, closed: list, prompts, g: int):
+        """The sessions' last rows in draw order, each scored by its agent or by the task."""
+        self.counts["branch_rows"] += sum(len(c.branched) - 1 for c in closed)
+        self.counts["sessions"] += len(closed)
+        last = jax.tree.map(lambda *x: np.stack([np.asarray(v)[-1] for v in x]), *[c.batch for c in closed])
+        rewards = np.asarray([self._score(prompts[j // g], last, j) if c.reward is None else c.reward
+                              for j, c in enumerate(closed)], np.float32)
+        totals = np.zeros(len(envs.TOTALS))
+        totals[envs.TOTALS.index("episodes")] = len(closed)
+        totals[envs.TOTALS.index("turns")] = sum(int(c.turns[-1]) for c in closed)
+        totals[envs.TOTALS.index("tool_calls")] = sum(int(c.tool_calls[-1]) for c in closed)
+        obs = (np.asarray(last.input_mask) > 0) & (np.asarray(last.loss_mask) == 0)
+        totals[envs.TOTALS.index("obs_tokens")] = obs[:, self.gateway.width:].sum()
+        return last.replace(rewards=rewards, group_ids=np.repeat(np.arange(len(prompts), dtype=np.int32), g)), totals
+
+    def _score(self, prompt, batch, j: int) -> float:
+        """The source task's own check of row j's transcript (its environment's, for a multi-turn one)."""
+        p = self.gateway.width
+        real = np.asarray(batch.input_mask[j])[p:] > 0
+        episode = np.asarray(batch.tokens[j])[p:][real].tolist()
+        obs = (np.asarray(batch.loss_mask[j])[p:][real] == 0).tolist()
+        if getattr(self.source, "turn", None) is not None:
+            return float(self.source.environment().final(list(prompt), episode, obs))
+        return float(self.source.reward(list(prompt), episode))
+
+    def metrics(self) -> dict:
+        """`gateway/*`: sessions so far by outcome and this step's request latency percentiles
+        (ms: a request's arrival to its answer, decoding included)."""
+        if self.gateway is None:
+            return {}
+        c = self.gateway.counts()
+        out = {f"gateway/sessions_{k}": float(c[k]) for k in ("opened", "closed", "timed_out", "abandoned", "branched")}
+        out.update({"gateway/refused": float(c["refused"]), "gateway/agent_errors": float(self.counts["agent_errors"]),
+                    "gateway/branch_rows_dropped": float(self.counts["branch_rows"])})
+        ms = self.gateway.latencies()
+        if ms.size:
+            out["gateway/request_p50_ms"], out["gateway/request_p99_ms"] = (float(np.percentile(ms, q)) for q in (50, 99))
+        return out
+
+    def close(self) -> None:
+        for part in (self.runner, self.server, self.gateway):
+            if part is not None:
+                part.close()
+        if hasattr(self.source, "close"):
+            self.source.close()

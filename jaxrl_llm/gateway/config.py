@@ -1,0 +1,16 @@
+"""The `gateway` section: where the agent gateway listens and how many sessions it plays at once
+(`task.name=agent`; `docs/agents.md`)."""
+
+from __future__ import annotations
+
+from jaxrl_llm import validation as V
+
+SECTION = V.Section(
+    host=("127.0.0.1", V.text()),  # loopback; any other host needs the run's bearer token (always set)
+    port=(0, V.integer(0)),  # 0: a free port, logged at start-up
+    concurrency=(64, V.integer(1)),  # agent sessions in flight at once
+    session_timeout_s=(300.0, V.positive()),  # an idle session without a reward is dropped after this
+    max_attempts=(3, V.integer(1)),  # a problem's dropped session is played again up to this many times
+)
+default_config = SECTION.config
+RULES = SECTION.rules

@@ -1,0 +1,63 @@
+"""`gateway/agents.py`: `task.name=agent` trains the embedded calculator task through the gateway,
+played by `examples/calculator_agent.py` (the stock OpenAI client, no project imports)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from configs.agent_calculator import get_config
+from jaxrl_llm.gateway import agents, embedded, chat
+from jaxrl_llm.run import experiment, plan
+from jaxrl_llm.tasks import arithmetic, tool_arithmetic as ta
+from tests.test_experiment import shrink
+
+pytest.importorskip("openai")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_run_trains_the_calculator_agents_sessions(mode, tmp_path):
+    """Sync: each draw's sessions, then a step. Async with two sampler threads: two draws'
+    sessions share one gateway's slots at once, each thread getting its own sessions back."""
+    c = shrink(get_config(), steps=2, eval_every=2)
+    c.sampler.slots, c.task.max_turns, c.gateway.concurrency = 3, 3, 4
+    c.runtime.mode, c.runtime.num_samplers = mode, 2 if mode == "async" else 1
+    summary = experiment.run(c, str(tmp_path), log=lambda *_: None)
+    assert summary["version"] == 2 and summary["reward_failures"] == 0
+    steps = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r]
+    last = steps[-1]
+    drawn = 2 * 2 * 4  # steps x prompts x G: in sync mode exactly these, async may have drawn ahead
+    assert last["episode/count"] == drawn if mode == "sync" else last["episode/count"] >= drawn
+    assert last["gateway/sessions_closed"] >= last["episode/count"] and last["gateway/sessions_timed_out"] == 0
+    assert last["gateway/request_p50_ms"] > 0 and all(np.isfinite(r["loss"]) for r in steps)
+
+
+def test_the_embedded_format_is_the_built_in_tasks_ids():
+    """A prompt, a calculator call and its value as the built-in environment writes them."""
+    f = embedded.ArithmeticChat()
+    user = chat.normal({"role": "user", "content": "37*48*91="})
+    assert f.prompt([user]) == [arithmetic.BOS] + arithmetic.encode("37*48*91=")
+    turn = [ta.CALL] + arithmetic.encode("37*48") + [ta.END]
+    msg, calls = f.reply(turn, "0_0")
+    assert calls == [{"name": "calculator", "arguments": {"expression": "37*48"}}] and msg["content"] == ""
+    said = chat.normal(msg)
+    assert f.extension([user, said], [{"role": "tool", "content": "1776"}]) == arithmetic.encode("1776")
+    assert f.extension([user, said], [{"role": "tool", "content": "error: nope"}]) == [ta.ERR]
+    answer, none = f.reply(arithmetic.encode("161616") + [arithmetic.EOS], "0_1")
+    assert answer == {"role": "assistant", "content": "161616"} and none == []
+    with pytest.raises(chat.ChatError, match="messages"):
+        f.prompt([chat.normal({"role": "system", "content": "be nice"}), user])
+
+
+def test_the_agent_spec_and_mode_are_checked_at_start_up():
+    c = shrink(get_config())
+    c.task.agent = "examples.calculator_agent:nothing"
+    with pytest.raises(ValueError, match="not an async function"):
+        plan.resolve(c)
+    c.task.agent = "examples.calculator_agent"
+    with pytest.raises(ValueError, match="module:function"):
+        agents.load(c.task.agent)
+    c = shrink(get_config())
+    c.runtime.mode = "remote"
+    with pytest.raises(ValueError, match="task.name=agent runs in runtime.mode=sync or async"):
+        plan.resolve(c)
