@@ -3,9 +3,9 @@
     python experiments/bench_gateway.py --workdir=runs/bench_gateway [--steps=30]
 
 Runs `configs/agent_calculator.py` (the calculator task played by `examples/calculator_agent.py`
-over the stock OpenAI client, `gateway.concurrency` = 64 sessions in flight) and
-`configs/tool_arithmetic.py` (the same problems, warm start and training with the built-in
-environment) one after the other, same seed, same length, on this machine. Trained tokens per
+over the stock OpenAI client) and `configs/tool_arithmetic.py` (the same problems, warm start and
+training with the built-in environment) one after the other, same seed, same length, on this
+machine, both decoding in `--slots` slots (64; the gateway with as many sessions in flight). Trained tokens per
 second count the tokens with loss (rows x trained length) from the end of step `--skip` (compiles
 done) to the last step. Request latency is a request's arrival at the gateway to its answer
 (decoding included), the per-step p50 and p99 averaged over the measured steps. Writes
@@ -54,11 +54,21 @@ def measure(workdir: str, skip: int, rows: int) -> dict:
     return out
 
 
+def _slots(run: str, slots: int) -> list:
+    """The same decode slots for both runs (and as many agent sessions in flight): on a CPU a
+    tiny model decodes 64 rows about as fast as 128, so unequal slots would measure that."""
+    if not slots:
+        return []
+    return [f"--config.sampler.slots={slots}"] + ([f"--config.gateway.concurrency={slots}"] if run == "gateway" else [])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--skip", type=int, default=5, help="steps left out of the measurement (compiles)")
+    ap.add_argument("--slots", type=int, default=64,
+                    help="decode slots of both runs and the gateway's concurrent sessions (0: each config's own)")
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args(argv)
     got = {}
@@ -67,13 +77,13 @@ def main(argv=None):
         subprocess.run([sys.executable, "-m", "jaxrl_llm.main", f"--config={config}", f"--workdir={d}",
                         f"--config.train.steps={args.steps}", f"--config.train.eval_every={args.steps}",
                         f"--config.train.save_every={args.steps}", "--config.train.progress=False",
-                        "--config.train.resume=fresh"], check=True)
+                        "--config.train.resume=fresh", *_slots(name, args.slots)], check=True)
         got[name] = measure(d, args.skip, rows_per_step(config))
     g, b = got["gateway"], got["builtin"]
     ratio = g["trained_tokens_per_s"] / b["trained_tokens_per_s"]
     result = {"gateway_vs_builtin_trained": ratio, "fraction_of_goal": ratio / GOAL,
               "gateway_request_p50_ms": g.get("request_p50_ms"), "gateway_request_p99_ms": g.get("request_p99_ms"),
-              "steps": args.steps, "skip": args.skip, "runs": got, **cpu_kind()}
+              "steps": args.steps, "skip": args.skip, "slots": args.slots, "runs": got, **cpu_kind()}
     os.makedirs(args.out, exist_ok=True)
     report(result, os.path.join(args.out, "bench_gateway_cpu.json"))
 

@@ -61,3 +61,47 @@ def test_the_agent_spec_and_mode_are_checked_at_start_up():
     c.runtime.mode = "remote"
     with pytest.raises(ValueError, match="task.name=agent runs in runtime.mode=sync or async"):
         plan.resolve(c)
+
+
+class _Gateway:
+    """The parts of `service.Gateway` a draw's collection uses, for sessions that never asked."""
+
+    def __init__(self):
+        self.abandoned = []
+
+    def check(self):
+        pass
+
+    def reward(self, session, value):
+        raise KeyError(session)
+
+    def abandon(self, session):
+        self.abandoned.append(session)
+        return False
+
+    def closed(self):
+        return []
+
+
+def test_an_agent_that_fails_before_asking_is_dropped_at_once():
+    """No row exists for it, so nothing will be handed over: its problem is not waited for until
+    the session timeout, and the failure is counted with its error."""
+    import time
+    from concurrent.futures import Future
+
+    task = agents.AgentTask(ta.ToolArithmetic(), "examples.calculator_agent:agent", _settings())
+    task.gateway, task.runner = _Gateway(), type("R", (), {"errors": []})()
+    failed = Future()
+    failed.set_exception(ValueError("no network"))
+    start = time.monotonic()
+    assert task._collect({"s0": (0, 0)}, {"s0": failed}) == {}
+    assert time.monotonic() - start < 5 and task.gateway.abandoned == ["s0"]
+    assert task.counts["dropped"] == 1 and task.counts["agent_errors"] == 1
+    assert "no network" in task.runner.errors[0][1]
+
+
+def _settings():
+    import types
+
+    return types.SimpleNamespace(host="127.0.0.1", port=0, concurrency=2, session_timeout_s=300.0, max_attempts=1,
+                                 seed=0, max_obs_tokens=8)

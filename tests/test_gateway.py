@@ -168,6 +168,9 @@ def test_requests_outside_the_runs_distribution_or_token_are_refused_by_name(ser
         client.chat.completions.create(model="policy", messages=QUESTION, n=2)
     with pytest.raises(openai.AuthenticationError):
         _client(srv, "s-refused", key="wrong").chat.completions.create(model="policy", messages=QUESTION)
+    for wrong in (_client(srv, "s-refused", key="wrong").models.list, lambda: _reward(srv, "s-three", 1.0, key="x")):
+        with pytest.raises((openai.AuthenticationError, OSError), match="401|Unauthorized|token"):
+            wrong()
     assert [m.id for m in client.models.list().data] == ["policy"]
 
 

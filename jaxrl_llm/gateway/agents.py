@@ -144,6 +144,7 @@ class AgentTask:
         out, open_, settled = {}, set(names), set()
         deadline = time.monotonic() + 2 * self.cfg.session_timeout_s + 60
         while open_ and time.monotonic() < deadline:
+            self.gateway.check()
             for s in [s for s in open_ if plays[s].done() and s not in settled]:
                 settled.add(s)
                 try:
@@ -151,7 +152,9 @@ class AgentTask:
                 except Exception as e:  # the agent failed, gave a bad reward, or never asked anything
                     self.runner.errors.append((s, repr(e)))
                     self.counts["agent_errors"] += 1
-                    self.gateway.abandon(s)
+                    if not self.gateway.abandon(s):  # no row of it exists: nothing will be handed over
+                        open_.discard(s)
+                        self.counts["dropped"] += 1
             with self._lock:  # other sampler threads' sessions stay for them
                 for c in self.gateway.closed():
                     self._handed[c if isinstance(c, str) else c.session] = c

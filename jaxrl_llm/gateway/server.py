@@ -46,20 +46,21 @@ def _param(message: str) -> str:
 
 def app(gateway, token: Optional[str] = None):
     """The ASGI app over `gateway`; `token`: the bearer key every request must carry (None: none)."""
+    # The guard runs inside each handler: starlette's middleware class cost as much CPU per request
+    # as the handler itself (py-spy), on the cores the slots decode with.
     api = FastAPI(title="jaxrl_llm gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    want = None if token is None else f"Bearer {token}".encode()
 
-    @api.middleware("http")
-    async def guard(request: Request, call_next):
-        if token is not None:
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-                return _error(401, "a bearer token is required (the run's token)")
+    def refused(request: Request):
+        if want is not None and not hmac.compare_digest(request.headers.get("authorization", "").encode(), want):
+            return _error(401, "a bearer token is required (the run's token)")
         if int(request.headers.get("content-length") or 0) > MAX_BODY:
             return _error(413, f"request body over {MAX_BODY} bytes")
-        return await call_next(request)
+        return None
 
     async def completions(request: Request, session: Optional[str], kind: str = "chat"):
-        return await _answer(gateway, request, session or request.headers.get(SESSION_HEADER), kind)
+        return refused(request) or await _answer(gateway, request, session or request.headers.get(SESSION_HEADER),
+                                                 kind)
 
     @api.post("/v1/chat/completions")
     async def plain(request: Request):
@@ -77,20 +78,20 @@ def app(gateway, token: Optional[str] = None):
     async def named_text(session: str, request: Request):
         return await completions(request, session, "text")
 
-    async def models():
-        return {"object": "list", "data": [{"id": gateway.model, "object": "model", "owned_by": "jaxrl_llm",
-                                            "created": 0}]}
+    async def models(request: Request):
+        return refused(request) or {"object": "list", "data": [{"id": gateway.model, "object": "model",
+                                                                "owned_by": "jaxrl_llm", "created": 0}]}
 
     api.get("/v1/models")(models)
     api.get("/s/{session}/v1/models")(models)
 
     @api.post("/rl/sessions/{session}/reward")
     async def reward(session: str, request: Request):
-        return await _reward(gateway, session, request)
+        return refused(request) or await _reward(gateway, session, request)
 
     @api.get("/rl/stats")
-    async def stats():
-        return gateway.counts()
+    async def stats(request: Request):
+        return refused(request) or gateway.counts()
 
     return api
 

@@ -86,6 +86,7 @@ class Gateway:
         return self._open(session, body, "prompt")
 
     def _open(self, session: str, body: dict, kind: str) -> Future:
+        self.check()
         self._check(body, kind)
         with self._lock:
             try:
@@ -112,11 +113,18 @@ class Gateway:
             self.sessions.reward(session, value)
             self._settle()
 
-    def abandon(self, session: str) -> None:
-        """Drop `session` (its agent failed); its rows leave the slots and are not handed over."""
+    def abandon(self, session: str) -> bool:
+        """Drop `session` (its agent failed): its rows leave the slots and its name is handed over
+        (`closed`). False when it never asked anything: nothing will be handed over."""
         with self._lock:
-            self.sessions.abandon(session)
+            dropped = self.sessions.abandon(session)
             self._settle()
+        return dropped
+
+    def check(self) -> None:
+        """Raise if the slots' thread has stopped on an error (every request would wait forever)."""
+        if self._error:
+            raise RuntimeError(f"the gateway's decode slots stopped: {self._error[0]!r}") from self._error[0]
 
     def publish(self, version: int, params) -> None:
         """Newer weights: the slots decode with them from their next segment on."""

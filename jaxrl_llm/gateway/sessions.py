@@ -143,13 +143,16 @@ class Sessions:
         self.counts["closed"] += 1
         return ids
 
-    def abandon(self, session: str) -> None:
-        """The session ends without a reward (its agent failed): closed and dropped, counted."""
-        if session in self.latest and session not in self.rewards:
-            for row in [r for r in self.rows.values() if r.session == session]:
-                self._close(row)
-            self.rewards[session] = float("nan")
-            self.counts["abandoned"] += 1
+    def abandon(self, session: str) -> bool:
+        """The session ends without a reward (its agent failed): closed and dropped, counted.
+        False when there is nothing to drop (it never asked anything, or it has its reward)."""
+        if session not in self.latest or session in self.rewards:
+            return False
+        for row in [r for r in self.rows.values() if r.session == session]:
+            self._close(row)
+        self.rewards[session] = float("nan")
+        self.counts["abandoned"] += 1
+        return True
 
     def expire(self) -> list:
         """Sessions idle past `timeout_s` with no reward: closed and dropped. Returns their names."""
