@@ -29,7 +29,8 @@ def test_a_run_trains_the_calculator_agents_sessions(mode, tmp_path):
     drawn = 2 * 2 * 4  # steps x prompts x G: in sync mode exactly these, async may have drawn ahead
     assert last["episode/count"] == drawn if mode == "sync" else last["episode/count"] >= drawn
     assert last["gateway/sessions_closed"] >= last["episode/count"] and last["gateway/sessions_timed_out"] == 0
-    assert last["gateway/request_p50_ms"] > 0 and all(np.isfinite(r["loss"]) for r in steps)
+    # latency percentiles cover the requests answered since the last step (async may have none by then)
+    assert any(r.get("gateway/request_p50_ms", 0) > 0 for r in steps) and all(np.isfinite(r["loss"]) for r in steps)
 
 
 def test_the_embedded_format_is_the_built_in_tasks_ids():
