@@ -25,6 +25,7 @@ setup(
         "crc32c>=2.4",  # sampler nodes: hardware CRC-32C of weight chunks (remote/wire.py)
         "fastapi>=0.110",  # the agent gateway's HTTP face (gateway/server.py)
         "uvicorn>=0.29",
+        "openai>=1.40",  # task.name=agent: the stock client the agents are given (gateway/agents.py)
     ],
     extras_require={
         # JAX for an accelerator (docs/accelerators.md). On a GPU, install the test extra's torch from
@@ -33,7 +34,7 @@ setup(
         "tpu": ["jax[tpu]>=0.7"],
         # CPU torch, used only for parity tests against HF transformers.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "scipy>=1.10", "import-linter>=2.1",
-                 "torch==2.13.0", "peft>=0.13", "openai>=1.40"],
+                 "torch==2.13.0", "peft>=0.13"],
         # experiments/bench_peer.py's peer (Hugging Face TRL's GRPOTrainer); not needed by the tests.
         "peer": ["trl>=1.0", "torch==2.13.0"],
     },

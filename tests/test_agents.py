@@ -12,8 +12,6 @@ from jaxrl_llm.run import experiment, plan
 from jaxrl_llm.tasks import arithmetic, tool_arithmetic as ta
 from tests.test_experiment import shrink
 
-pytest.importorskip("openai")
-
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_run_trains_the_calculator_agents_sessions(mode, tmp_path):

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import openai
 import pytest
 
 from jaxrl_llm.gateway import chat, server as server_lib, service
@@ -21,7 +22,6 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.policy_dist import PolicyDist
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 
-openai = pytest.importorskip("openai")
 
 CALL = '{"name": "calc", "arguments": {"x": 2}}'
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "\n", CALL]
