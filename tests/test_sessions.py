@@ -137,3 +137,13 @@ def test_a_text_session_goes_on_when_its_prompt_extends_the_text_so_far():
     assert branch is not None and branch.branched and t.counts["branched"] == 1
     with pytest.raises(chat.ChatError, match="prompt"):
         t.complete("u", ["not", "text"])
+
+
+def test_a_prompt_past_the_largest_bucket_is_refused_before_any_row_exists():
+    """Nothing is registered for it: no row to feed, close or wait for at hand-over."""
+    t = sessions.Sessions(Format(), 4, 10.0, max_prompt=3)
+    with pytest.raises(chat.ChatError, match="messages: 4 prompt tokens exceed"):
+        t.request("long", [{"role": "user", "content": "abc"}])
+    assert t.rows == {} and t.latest == {} and t.counts["opened"] == 0
+    _, row = t.request("long", [USER])  # 3 ids: fits
+    assert row is not None and t.counts["opened"] == 1

@@ -14,6 +14,7 @@ earlier ones are counted.
 from __future__ import annotations
 
 import asyncio
+import collections
 import importlib
 import itertools
 import secrets
@@ -26,7 +27,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm.gateway import server as server_lib, service
-from jaxrl_llm.tasks import arithmetic, envs
+from jaxrl_llm.tasks import arithmetic, envs, multiturn
 
 
 def load(spec: str) -> Callable:
@@ -49,7 +50,7 @@ class Runner:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="gateway-agents")
         self.thread.start()
         self._slots, self._http = asyncio.run_coroutine_threadsafe(self._shared(concurrency), self.loop).result()
-        self.errors: list = []  # (session, repr of the exception), newest last
+        self.errors = collections.deque(maxlen=100)  # (session, repr of the exception), newest last
 
     @staticmethod
     async def _shared(n):
@@ -96,7 +97,7 @@ class AgentTask:
         self._lock = threading.Lock()
         self._handed: dict = {}  # session -> its `Closed` (or its name: dropped), until its draw takes it
         self._ids = itertools.count()
-        self.counts = {"sessions": 0, "dropped": 0, "branch_rows": 0, "agent_errors": 0}
+        self.counts = {"dropped": 0, "branch_rows": 0, "agent_errors": 0}
 
     def __getattr__(self, name):
         if name == "source":
@@ -136,7 +137,7 @@ class AgentTask:
         missing = [w for w in want if w not in got]
         if missing:
             raise RuntimeError(f"{len(missing)} of {len(want)} agent sessions failed {self.cfg.max_attempts} times "
-                               f"(gateway.max_attempts); last agent error: {self.runner.errors[-1:]}")
+                               f"(gateway.max_attempts); last agent error: {list(self.runner.errors)[-1:]}")
         return self._batch([got[w] for w in want], prompts, g)
 
     def _collect(self, names: dict, plays: dict) -> dict:
@@ -172,7 +173,6 @@ class AgentTask:
     def _batch(self, closed: list, prompts, g: int):
         """The sessions' last rows in draw order, each scored by its agent or by the task."""
         self.counts["branch_rows"] += sum(len(c.branched) - 1 for c in closed)
-        self.counts["sessions"] += len(closed)
         last = jax.tree.map(lambda *x: np.stack([np.asarray(v)[-1] for v in x]), *[c.batch for c in closed])
         rewards = np.asarray([self._score(prompts[j // g], last, j) if c.reward is None else c.reward
                               for j, c in enumerate(closed)], np.float32)
@@ -186,10 +186,9 @@ class AgentTask:
 
     def _score(self, prompt, batch, j: int) -> float:
         """The source task's own check of row j's transcript (its environment's, for a multi-turn one)."""
-        p = self.gateway.width
-        real = np.asarray(batch.input_mask[j])[p:] > 0
-        episode = np.asarray(batch.tokens[j])[p:][real].tolist()
-        obs = (np.asarray(batch.loss_mask[j])[p:][real] == 0).tolist()
+        rows = multiturn.episode_rows(batch.tokens[j:j + 1], batch.input_mask[j:j + 1], batch.loss_mask[j:j + 1],
+                                      self.gateway.width)
+        episode, obs = (x.tolist() for x in next(rows))
         if getattr(self.source, "turn", None) is not None:
             return float(self.source.environment().final(list(prompt), episode, obs))
         return float(self.source.reward(list(prompt), episode))
@@ -202,7 +201,8 @@ class AgentTask:
         c = self.gateway.counts()
         out = {f"gateway/sessions_{k}": float(c[k]) for k in ("opened", "closed", "timed_out", "abandoned", "branched")}
         out.update({"gateway/refused": float(c["refused"]), "gateway/agent_errors": float(self.counts["agent_errors"]),
-                    "gateway/branch_rows_dropped": float(self.counts["branch_rows"])})
+                    "gateway/branch_rows_dropped": float(self.counts["branch_rows"]),
+                    "gateway/sessions_dropped": float(self.counts["dropped"])})
         ms = self.gateway.latencies()
         if ms.size:
             out["gateway/request_p50_ms"], out["gateway/request_p99_ms"] = (float(np.percentile(ms, q)) for q in (50, 99))

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.gateway import chat, sessions as sessions_lib
-from jaxrl_llm.rollout.sampler import to_batch
+from jaxrl_llm.rollout.sampler import left_pad, to_batch
 from jaxrl_llm.rollout.turns import Turns
 
 # Request fields: what the run's sampling distribution fixes (checked for equality), what is
@@ -59,8 +59,8 @@ class Gateway:
             raise ValueError("the sampler's EOS is the chat turn's closing token: no session could go on")
         self.sampler, self.format, self.model, self.max_obs = sampler, format, model, max_obs
         kw = {} if clock is None else {"clock": clock}
-        self.sessions = sessions_lib.Sessions(format, max_turns, timeout_s, **kw)
         self.width = sampler.cfg.prompt_buckets[-1]
+        self.sessions = sessions_lib.Sessions(format, max_turns, timeout_s, max_prompt=self.width, **kw)
         self._lock = threading.RLock()
         self._new: list = []  # rows whose first request came, not yet fed
         self._outputs: dict[int, dict] = {}  # row -> its outputs once it left the slots
@@ -98,10 +98,6 @@ class Gateway:
                 self.sessions.counts["refused"] += 1
                 raise
             if row is not None:
-                if len(row.prompt) > self.width:
-                    self.sessions._close(row)
-                    raise chat.ChatError(f"messages: {len(row.prompt)} prompt tokens exceed the largest "
-                                         f"sampler.prompt_buckets ({self.width})")
                 self._new.append(row)
         return answer
 
@@ -199,11 +195,8 @@ class Gateway:
             return None
         if not rows:
             return ()
-        p, cfg = self.width, self.sampler.cfg
-        toks = np.full((len(rows), p), cfg.pad_token_id, np.int32)
-        mask = np.zeros((len(rows), p), np.int32)
-        for i, r in enumerate(rows):
-            toks[i, p - len(r.prompt):], mask[i, p - len(r.prompt):] = r.prompt, 1
+        cfg = self.sampler.cfg
+        toks, mask = left_pad([r.prompt for r in rows], self.width, cfg.pad_token_id)
         ids = np.asarray([r.id for r in rows], np.int64)
         self._prompts.update({r.id: (toks[i], mask[i]) for i, r in enumerate(rows)})
         return ids, toks, mask, np.full(len(rows), cfg.max_new_tokens), engine.row_keys(key, ids)

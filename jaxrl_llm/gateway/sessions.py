@@ -51,9 +51,10 @@ class Row:
 class Sessions:
     """Every session's rows; `format` renders and parses messages (`chat.ChatFormat`)."""
 
-    def __init__(self, format: chat.ChatFormat, max_turns: int, timeout_s: float,
+    def __init__(self, format: chat.ChatFormat, max_turns: int, timeout_s: float, max_prompt: int = 1 << 30,
                  clock: Callable[[], float] = time.monotonic):
         self.format, self.max_turns, self.timeout_s, self.clock = format, max_turns, timeout_s, clock
+        self.max_prompt = max_prompt  # ids a row's prompt may have (the sampler's largest bucket)
         self.rows: dict[int, Row] = {}
         self.latest: dict[str, int] = {}  # session -> its newest row
         self.rewards: dict[str, Optional[float]] = {}  # None: the task scores it; nan: dropped
@@ -93,6 +94,9 @@ class Sessions:
             row.reply.set_result(Reply(obs_ids=tuple(ids)))
             return answer, None
         prompt = self.format.encode(msgs) if text else self.format.prompt(msgs, tools)
+        if len(prompt) > self.max_prompt:  # refused before any row exists: nothing to close or hand over
+            raise chat.ChatError(f"{'prompt' if text else 'messages'}: {len(prompt)} prompt tokens exceed the largest "
+                                 f"sampler.prompt_buckets ({self.max_prompt})")
         new = Row(self._next, session, prompt, msgs, tools, branched=row is not None, answer=answer, seen=self.clock())
         self._next += 1
         if row is not None:  # a branch: the old row closes as it is, counted

@@ -77,11 +77,7 @@ class Sampler:
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
         p = max(width or 0, self.bucket(max(len(x) for x in prompts)))
         g = self.cfg.num_samples
-        toks = np.full((len(prompts), p), self.cfg.pad_token_id, np.int32)
-        mask = np.zeros((len(prompts), p), np.int32)
-        for i, x in enumerate(prompts):
-            toks[i, p - len(x):] = x
-            mask[i, p - len(x):] = 1
+        toks, mask = left_pad(prompts, p, self.cfg.pad_token_id)
         return np.repeat(toks, g, 0), np.repeat(mask, g, 0), np.repeat(np.arange(len(prompts), dtype=np.int32), g)
 
     def generate(self, params, prompts, key, version: int = 0, refresh=None, limits=None, turns=None) -> TrajectoryBatch:
@@ -163,6 +159,16 @@ def row_limits(limits, rows: int, n: int) -> np.ndarray:
     if limits.shape != (rows,) or limits.min() < 1 or limits.max() > n:
         raise ValueError(f"limits must be {rows} per-row budgets in [1, {n}]; got shape {limits.shape}")
     return limits
+
+
+def left_pad(prompts: Sequence[Sequence[int]], width: int, pad_id: int):
+    """Each prompt right-aligned in `width` columns -> (i32 tokens, i32 mask) [len(prompts), width]."""
+    toks = np.full((len(prompts), width), pad_id, np.int32)
+    mask = np.zeros((len(prompts), width), np.int32)
+    for i, x in enumerate(prompts):
+        toks[i, width - len(x):] = x
+        mask[i, width - len(x):] = 1
+    return toks, mask
 
 
 def to_batch(prompt_BxP, prompt_mask_BxP, group_ids_B, out) -> TrajectoryBatch:
