@@ -45,6 +45,7 @@ def test_terms_and_scratchpad_knobs_against_python_arithmetic():
         assert task.reward(prompt, A.encode(want) + [A.EOS]) == 1.0
         assert task.reward(prompt, A.encode(running[-1]) + [A.EOS]) == 1.0  # only the final result is graded
         assert task.reward(prompt, A.encode("0=" + running[-1] + "1") + [A.EOS]) == 0.0
+        assert task.final_answer(A.encode(want) + [A.EOS, A.encode("5")[0]]) == running[-1]  # what maj@k votes on
     assert A.Arithmetic(digits=2, ops="+").max_answer_len == 4  # 99+99 = 198, <eos>
     assert A.Arithmetic(digits=2, ops="+*", terms=3).max_answer_len == 7  # 99*99*99 = 970299, <eos>
     assert A.Arithmetic(digits=1, ops="-", terms=3, scratchpad=True).max_answer_len >= 3 + 4  # "-9=" "-18<eos>"
@@ -58,6 +59,7 @@ def test_digits_reward_gives_partial_credit():
     assert task.reward(prompt, A.encode("85") + [A.EOS]) == 1.0
     assert task.reward(prompt, A.encode("84") + [A.EOS]) == 0.5
     assert task.reward(prompt, A.encode("850") + [A.EOS]) == pytest.approx(2 / 3)  # too long: penalised
-    assert task.reward(prompt, [A.EOS]) == 0.0
+    assert task.reward(prompt, [A.EOS]) == 0.0 and task.final_answer([A.EOS]) is None
+    assert task.final_answer(A.encode("84") + [A.EOS]) == "84"
     with pytest.raises(ValueError, match="valid: exact, digits"):
         A.Arithmetic(reward_kind="partial")

@@ -15,7 +15,7 @@ import pytest
 from jaxrl_llm import models
 from jaxrl_llm.learner import learner
 from jaxrl_llm.run import experiment
-from jaxrl_llm.store import checkpoint, export, frozen_base
+from jaxrl_llm.store import checkpoint, export, frozen_base, policy
 from jaxrl_llm.models import adapters as peft_dir
 from jaxrl_llm.models import lora
 from tests import hf_fixtures as F
@@ -66,7 +66,7 @@ def test_kill_9_and_resume_is_bit_identical_and_checkpoints_hold_adapters_only(k
         for k in ("loss", "param_norm", "reward/mean", "grad_norm"):
             assert g[k] == w[k], (g["step"], k)
     # What a publication carried: the adapters, in the sampler's dtype (float32 here).
-    cfg = export.run_model(run)[1]
+    cfg = policy.lora_model(run)[1]
     assert got[-1]["weights/publish_bytes"] == 4 * lora.num_params(cfg)
     saved = checkpoint.Checkpointer(os.path.join(run, "checkpoints"), async_save=False).saved_tree()
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(saved["params"])]
@@ -120,7 +120,7 @@ def test_export_loads_in_peft_with_our_logits_and_a_run_starts_from_it(killed_an
     run = killed_and_resumed[0]
     out, merged = str(tmp_path / "adapter"), str(tmp_path / "merged")
     version = export.export(run, out, merged)
-    rec, cfg = export.run_model(run)
+    rec, cfg = policy.lora_model(run)
     assert version == killed_and_resumed[2]
     adapters = checkpoint.Checkpointer(os.path.join(run, "checkpoints"), async_save=False).saved_tree()["params"]
     base = frozen_base.restore(run, "", None, cfg)
@@ -131,6 +131,9 @@ def test_export_loads_in_peft_with_our_logits_and_a_run_starts_from_it(killed_an
     np.testing.assert_allclose(F.hf_logits(tuned, tokens), ours, atol=1e-4, rtol=0)
     whole = AutoModelForCausalLM.from_pretrained(merged, local_files_only=True).float().eval()
     np.testing.assert_allclose(F.hf_logits(whole, tokens), ours, atol=1e-4, rtol=0)
+    read = policy.load(run)  # what `python -m jaxrl_llm.evaluate --workdir` evaluates: the merged policy
+    assert read.version == version and read.cfg.lora_rank == 0
+    np.testing.assert_allclose(np.asarray(models.full_logits(read.params, read.cfg, tokens)), ours, atol=1e-5, rtol=0)
     # A new run starts from the exported adapter directory.
     seen = {}
     real = learner.Learner.init

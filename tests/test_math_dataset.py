@@ -386,3 +386,14 @@ def test_an_eos_token_named_in_the_config_is_accepted_and_a_foreign_one_refused(
     assert task.eos_id == tok.convert_tokens_to_ids(end)
     with pytest.raises(ValueError, match=r"^task.eos_token='<not a token>' is not a token of the tokenizer"):
         _task(path, tokenizer_dir, tokenizer=str(tmp_path / "no_eos"), eval_holdout=0.25, eos_token="<not a token>")
+
+
+def test_final_answers_for_the_majority_vote():
+    """maj@k votes on the last boxed answer (braces balanced), else on a bare number."""
+    from jaxrl_llm.tasks.math_dataset import final_answer
+
+    assert final_answer("so \\boxed{\\frac{1}{2}} then \\boxed{ 7 }") == "7"
+    assert final_answer("x = \\boxed{\\frac{1}{ 2}}.") == "\\frac{1}{2}"
+    assert final_answer(" 72. ") == "72" and final_answer("-3") == "-3"
+    assert final_answer("no answer") is None and final_answer("\\boxed{12") is None
+    assert final_answer("\\boxed{ }") is None

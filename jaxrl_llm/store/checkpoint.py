@@ -18,6 +18,7 @@ from typing import Optional
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from jaxrl_llm import validation
 from jaxrl_llm.parallel import distributed
@@ -139,14 +140,19 @@ class Checkpointer:
 
     def saved_tree(self, version: Optional[int] = None) -> dict:
         """A checkpoint as saved (nested dicts of arrays), with no template: for tools that read
-        one part, e.g. `export` the params. None: the newest."""
+        one part, e.g. `export` the params. None: the newest. Every array lands on this
+        process's first device, whatever mesh saved it (a run on 8 accelerators is exported or
+        evaluated on a one-CPU machine)."""
         version = self.latest_version() if version is None else version
         if version is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory!r}")
         if version not in self.manager.all_steps():
             raise FileNotFoundError(f"no checkpoint of version {version} in {self.directory!r}; saved versions: "
                                     f"{sorted(self.manager.all_steps())}")
-        return self.manager.restore(version, args=ocp.args.StandardRestore())
+        saved = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(version) / "default")
+        here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), saved)
+        return self.manager.restore(version, args=ocp.args.StandardRestore(target))
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

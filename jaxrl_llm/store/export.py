@@ -24,36 +24,12 @@ import shutil
 from absl import flags
 
 from jaxrl_llm import models, validation
-from jaxrl_llm.store import checkpoint, frozen_base
-from jaxrl_llm.store import workdir as workdir_lib
-from jaxrl_llm.models import adapters, lora
+from jaxrl_llm.store import frozen_base, policy
+from jaxrl_llm.models import adapters
 from jaxrl_llm.models.config import ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
-
-
-def run_model(workdir: str) -> tuple[dict, ModelConfig]:
-    """The run's base record and its LoRA model config (`frozen_base.record`)."""
-    rec = frozen_base.read(workdir)
-    if rec is None:
-        raise ValueError(f"{workdir} has no {frozen_base.RECORD}: not a LoRA run (model.lora.rank > 0), or not "
-                         "started yet")
-    lo = rec["lora"]
-    cfg = ModelConfig.from_dict(rec["model"]).replace(lora_rank=lo["rank"], lora_alpha=float(lo["alpha"]),
-                                   lora_targets=tuple(lo["targets"]))
-    return rec, cfg
-
-
-def _params(workdir: str, version):
-    ck = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
-    try:
-        version = ck.latest_version() if version is None else version
-        if version is None:
-            raise ValueError(f"{workdir} holds no checkpoint to export")
-        return ck.saved_tree(version)["params"], version
-    finally:
-        ck.close()
 
 
 def _fresh(path: str, overwrite: bool) -> None:
@@ -76,13 +52,11 @@ def export(workdir: str, out: str, merged: str = "", version=None, dtype: str = 
         if merged:
             raise ValueError(f"--merged is for LoRA runs; {workdir} trained full weights: --out is the model")
         return _export_full(workdir, out, version, dtype)
-    rec, cfg = run_model(workdir)
-    params, version = _params(workdir, version)
+    rec, cfg = policy.lora_model(workdir)
+    params, version = policy.checkpoint_params(workdir, version)
     adapters.save(out, params, cfg, base_model=rec["path"])
     if merged:
-        loaded = models.load_params(rec["hf_path"], cfg.without_lora())[0] if rec["hf_path"] else None
-        base = frozen_base.restore(workdir, rec["hf_path"], loaded, cfg)
-        models.save_params(merged, lora.merge(base, params, cfg.lora_scale), _dtype(cfg.without_lora(), dtype))
+        models.save_params(merged, policy.merged_lora(workdir, params, cfg), _dtype(cfg.without_lora(), dtype))
         _tokenizer_files(rec["path"], merged)
     return version
 
@@ -92,14 +66,9 @@ def _dtype(cfg: ModelConfig, dtype: str) -> ModelConfig:
 
 
 def _export_full(workdir: str, out: str, version, dtype: str) -> int:
-    path = os.path.join(workdir, workdir_lib.POLICY)
-    if not os.path.isfile(path):
-        raise ValueError(f"{workdir} has no {workdir_lib.POLICY} (a run started before full-weight export "
-                         "existed, or not a run's workdir); resume it once to record its model, then export")
-    with open(path) as f:
-        rec = json.load(f)
+    rec = policy.record(workdir)
     cfg = _dtype(ModelConfig.from_dict(rec["model"]), dtype)
-    params, version = _params(workdir, version)
+    params, version = policy.checkpoint_params(workdir, version)
     models.save_params(out, params, cfg)
     _tokenizer_files(rec["tokenizer"], out)
     gen_path, gen = os.path.join(out, "generation_config.json"), {}

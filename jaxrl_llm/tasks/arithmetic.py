@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -118,10 +118,14 @@ class Arithmetic:
         nums, ops = re.split(r"[-+*]", parts[1]), re.findall(r"[-+*]", parts[1])
         return self._running([int(n) for n in nums], ops)[-1]
 
+    def final_answer(self, completion: Sequence[int]) -> Optional[str]:
+        """The answer a completion gives (maj@k votes on it; the exact reward compares it): its
+        text, with a scratchpad the last running result; None when it says nothing."""
+        got = decode(completion)
+        return (got.rsplit("=", 1)[-1] if self.scratchpad else got) or None
+
     def reward(self, prompt: Sequence[int], completion: Sequence[int]) -> float:
-        got, want = decode(completion), self.answer(prompt)
-        if self.scratchpad:
-            got = got.rsplit("=", 1)[-1]
+        got, want = self.final_answer(completion) or "", self.answer(prompt)
         if self.reward_kind == "exact":
             return float(got == want)
         return sum(a == b for a, b in zip(got, want)) / max(len(got), len(want))

@@ -67,6 +67,21 @@ _BARE = re.compile(r"\s*(-?\d+)\.?\s*")  # "72", "72." (a sentence's full stop)
 _BOXED = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}")
 
 
+def final_answer(text: str) -> Optional[str]:
+    """The last \\boxed{...} of `text` (braces balanced, whitespace dropped), else `text` when
+    it is a bare number, else None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        bare = _BARE.fullmatch(text)
+        return bare.group(1) if bare else None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return "".join(text[i + 1:j].split()) or None
+    return None  # unclosed
+
+
 def gold_int(gold: str) -> Optional[int]:
     return int(gold) if _INT.fullmatch(gold) else None
 
@@ -299,6 +314,11 @@ class MathDataset:
 
     def completion_text(self, completion: Sequence[int]) -> str:
         return self.tokenizer.decode(list(completion), skip_special_tokens=True)
+
+    def final_answer(self, completion: Sequence[int]) -> Optional[str]:
+        """The answer a completion gives, for maj@k's vote: its last \\boxed{...} (whitespace
+        dropped), else the completion itself when it is a bare number; None otherwise."""
+        return final_answer(self.completion_text(completion))
 
     # -- scoring (scoring.Scorer): the fast path here, math-verify in worker processes
     checker = staticmethod(score)
