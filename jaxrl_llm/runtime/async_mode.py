@@ -30,6 +30,7 @@ import numpy as np
 from jaxrl_llm import staleness
 from jaxrl_llm.parallel import preemption
 from jaxrl_llm.batch import TrajectoryBatch
+from jaxrl_llm.runtime import dynamic
 from jaxrl_llm.runtime.admission import Admission
 from jaxrl_llm.runtime.delay import DelayModel
 from jaxrl_llm.runtime.lengths import LengthCounts
@@ -48,8 +49,12 @@ class SamplerWorker(threading.Thread):
 
     def __init__(self, index: int, producer: Producer, store: WeightStore, delay: DelayModel, todo,
                  queue: VersionedQueue, stop: threading.Event, lengths: LengthCounts,
-                 admission: Optional[Admission], refresh_mid_generation: bool):
+                 admission: Optional[Admission], refresh_mid_generation: bool,
+                 gate: Optional[dynamic.Gate] = None, consumed=None):
+        """`gate` (dynamic sampling): groups it stops are handed to `consumed(origin)` (delivered:
+        never generated again) instead of the queue."""
         super().__init__(daemon=True, name=f"sampler-{index}")
+        self.gate, self.consumed = gate, consumed
         self.index, self.producer, self.store, self.delay_model = index, producer, store, delay
         self.todo, self.queue, self.stop, self.lengths, self.admission = todo, queue, stop, lengths, admission
         self.mid = refresh_mid_generation
@@ -104,7 +109,18 @@ class SamplerWorker(threading.Thread):
             rows = np.concatenate([k * g + np.arange(g) for k in groups])
             batch = jax.tree.map(lambda x: x[rows], batch)
         self.lengths.add("generated", batch)
-        self.put_wait_s += self._put(Rollout(Origin(self.index, draw, groups), batch))
+        if self.gate is None:
+            self.put_wait_s += self._put(Rollout(Origin(self.index, draw, groups), batch))
+            return
+        for k, group in zip(groups, dynamic.groups_of(batch, g)):  # dynamic sampling: group by group
+            self._offer(Rollout(Origin(self.index, draw, (k,)), group))
+
+    def _offer(self, item: Rollout) -> None:
+        """Enqueue `item`, or (dropped by the gate) deliver it as consumed."""
+        if self.gate is not None and not self.gate.passes(item.batch):
+            self.consumed(item.origin)
+        else:
+            self.put_wait_s += self._put(item)
 
     def _put(self, item: Rollout) -> float:
         """Enqueue `item` under its batch's oldest token version; waits while the queue is full.
@@ -131,7 +147,7 @@ class SamplerWorker(threading.Thread):
             self.reward_failures += failures
             self.score_wait_s += score_wait
             self.lengths.add("generated", item.batch)
-            self.put_wait_s += self._put(item)
+            self._offer(item)
             if self.admission is not None:
                 self.admission.enqueued(admitted)
             self.busy_s = time.perf_counter() - start - self.put_wait_s
@@ -141,8 +157,11 @@ class AsyncMode(QueueFed):
     """`num_samplers` sampler threads per run() call, the learner taking from their queue."""
 
     def __init__(self, ctx: Context):
-        super().__init__(ctx, ctx.cfg.prompts_per_batch if ctx.producer.streams else 1)  # queue entries per batch
+        by_group = ctx.producer.streams or ctx.cfg.dynamic_sampling
+        super().__init__(ctx, ctx.cfg.prompts_per_batch if by_group else 1)  # queue entries per batch
         self.cfg = ctx.cfg
+        self._gates: list = []  # dynamic sampling: each worker's, over the run
+        self._gated = None  # their totals at the last step
         self.workers: list[SamplerWorker] = []
         self._retired_failures = 0
         self.queue, self.stop_event = None, None  # per run() call (`start`): its workers' queue and stop flag
@@ -160,8 +179,14 @@ class AsyncMode(QueueFed):
         self.queue = VersionedQueue(size, None if c.max_staleness < 0 else c.max_staleness, c.staleness_policy,
                                     on_drop=ctx.on_drop)
         self.stop_event = threading.Event()
+        if c.dynamic_sampling and not self._gates:
+            limit = c.dynamic_max_draws * c.prompts_per_batch  # groups dropped in a row before one goes through
+            self._gates = [dynamic.Gate(ctx.producer.group_size, c.dynamic_min_std, limit)
+                           for _ in range(c.num_samplers)]
+        gates = self._gates or [None] * c.num_samplers
         self.workers = [SamplerWorker(w, ctx.producer, ctx.store, ctx.delay, ctx.position.todo(w), self.queue,
-                                      self.stop_event, ctx.lengths, self.admission, c.refresh_mid_generation)
+                                      self.stop_event, ctx.lengths, self.admission, c.refresh_mid_generation,
+                                      gates[w], lambda origin: ctx.position.deliver(*origin))
                         for w in range(c.num_samplers)]
         super().start()
         for w in self.workers:
@@ -176,8 +201,13 @@ class AsyncMode(QueueFed):
 
     def _served(self, batch, elapsed) -> dict:
         busy = self.cfg.num_samplers * elapsed
-        return {"runtime/sampler_busy": sum(w.busy_s for w in self.workers) / busy,
-                "runtime/score_wait": sum(w.score_wait_s for w in self.workers) / busy}
+        m = {"runtime/sampler_busy": sum(w.busy_s for w in self.workers) / busy,
+             "runtime/score_wait": sum(w.score_wait_s for w in self.workers) / busy}
+        if self._gates:
+            filtered, self._gated = dynamic.gate_metrics(self._gates, self._gated, self.cfg.prompts_per_batch)
+            keep = dynamic.informative(np.asarray(batch.rewards), self.ctx.producer.group_size, self.cfg.dynamic_min_std)
+            m.update(filtered, **{"dynamic/fill": float(keep.mean())})
+        return m
 
     def stop(self) -> None:
         self.stop_event.set()

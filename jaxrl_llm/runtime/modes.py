@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxrl_llm import staleness
 from jaxrl_llm import validation as V
+from jaxrl_llm.runtime import dynamic
 from jaxrl_llm.runtime.delay import DelayModel
 from jaxrl_llm.runtime.lengths import LengthCounts
 from jaxrl_llm.runtime.position import DataPosition
@@ -181,6 +182,9 @@ def concurrent() -> tuple:
     return tuple(n for n, s in registered() if s.concurrent)
 
 
+REFILL_STREAM = 1 << 20  # the sequential modes' refill draws' stream (async workers are 1 .. num_samplers)
+
+
 class Sequential(Mode):
     """Sampling in the learner's thread: the learner waits while a batch is produced."""
 
@@ -189,6 +193,7 @@ class Sequential(Mode):
         self.producer, self.store = ctx.producer, ctx.store
         self._failures = 0
         self._scoring = 0.0  # per run() call
+        self._refilled: dict = {}  # runtime.dynamic_sampling: the last batch's refill metrics
 
     @property
     def reward_failures(self) -> int:
@@ -200,10 +205,26 @@ class Sequential(Mode):
 
     def _metrics(self, batch, elapsed):
         """The learner idles exactly while the sampler works."""
-        return {"runtime/sampler_busy": self._idle / elapsed, "runtime/score_wait": self._scoring / elapsed}
+        return {"runtime/sampler_busy": self._idle / elapsed, "runtime/score_wait": self._scoring / elapsed,
+                **self._refilled}
 
     def _produce(self, params, version: int, counter: int):
-        pending = self.producer.generate(params, version, 0, counter)
+        """The batch of draw `counter`; with dynamic sampling, refilled from draws of their own
+        stream (`REFILL_STREAM`, `counter * max_draws + j`: a function of the counter alone, so a
+        resumed run draws exactly what this one would have)."""
+        c = self.ctx.cfg
+        if not c.dynamic_sampling:
+            return self._one(params, version, 0, counter)
+        refill = dynamic.Refill(c.prompts_per_batch, self.producer.group_size, c.dynamic_min_std, c.dynamic_max_draws)
+        while not refill.done:
+            j = refill.draws
+            refill.add(self._one(params, version, *((0, counter) if j == 0 else
+                                                    (REFILL_STREAM, counter * c.dynamic_max_draws + j))))
+        self._refilled = refill.metrics()
+        return refill.batch()
+
+    def _one(self, params, version: int, worker: int, counter: int):
+        pending = self.producer.generate(params, version, worker, counter)
         batch, failures = pending.result()
         self._scoring += pending.score_s
         self._failures += failures

@@ -69,6 +69,10 @@ def section() -> V.Section:
         # gets 0 (zero) or its reward over 1 + eps (reward: verl's mean 0 / std 1 for singletons).
         advantage_eps=(1e-6, V.positive()), singleton_groups=("zero", V.one_of("zero", "reward")),
         mask_zero_variance=(False, V.boolean()),
+        # DAPO's dynamic sampling (dynamic.py): drop groups whose rewards are all equal (or whose std is
+        # below dynamic_min_std > 0) and draw more prompts, at most dynamic_max_draws draws per batch
+        dynamic_sampling=(False, V.boolean()), dynamic_min_std=(0.0, V.non_negative()),
+        dynamic_max_draws=(8, V.integer(1)),
         seed=(0, V.integer(0)),
         **{name: spec.section for name, spec in modes.registered() if spec.section is not None})
 
@@ -103,9 +107,15 @@ def validate(c, batching: str = "static") -> None:
         raise ValueError(f"runtime.staleness_policy='admit' needs mode={beside} (async with "
                          "sampler.batching='continuous') and a finite runtime.max_staleness (mode is "
                          f"{c.mode!r}, max_staleness {c.max_staleness})")
+    if c.dynamic_sampling and (c.mode not in _DYNAMIC or c.staleness_policy == "admit"):
+        raise ValueError(f"runtime.dynamic_sampling works in modes {', '.join(_DYNAMIC)} and not with "
+                         f"staleness_policy='admit' (mode {c.mode!r}, staleness_policy {c.staleness_policy!r})")
     if spec.validate is not None:
         spec.validate(c, batching)
     _delay(c)  # bad delay bounds fail here
+
+
+_DYNAMIC = ("sync", "iterative", "offpolicy", "simulated", "async")  # the modes that refill (dynamic.py)
 
 
 def _delay(c) -> delay_lib.DelayModel:
@@ -174,10 +184,15 @@ class Orchestrator:
         d = staleness.of_batch(version, batch.versions, batch.loss_mask)
         hist = np.bincount(d, minlength=1)
         rewards = np.asarray(batch.rewards, np.float64)
+        # Loss tokens of groups whose rewards differ: what a group-normalised advantage can train on.
+        spread = np.asarray(advantages.nonzero_variance(batch.rewards, batch.group_ids))
+        informative = float((np.asarray(batch.loss_mask).sum(1) * spread).sum())
         # One gather for every process's scalars: [max staleness, reward sum, rows, failures,
-        # dropped, histogram length, nonzero rewards] (each host collective costs a round trip over gloo).
+        # dropped, histogram length, nonzero rewards, informative tokens] (each host collective
+        # costs a round trip over gloo).
         g = distributed.gather(np.array([d.max(initial=0), rewards.sum(), rewards.size, self.reward_failures,
-                                         self.dropped, hist.size, np.count_nonzero(rewards)], np.float64))
+                                         self.dropped, hist.size, np.count_nonzero(rewards), informative],
+                                        np.float64))
         self.over_stale += int(staleness.exceeds(int(g[:, 0].max()), self.cfg.max_staleness))
         totals = g[:, 1:5].sum(0)
         state, m = self.learner.train_step(state, batch)
@@ -187,6 +202,7 @@ class Orchestrator:
         m["staleness/hist"] = distributed.host_sum(np.pad(hist, (0, int(g[:, 5].max()) - hist.size))).tolist()
         m["reward/mean"] = float(totals[0] / totals[1])
         m["reward/nonzero"] = float(g[:, 6].sum() / totals[1])  # the fraction of samples with any reward
+        m["tokens/informative"] = float(g[:, 7].sum())
         m["reward/failures"] = float(totals[2])
         m["runtime/dropped"] = float(totals[3])
         m["runtime/over_stale"] = float(self.over_stale)
