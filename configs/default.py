@@ -12,6 +12,7 @@ import ml_collections
 
 from jaxrl_llm.gateway import config as gateway_config
 from jaxrl_llm.run import config as config_lib
+from jaxrl_llm.run import tracking
 from jaxrl_llm import objectives, tasks
 from jaxrl_llm.learner import learner
 from jaxrl_llm.parallel import distributed, sharding
@@ -45,6 +46,7 @@ def get_config(arg: str = "a3po"):
     c.distributed = distributed.default_config()  # many hosts: see README "Many hosts"
     c.train = config_lib.train_config()  # steps, eval/save cadence, resume, preemption grace
     c.gateway = gateway_config.default_config()  # task.name=agent: agents over an OpenAI-style gateway
+    c.logging = tracking.default_config()  # tensorboard (default), wandb, mlflow; metrics.jsonl always
     c.train.update(dict(steps=3000, eval_every=100, save_every=500))
     # The schedule spans the run however --config.train.steps or num_minibatches are overridden.
     c.learner.total_steps = c.train.get_ref("steps") * c.learner.get_ref("num_minibatches")

@@ -13,7 +13,7 @@ import jax
 from jaxrl_llm import models, objectives, tasks
 from jaxrl_llm.learner import learner
 from jaxrl_llm.parallel import distributed, sharding
-from jaxrl_llm.run import paths
+from jaxrl_llm.run import paths, tracking
 from jaxrl_llm import validation as V
 from jaxrl_llm.objectives.registry import RULES as OBJECTIVE_RULES
 from jaxrl_llm import remote  # noqa: F401  registers the remote mode (and its runtime.remote section)
@@ -63,7 +63,8 @@ def rules() -> dict:
     sections = {"task": tasks.RULES, "model": MODEL.rules, "aux_model": AUX_MODEL.rules,
                 "warm_start": warmstart.RULES, "sampler": sampling.RULES, "objective": OBJECTIVE_RULES,
                 "learner": learner.RULES, "runtime": orchestrator.rules(), "mesh": sharding.RULES,
-                "distributed": distributed.RULES, "train": TRAIN.rules, "gateway": gateway_config.RULES}
+                "distributed": distributed.RULES, "train": TRAIN.rules, "gateway": gateway_config.RULES,
+                "logging": tracking.RULES}
     out = dict(TOP_RULES)
     for name, rules in sections.items():
         out.update(V.flatten(rules, name + "."))

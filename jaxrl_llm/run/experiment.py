@@ -19,7 +19,7 @@ import numpy as np
 from jaxrl_llm import models, validation
 from jaxrl_llm.models import adapters as peft_adapters
 from jaxrl_llm.parallel import distributed, preemption
-from jaxrl_llm.run import memory, paths, xla
+from jaxrl_llm.run import memory, paths, tracking, xla
 from jaxrl_llm.run.metrics import MetricsWriter, Progress
 from jaxrl_llm.run.parts import Parts, build, initial_params  # noqa: F401  (build: the run's parts, public here)
 from jaxrl_llm.store import checkpoint, frozen_base
@@ -177,12 +177,15 @@ class _Output:
         self.config = config = b.plan.config
         self.main, self.compiles = distributed.is_main(), compiles
         self.user_config, self.workdir, self.orchestrator = user_config, workdir, b.orchestrator
-        # Records past the restored version (or all, starting afresh) belong to a run that died.
-        self.writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard, enabled=self.main,
-                                    resume_at=int(state.version) if resumed else -1)
         self.progress = Progress(config.train.steps, int(state.version),  # None: a terminal decides
                                  enabled=None if config.train.progress and log is None and self.main else False)
         self.log = log or (self.progress.write if self.main else (lambda line: None))
+        logging_c = tracking.section(config)
+        trackers = tracking.Trackers(logging_c, workdir, workdir_lib.public(user_config), self.log, self.main)
+        # Records past the restored version (or all, starting afresh) belong to a run that died.
+        self.writer = MetricsWriter(workdir, tensorboard=tracking.tensorboard(logging_c, config.train.tensorboard),
+                                    enabled=self.main, resume_at=int(state.version) if resumed else -1,
+                                    also=trackers)
 
     def start(self, notes: list, ckpt: Checkpointer, state, resumed: bool, changed: list, shape: dict) -> None:
         """The workdir's config and history records, the start-up notes, and a resume's runtime state."""

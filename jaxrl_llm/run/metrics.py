@@ -21,11 +21,11 @@ class MetricsWriter:
     written after that checkpoint by a run that died, and the resumed run writes those steps
     again, so they are dropped first (the TensorBoard events are rebuilt from what is kept):
     the log of a resumed run equals an uninterrupted one. `enabled=False` (every process but 0
-    of a many-process run) writes nothing."""
+    of a many-process run) writes nothing. `also` (`tracking.Trackers`) gets every record too."""
 
-    def __init__(self, workdir: str, tensorboard: bool = True, enabled: bool = True, resume_at=None):
+    def __init__(self, workdir: str, tensorboard: bool = True, enabled: bool = True, resume_at=None, also=None):
         self.path = os.path.join(workdir, "metrics.jsonl")
-        self._f, self._tb = None, None
+        self._f, self._tb, self._also = None, None, also
         if not enabled:
             return
         kept = truncate(self.path, resume_at) if resume_at is not None else None
@@ -47,6 +47,8 @@ class MetricsWriter:
         self._f.flush()
         if self._tb is not None:
             self._write_tb(record)
+        if self._also is not None:
+            self._also.log(record)
 
     def _write_tb(self, record: dict) -> None:
         step = int(record["step"])
@@ -63,6 +65,8 @@ class MetricsWriter:
             self._f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._also is not None:
+            self._also.close()
 
 
 def truncate(path: str, step: int) -> list:
