@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import testing
-from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.run import experiment
 from jaxrl_llm.runtime import dynamic, orchestrator
 from tests.test_experiment import _tiny
@@ -141,3 +140,40 @@ def test_an_async_run_gates_groups_before_the_queue_and_delivers_each_once(tmp_p
         assert batch.shape[0] == 8 and keep.sum() >= 2 - m["dynamic/forced"]
     assert len(delivered) == len(set(delivered))  # DataPosition also refuses a second delivery
     assert sum(m["dynamic/dropped_groups"] for m in steps) > 0
+
+
+def test_a_sync_run_killed_mid_batch_resumes_bit_identically(tmp_path):
+    """kill -9 while a batch is being refilled: the resumed run draws the same prompts for every
+    step (a function of the version) and trains exactly what an uninterrupted run trains."""
+    import subprocess
+    import sys
+    import time
+
+    from jaxrl_llm.store import checkpoint
+    from tests.test_distributed import ENV, ROOT, TINY
+
+    base = [sys.executable, "-m", "jaxrl_llm.main", *TINY, "--config.runtime.mode=sync", "--config.task.reward=digits",
+            "--config.runtime.dynamic_sampling=True", "--config.runtime.dynamic_max_draws=4",
+            "--config.train.save_every=2", "--config.train.eval_every=1000", "--config.train.keep=100"]
+    run, ckdir = str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints")
+    p = subprocess.Popen([*base, f"--workdir={run}", "--config.train.steps=1000"], cwd=ROOT, env=ENV,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    path, deadline = os.path.join(run, "metrics.jsonl"), time.monotonic() + 240
+    while time.monotonic() < deadline and not (os.path.isdir(os.path.join(ckdir, "4"))
+                                               and open(path).read().count('"loss"') >= 5):
+        time.sleep(0.05)
+    p.kill()
+    p.wait(timeout=60)
+    restored = checkpoint.Checkpointer(ckdir).latest_version()
+    assert restored >= 4
+    end = restored + 2
+    for workdir in (run, str(tmp_path / "ref")):
+        r = subprocess.run([*base, f"--workdir={workdir}", f"--config.train.steps={end}"], cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+    got, want = _steps(run), _steps(tmp_path / "ref")
+    assert [x["step"] for x in got] == [x["step"] for x in want] == list(range(1, end + 1))
+    for g, w in zip(got, want):
+        for k in ("loss", "param_norm", "reward/mean", "dynamic/draws", "dynamic/dropped_groups"):
+            assert g[k] == w[k], (g["step"], k)
+    assert any(x["dynamic/dropped_groups"] > 0 for x in want)
