@@ -1,11 +1,14 @@
-"""Decoder configuration shared by Qwen2, Qwen3 and Llama (frozen: usable as a jit static)."""
+"""Decoder configuration shared by Qwen2, Qwen3, Llama and the Qwen2-MoE / Qwen3-MoE mixtures of
+experts (frozen: usable as a jit static)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
-SUPPORTED = ("qwen2", "qwen3", "llama")
+SUPPORTED = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe")
+MOE = ("qwen2_moe", "qwen3_moe")
+DISPATCH = ("auto", "dense", "grouped")  # `moe.py`
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("auto", "xla", "cudnn", "splash", "chunked", "einsum", "dot_product_attention")  # the last: xla's old name
 # Rematerialisation of decoder layers under grad (`decoder.Decoder`): none keeps every
@@ -65,6 +68,17 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 0.0
     lora_targets: tuple = ()
+    # Mixture of experts (`moe.py`; 0 experts: dense). Layer i is sparse unless listed in
+    # `mlp_only_layers` or (i + 1) % `decoder_sparse_step` != 0, as transformers builds them.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (sigmoid-gated)
+    router_aux_loss_coef: float = 0.0
+    moe_dispatch: str = "auto"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED:
@@ -80,6 +94,14 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; valid: {', '.join(REMAT)}")
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
+                             f"{self.num_experts}")
+        if self.moe_dispatch not in DISPATCH:
+            raise ValueError(f"ModelConfig.moe_dispatch={self.moe_dispatch!r}; valid: {', '.join(DISPATCH)}")
+        if self.num_experts and self.lora_rank and set(self.lora_targets) & {"gate", "up", "down"}:
+            raise ValueError("LoRA on a mixture of experts' MLPs is not supported yet: target the attention "
+                             "projections (model.lora.targets=q,k,v,o)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -112,17 +134,42 @@ class ModelConfig:
     def rope(self) -> dict:
         return dict(self.rope_params)
 
-    @property
-    def layer_params(self) -> int:
-        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+    def sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a mixture of experts."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def _mlp_params(self, layer: int, active: bool = False) -> int:
+        d = self.hidden_size
+        if not self.sparse(layer):
+            f = self.intermediate_size
+            return 3 * d * f + self.mlp_bias * (2 * f + d)
+        s = self.shared_expert_intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return d * self.num_experts + experts * 3 * d * self.moe_intermediate_size + (3 * d * s + d if s else 0)
+
+    def _attn_params(self) -> int:
+        d, hd = self.hidden_size, self.head_dim
         attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += self.qkv_bias * hd * (self.num_heads + 2 * self.num_kv_heads) + self.o_bias * d
-        return attn + 3 * d * f + self.mlp_bias * (2 * f + d) + 2 * d + self.qk_norm * 2 * hd
+        return attn + 2 * d + self.qk_norm * 2 * hd
+
+    @property
+    def layer_params(self) -> int:
+        """The largest layer's parameters (a dense model's layers are all alike)."""
+        return self._attn_params() + max(self._mlp_params(i) for i in range(max(self.num_layers, 1)))
 
     @property
     def num_params(self) -> int:
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * self.layer_params + embed + self.hidden_size
+        return sum(self._attn_params() + self._mlp_params(i) for i in range(self.num_layers)) + embed + self.hidden_size
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token passes through (a mixture of experts': its k experts per layer)."""
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return (sum(self._attn_params() + self._mlp_params(i, active=True) for i in range(self.num_layers))
+                + embed + self.hidden_size)
 
     @classmethod
     def from_hf(cls, hf: dict, **overrides) -> "ModelConfig":
@@ -152,20 +199,31 @@ class ModelConfig:
             rope_params=rope_params,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=True if arch == "qwen2" else bool(hf.get("attention_bias", False)),
-            o_bias=arch != "qwen2" and bool(hf.get("attention_bias", False)),
+            qkv_bias=(True if arch == "qwen2" else bool(hf.get("qkv_bias", True)) if arch == "qwen2_moe"
+                      else bool(hf.get("attention_bias", False))),
+            o_bias=arch not in ("qwen2", "qwen2_moe") and bool(hf.get("attention_bias", False)),
             mlp_bias=arch == "llama" and bool(hf.get("mlp_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
         )
+        if arch in MOE:
+            kw.update(num_experts=hf.get("num_experts") or hf["num_local_experts"],  # v5 writes the latter
+                      num_experts_per_tok=hf["num_experts_per_tok"], moe_intermediate_size=hf["moe_intermediate_size"],
+                      norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                      decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
+                      mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+                      shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
+                      if arch == "qwen2_moe" else 0,
+                      router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0))
         kw.update(overrides)
         return cls(**kw)
 
     def to_hf(self) -> dict:
         """A config.json dict that transformers loads (v4-style rope keys, read by v4 and v5)."""
-        arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+        arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
         out = dict(
             architectures=[arch[self.model_type]],
             model_type=self.model_type,
@@ -187,8 +245,17 @@ class ModelConfig:
         if self.rope_type != "default":
             out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         out["rope_parameters"] = rope
-        if self.model_type != "qwen2":
+        if self.model_type == "qwen2_moe":
+            out["qkv_bias"] = self.qkv_bias
+        elif self.model_type != "qwen2":
             out["attention_bias"] = self.qkv_bias
+        if self.model_type in MOE:
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                       router_aux_loss_coef=self.router_aux_loss_coef)
+            if self.model_type == "qwen2_moe":
+                out["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
         if self.bos_token_id is not None:

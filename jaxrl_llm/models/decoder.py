@@ -1,5 +1,5 @@
-"""Flax decoder for Qwen2 / Qwen3 / Llama: GQA, RoPE (linear / Llama-3 / YaRN scaling), RMSNorm,
-SwiGLU, optional attention and MLP biases.
+"""Flax decoder for Qwen2 / Qwen3 / Llama and their mixtures of experts (`moe.py`): GQA, RoPE
+(linear / Llama-3 / YaRN scaling), RMSNorm, SwiGLU, optional attention and MLP biases.
 
 Parameters carry logical axis names (embed, heads, kv_heads, kv, mlp, vocab) for sharding rules.
 The model returns final hidden states; logits are formed by the chunked log-prob heads
@@ -25,6 +25,7 @@ import numpy as np
 from jaxrl_llm.models import lora
 from jaxrl_llm.models.attention import Segments, attention, self_mask
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.moe import MoE
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -185,6 +186,7 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     cfg: ModelConfig
+    sparse: bool = False  # a mixture-of-experts layer (`moe.py`)
 
     @nn.compact
     def __call__(self, x, sin, cos, mask, cache=None, cache_index=0):
@@ -192,7 +194,8 @@ class Block(nn.Module):
         h, new_cache = Attention(c, name="attn")(
             RMSNorm(c.rms_norm_eps, param_dtype=c.param_dtype, name="input_norm")(x), sin, cos, mask, cache, cache_index)
         x = x + h
-        x = x + MLP(c, name="mlp")(RMSNorm(c.rms_norm_eps, param_dtype=c.param_dtype, name="post_norm")(x))
+        mlp = MoE(c, name="moe") if self.sparse else MLP(c, name="mlp")
+        x = x + mlp(RMSNorm(c.rms_norm_eps, param_dtype=c.param_dtype, name="post_norm")(x))
         return x, new_cache
 
 
@@ -205,7 +208,7 @@ def _block_fwd(mdl, x, sin, cos, mask):
 
 
 @functools.lru_cache(maxsize=None)
-def recomputed_block(cfg: ModelConfig):
+def recomputed_block(cfg: ModelConfig, sparse: bool = False):
     """`remat=full`: a decoder layer that keeps only its inputs and recomputes itself in the
     backward pass once that layer's turn has come. Under `jax.checkpoint` the recomputation
     depends only on the saved inputs, and when the update needs every gradient first (global-norm
@@ -219,7 +222,7 @@ def recomputed_block(cfg: ModelConfig):
         # (0 * g is not folded for floats: it would be NaN for a non-finite g).
         late = 0 * g.reshape(-1)[0]
         x = x + late.astype(x.dtype)
-        apply = lambda p, x, sin, cos: Block(cfg).apply({"params": p}, x, sin, cos, mask)[0]
+        apply = lambda p, x, sin, cos: Block(cfg, sparse).apply({"params": p}, x, sin, cos, mask)[0]
         if cfg.lora_rank:  # the frozen base gets no weight gradient (zeros, dropped by XLA)
             base, adapters = lora.split(params)
             apply_adapters = lambda a, x, sin, cos: apply(lora.combine(base, a), x, sin, cos)
@@ -255,9 +258,9 @@ class Decoder(nn.Module):
         block = nn.remat(Block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable) \
             if training and c.remat == "dots" else Block
         for i in range(c.num_layers):
-            layer = block(c, name=f"layers_{i}")
+            layer = block(c, c.sparse(i), name=f"layers_{i}")
             if training and c.remat == "full":
-                x = recomputed_block(c)(layer, x, sin, cos, mask_BxTxS)
+                x = recomputed_block(c, c.sparse(i))(layer, x, sin, cos, mask_BxTxS)
                 continue
             x, layer_cache = layer(x, sin, cos, mask_BxTxS, None if cache is None else cache[i], cache_index)
             new_cache.append(layer_cache)

@@ -51,7 +51,8 @@ def _weight_files(path: str) -> list[str]:
 
 
 def _hf_names(cfg: ModelConfig):
-    """(our param path, HF tensor name, HF->ours, ours->HF) for every parameter."""
+    """(our param path, HF tensor name, HF->ours, ours->HF) for every parameter. A path ending
+    in an int is one expert's slice of a stacked [E, ...] weight (`moe.py`)."""
     d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     same = (lambda w: w, lambda w: w)
     transpose = (lambda w: w.T, lambda w: w.T)
@@ -75,12 +76,29 @@ def _hf_names(cfg: ModelConfig):
         if cfg.qk_norm:
             out.append(((lay, "attn", "q_norm", "scale"), f"{pre}self_attn.q_norm.weight", *same))
             out.append(((lay, "attn", "k_norm", "scale"), f"{pre}self_attn.k_norm.weight", *same))
-        for ours in ("gate", "up", "down"):
+        if cfg.sparse(i):
+            out += _moe_names(cfg, lay, pre)
+        for ours in () if cfg.sparse(i) else ("gate", "up", "down"):
             out.append(((lay, "mlp", ours, "kernel"), f"{pre}mlp.{ours}_proj.weight", *transpose))
             if cfg.mlp_bias:
                 out.append(((lay, "mlp", ours, "bias"), f"{pre}mlp.{ours}_proj.bias", *same))
         out.append(((lay, "input_norm", "scale"), f"{pre}input_layernorm.weight", *same))
         out.append(((lay, "post_norm", "scale"), f"{pre}post_attention_layernorm.weight", *same))
+    return out
+
+
+def _moe_names(cfg: ModelConfig, lay: str, pre: str) -> list:
+    """A sparse layer's tensors: the router, each expert's projections (one slice each of our
+    stacked weights), Qwen2-MoE's shared expert and its gate; HF Linear weights are [out, in]."""
+    transpose = (lambda w: w.T, lambda w: w.T)
+    out = [((lay, "moe", "router"), f"{pre}mlp.gate.weight", *transpose)]
+    for e in range(cfg.num_experts):
+        out += [((lay, "moe", ours, e), f"{pre}mlp.experts.{e}.{ours}_proj.weight", *transpose)
+                for ours in ("gate", "up", "down")]
+    if cfg.shared_expert_intermediate_size:
+        out += [((lay, "moe", f"shared_{ours}"), f"{pre}mlp.shared_expert.{ours}_proj.weight", *transpose)
+                for ours in ("gate", "up", "down")]
+        out.append(((lay, "moe", "shared_scale"), f"{pre}mlp.shared_expert_gate.weight", *transpose))
     return out
 
 
@@ -115,7 +133,8 @@ def check_weights(path: str, cfg: ModelConfig) -> None:
     for ours, name, _, _ in _hf_names(cfg.without_lora()):
         if name not in found:
             continue  # load_params names every missing tensor
-        want = int(np.prod(_get(like, ours).shape))
+        leaf = _get(like, ours[:-1] if isinstance(ours[-1], int) else ours)
+        want = int(np.prod(leaf.shape[1:] if isinstance(ours[-1], int) else leaf.shape))
         shape, file = found[name]
         if int(np.prod(shape)) != want:
             problems.append(f"{name} in {file} has shape {list(shape)}, this model needs {want} values")
@@ -126,6 +145,8 @@ def check_weights(path: str, cfg: ModelConfig) -> None:
 
 def _get(tree: dict, path: tuple):
     for key in path:
+        if isinstance(key, int):  # an expert's slice of a stacked weight
+            return tree[key]
         if key not in tree:
             return None
         tree = tree[key]
@@ -150,13 +171,21 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, place: Optional[Ca
     place = place or (lambda _, a: jnp.asarray(a, dtype))
     wanted = {name: (ours, conv) for ours, name, conv, _ in _hf_names(cfg)}
     params: dict = {}
-    unused = []
+    unused, experts = [], {}  # stacked path -> {expert: its slice}, stacked once all are read
     for file in _weight_files(path):
         with safe_open(file, framework="flax") as f:
             for name in f.keys():
                 if name in wanted:
                     ours, conv = wanted.pop(name)
-                    _set(params, ours, place(ours, conv(np.asarray(f.get_tensor(name), np.float32))))
+                    value = conv(np.asarray(f.get_tensor(name), np.float32))
+                    if isinstance(ours[-1], int):
+                        got = experts.setdefault(ours[:-1], {})
+                        got[ours[-1]] = value
+                        if len(got) == cfg.num_experts:
+                            stacked = np.stack([got.pop(e) for e in range(cfg.num_experts)])
+                            _set(params, ours[:-1], place(ours[:-1], stacked))
+                    else:
+                        _set(params, ours, place(ours, value))
                 elif not _derived(name, cfg):
                     unused.append(name)
     if cfg.tie_word_embeddings:

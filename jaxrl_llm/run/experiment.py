@@ -87,6 +87,10 @@ def _run(config, workdir: str, log, compiles: xla.CompileLog) -> dict:
     notes = [line, f"memory plan (GiB per device): {memory.describe(b.memory_plan)}; needs {need / memory.GB:.2f} "
              f"of {what}: {have / memory.GB:.1f} GiB"] + ([f"warning: {warning}"] if warning else [])
     notes.extend(f"warning: {w}" for w in b.plan.warnings)
+    m = b.model_cfg
+    if m.num_experts:
+        notes.append(f"mixture of experts: {m.num_experts} experts, top {m.num_experts_per_tok}; "
+                     f"{m.num_params / 1e6:.1f}M parameters, {m.active_params / 1e6:.1f}M active per token")
     ckpt = _checkpointer(config, workdir, notes)
     state, resumed, changed, shape = _resume_or_init(b, user_config, workdir, ckpt, notes)
     _record_start(b, workdir, resumed)

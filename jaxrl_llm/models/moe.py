@@ -1,0 +1,126 @@
+"""Mixture-of-experts MLP layers of Qwen3-MoE and Qwen2-MoE (transformers' `*SparseMoeBlock`):
+a softmax router over `num_experts`, the top `num_experts_per_tok` experts of each token
+(their probabilities renormalised to sum to 1 with `norm_topk_prob`), SwiGLU experts held as
+stacked weights [E, ...], and for Qwen2-MoE a shared expert scaled by a sigmoid gate.
+
+Dispatch (`ModelConfig.moe_dispatch`):
+  dense    every expert computes every token and the router's weights (zero off the top k)
+           combine them: E / k times the expert FLOPs, no gather or scatter; exact, and the
+           cheapest for a handful of experts.
+  grouped  dropless: the (token, expert) pairs sorted by expert and run as one grouped matmul
+           per projection (`jax.lax.ragged_dot`), then scattered back weighted: the FLOPs of
+           the k chosen experts only. `auto` picks grouped above `DENSE_UP_TO` experts.
+No capacity factor: no token is ever dropped, so the sampler and the learner compute the same
+function of the same routing.
+
+The router runs in float32 whatever the compute dtype (its logits pick experts: a bf16 rounding
+flips near-ties). Each MoE layer sows its router logits (`intermediates/router_logits`) for the
+load-balancing loss (`load_balancing_loss`, the Switch Transformer loss as transformers computes
+it); nothing is kept unless the caller asks for that collection.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.models.config import ModelConfig
+
+DENSE_UP_TO = 8  # moe_dispatch=auto: dense-masked dispatch up to this many experts
+_init = nn.initializers.normal(stddev=0.02)
+
+
+def _part(axes):
+    return nn.with_logical_partitioning(_init, axes)
+
+
+def route(logits_NxE, k: int, normalise: bool):
+    """(weights [N, k], expert ids [N, k]) of the top-k experts by softmax probability."""
+    probs = jax.nn.softmax(logits_NxE.astype(jnp.float32), -1)
+    top, ids = jax.lax.top_k(probs, k)
+    if normalise:
+        top = top / jnp.sum(top, -1, keepdims=True)
+    return top, ids
+
+
+def _swiglu(x, gate, up, down, dtype):
+    return jnp.dot(nn.silu(jnp.dot(x, gate.astype(dtype))) * jnp.dot(x, up.astype(dtype)), down.astype(dtype))
+
+
+def dense_experts(x_NxD, gate_ExDxI, up_ExDxI, down_ExIxD, weights_NxK, ids_NxK, dtype):
+    """Every expert on every token, combined by the router's (top-k) weights."""
+    combine_NxE = jnp.sum(jax.nn.one_hot(ids_NxK, gate_ExDxI.shape[0], dtype=jnp.float32) * weights_NxK[..., None], 1)
+    h = nn.silu(jnp.einsum("nd,edi->eni", x_NxD, gate_ExDxI.astype(dtype))) * jnp.einsum(
+        "nd,edi->eni", x_NxD, up_ExDxI.astype(dtype))
+    y_ExNxD = jnp.einsum("eni,eid->end", h, down_ExIxD.astype(dtype))
+    return jnp.einsum("end,ne->nd", y_ExNxD, combine_NxE.astype(dtype))
+
+
+def grouped_experts(x_NxD, gate_ExDxI, up_ExDxI, down_ExIxD, weights_NxK, ids_NxK, dtype):
+    """The chosen (token, expert) pairs sorted by expert, one grouped matmul per projection."""
+    n, k = ids_NxK.shape
+    e = gate_ExDxI.shape[0]
+    flat = ids_NxK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = x_NxD[token]
+    h = nn.silu(jax.lax.ragged_dot(xs, gate_ExDxI.astype(dtype), sizes)) * jax.lax.ragged_dot(
+        xs, up_ExDxI.astype(dtype), sizes)
+    y = jax.lax.ragged_dot(h, down_ExIxD.astype(dtype), sizes) * weights_NxK.reshape(-1)[order][:, None].astype(dtype)
+    return jnp.zeros_like(x_NxD).at[token].add(y)
+
+
+def dispatch(cfg: ModelConfig) -> str:
+    if cfg.moe_dispatch != "auto":
+        return cfg.moe_dispatch
+    return "dense" if cfg.num_experts <= DENSE_UP_TO else "grouped"
+
+
+class MoE(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxD):
+        c = self.cfg
+        d, e, f = c.hidden_size, c.num_experts, c.moe_intermediate_size
+        x = x_BxTxD.reshape(-1, d)
+        router = self.param("router", _part(("embed", "expert")), (d, e), c.param_dtype)
+        logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
+        self.sow("intermediates", "router_logits", logits)
+        weights, ids = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
+        gate = self.param("gate", _part(("expert", "embed", "mlp")), (e, d, f), c.param_dtype)
+        up = self.param("up", _part(("expert", "embed", "mlp")), (e, d, f), c.param_dtype)
+        down = self.param("down", _part(("expert", "mlp", "embed")), (e, f, d), c.param_dtype)
+        experts = dense_experts if dispatch(c) == "dense" else grouped_experts
+        y = experts(x.astype(c.dtype), gate, up, down, weights, ids, c.dtype)
+        if c.shared_expert_intermediate_size:
+            s = c.shared_expert_intermediate_size
+            shared = _swiglu(x.astype(c.dtype), self.param("shared_gate", _part(("embed", "mlp")), (d, s), c.param_dtype),
+                             self.param("shared_up", _part(("embed", "mlp")), (d, s), c.param_dtype),
+                             self.param("shared_down", _part(("mlp", "embed")), (s, d), c.param_dtype), c.dtype)
+            scale = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), self.param(
+                "shared_scale", _part(("embed", None)), (d, 1), c.param_dtype).astype(jnp.float32)))
+            y = y + shared * scale.astype(c.dtype)
+        return y.reshape(x_BxTxD.shape).astype(x_BxTxD.dtype)
+
+
+def load_balancing_loss(router_logits, k: int, mask_N=None):
+    """The auxiliary load-balancing loss over the layers' router logits (each [N, E], the same N
+    tokens): E * sum_e f_e P_e, with f_e the fraction of (token, choice) slots routed to expert e
+    (over each of the k choices) and P_e the mean router probability of e, averaged over the
+    tokens `mask_N` keeps (Switch Transformer, arXiv:2101.03961, eq. 4; transformers'
+    `load_balancing_loss_func`, which concatenates the layers' tokens)."""
+    logits = jnp.concatenate([jnp.asarray(x, jnp.float32) for x in router_logits], 0)
+    e = logits.shape[-1]
+    probs = jax.nn.softmax(logits, -1)
+    _, ids = jax.lax.top_k(probs, k)
+    chosen = jax.nn.one_hot(ids, e)  # [N*layers, k, E]
+    if mask_N is None:
+        keep = jnp.ones(logits.shape[0])
+    else:
+        keep = jnp.tile(jnp.asarray(mask_N, jnp.float32), len(router_logits))
+    frac = jnp.sum(chosen * keep[:, None, None], 0) / jnp.sum(keep)  # [k, E]
+    prob = jnp.sum(probs * keep[:, None], 0) / jnp.sum(keep)  # [E]
+    return jnp.sum(frac * prob[None]) * e

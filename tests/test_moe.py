@@ -1,0 +1,174 @@
+"""`models/moe.py`: Qwen3-MoE and Qwen2-MoE layers against transformers (logits, greedy generation,
+export round trip), both dispatches alike in values and gradients, the load-balancing loss
+against transformers', and the parameter counts (total vs active)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxrl_llm import models
+from jaxrl_llm.models import moe
+from jaxrl_llm.rollout import Sampler, SamplerConfig
+from tests import hf_fixtures as F
+
+ARCHS = {
+    # top-2 of 4 renormalised, q/k norms, layer 1 dense (mlp_only_layers)
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                                    norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=3,
+                                                    head_dim=12, tie_word_embeddings=False)),
+    # top-2 of 6 not renormalised, a sigmoid-gated shared expert, q/k/v biases
+    "qwen2_moe": (transformers.Qwen2MoeConfig, dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                    shared_expert_intermediate_size=40, norm_topk_prob=False,
+                                                    num_hidden_layers=2, tie_word_embeddings=False)),
+}
+
+
+def _hf_model(arch):
+    cls, kw = ARCHS[arch]
+    base = dict(vocab_size=104, hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**{**base, **kw})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def pair(request, tmp_path_factory):
+    model = _hf_model(request.param)
+    path = F.save(model, str(tmp_path_factory.mktemp(request.param)))
+    params, cfg = models.load_params(path)
+    return request.param, model, path, params, cfg
+
+
+def test_config_and_parameter_counts(pair):
+    arch, _, _, params, cfg = pair
+    assert cfg.model_type == arch and cfg.num_experts == ARCHS[arch][1]["num_experts"]
+    assert [cfg.sparse(i) for i in range(cfg.num_layers)] == ([True, False, True] if arch == "qwen3_moe" else [True] * 2)
+    assert cfg.qk_norm == (arch == "qwen3_moe") and cfg.qkv_bias == (arch == "qwen2_moe") and not cfg.o_bias
+    assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params
+    e, k, d, f = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    sparse = sum(cfg.sparse(i) for i in range(cfg.num_layers))
+    assert cfg.num_params - cfg.active_params == sparse * (e - k) * 3 * d * f
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "grouped"])
+def test_logits_match_transformers(pair, dispatch):
+    _, model, _, params, cfg = pair
+    cfg = cfg.replace(moe_dispatch=dispatch)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 24))
+    mask = np.ones_like(tokens)
+    mask[1, :5] = 0  # left padding
+    ours = np.asarray(models.full_logits(params, cfg, jnp.asarray(tokens), jnp.asarray(mask)))
+    ref = F.hf_logits(model, tokens, mask)
+    assert np.abs(ref).max() > 1.0
+    np.testing.assert_allclose(ours[mask > 0], ref[mask > 0], atol=1e-5, rtol=0)
+
+
+def test_greedy_generation_matches_transformers(pair):
+    _, model, _, params, cfg = pair
+    prompt = [5, 17, 33, 2, 91, 40]
+    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=12, temperature=0.0, prompt_buckets=(8,), decode_segment=4,
+                                         num_samples=1, capture_topk=0))
+    batch = sampler.generate(params, [prompt], jax.random.key(0))
+    ours = np.asarray(batch.tokens)[0, 8:].tolist()
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours == ref
+
+
+def test_export_round_trip_loads_in_transformers(pair, tmp_path):
+    _, model, _, params, cfg = pair
+    models.save_params(str(tmp_path), params, cfg)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 20))
+    np.testing.assert_allclose(F.hf_logits(reloaded, tokens), F.hf_logits(model, tokens), atol=1e-5, rtol=0)
+    params2, cfg2 = models.load_params(str(tmp_path))
+    assert cfg2 == cfg
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params2, params)
+
+
+def test_dispatches_agree_in_values_and_gradients_and_the_router_learns():
+    rng = np.random.default_rng(3)
+    n, d, f, e, k = 40, 8, 6, 5, 2
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    w = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in ((d, e), (e, d, f), (e, d, f), (e, f, d))]
+
+    def out(dispatch, router, gate, up, down):
+        weights, ids = moe.route(x @ router, k, True)
+        experts = moe.dense_experts if dispatch == "dense" else moe.grouped_experts
+        return experts(x, gate, up, down, weights, ids, jnp.float32)
+
+    dense, grouped = out("dense", *w), out("grouped", *w)
+    np.testing.assert_allclose(grouped, dense, atol=1e-5)
+    loss = lambda dispatch: lambda *p: jnp.sum(out(dispatch, *p) ** 2)  # noqa: E731
+    g_dense = jax.grad(loss("dense"), argnums=(0, 1, 2, 3))(*w)
+    g_grouped = jax.grad(loss("grouped"), argnums=(0, 1, 2, 3))(*w)
+    for a, b in zip(g_dense, g_grouped):
+        np.testing.assert_allclose(b, a, atol=1e-4)
+    assert float(jnp.abs(g_dense[0]).max()) > 1e-3  # the router gets a gradient through the chosen weights
+    # the router's gradient by central differences (the top-k set does not change at this step size)
+    i, j, h = 2, 3, 1e-3
+    bump = jnp.zeros((d, e)).at[i, j].set(h)
+    fd = (loss("dense")(w[0] + bump, *w[1:]) - loss("dense")(w[0] - bump, *w[1:])) / (2 * h)
+    assert float(g_dense[0][i, j]) == pytest.approx(float(fd), rel=2e-2)
+
+
+def test_load_balancing_loss_matches_transformers():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    rng = np.random.default_rng(4)
+    layers = [rng.normal(size=(2 * 7, 6)).astype(np.float32) for _ in range(3)]
+    mask = (rng.random((2, 7)) > 0.3).astype(np.int64)
+    for m in (None, mask):
+        ref = load_balancing_loss_func(tuple(torch.tensor(x) for x in layers), 6, 2,
+                                       None if m is None else torch.tensor(m)).item()
+        ours = float(moe.load_balancing_loss(layers, 2, None if m is None else m.reshape(-1)))
+        assert ours == pytest.approx(ref, rel=1e-5)
+    uniform = [np.zeros((10, 4), np.float32)]  # uniform router: f_e = k / E... the minimum, k
+    assert float(moe.load_balancing_loss(uniform, 2)) == pytest.approx(2.0, rel=1e-5)
+
+
+def test_a_run_trains_a_mixture_of_experts_on_a_sharded_mesh(pair, tmp_path):
+    """An MoE checkpoint as the policy of a run (embedded task, its ids inside the vocabulary):
+    its weights checked, sharded over fsdp x tensor (the expert dim not split yet), its steps run
+    with the sampler's log-probs equal to the learner's."""
+    from jaxrl_llm.run import experiment
+    from tests.test_experiment import _tiny
+
+    arch, _, path, _, cfg = pair
+    models.check_weights(path, cfg)
+    c = _tiny("ppo")
+    c.model.hf_path = path
+    c.mesh.update(data=2, fsdp=2, tensor=2)
+    c.train.update(steps=2, eval_every=2, save_every=2)
+    lines = []
+    summary = experiment.run(c, str(tmp_path), log=lines.append)
+    assert summary["version"] == 2
+    total, active = cfg.num_params / 1e6, cfg.active_params / 1e6
+    assert f"mixture of experts: {cfg.num_experts} experts, top 2; {total:.1f}M parameters, {active:.1f}M active" \
+        in "\n".join(lines)
+    steps = [__import__("json").loads(x) for x in open(tmp_path / "metrics.jsonl") if '"loss"' in x]
+    assert all(np.isfinite(s["loss"]) for s in steps)
+    # the sampler's behaviour log-probs are the learner's (same routing, float32 throughout)
+    assert max(s["mismatch/abs_logp_max"] for s in steps) < 1e-4
+
+
+def test_every_expert_weight_gets_a_gradient(pair):
+    from jaxrl_llm.models import heads
+
+    _, _, _, params, cfg = pair
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (4, 32)))
+    grads = jax.grad(lambda p: jnp.sum(heads.sequence_logprobs(p, cfg, tokens, jnp.ones_like(tokens),
+                                                               entropy=False)["logp"]))(params)
+    layer = grads["layers_0"]["moe"]
+    assert set(layer) >= {"router", "gate", "up", "down"}
+    for name, g in layer.items():
+        per_expert = jnp.abs(g).reshape(g.shape[0], -1).max(1) if name in ("gate", "up", "down") else jnp.abs(g).max()
+        assert bool(jnp.all(per_expert > 0)), name  # 128 tokens reach every one of the experts
