@@ -70,7 +70,7 @@ def test_the_gate_lets_one_through_after_limit_drops_in_a_row():
 def test_refused_where_it_cannot_run():
     c = orchestrator.default_config()
     c.update(dynamic_sampling=True, mode="async", staleness_policy="admit")
-    with pytest.raises(ValueError, match="runtime.dynamic_sampling works in modes sync, .*not with "
+    with pytest.raises(ValueError, match="runtime.dynamic_sampling works in modes sync, .*remote and not with "
                                          "staleness_policy='admit'"):
         orchestrator.validate(c, "continuous")
 

@@ -303,3 +303,29 @@ def test_fuzzed_groups_through_the_hub_never_stop_a_learner_step_and_no_refused_
     one()
     assert seen["accepted"] + seen["refused"] >= 500 and seen["refused"] >= 250 and seen["steps"] >= 20, seen
     assert seen["nodes_refused"] > 0 and hub.leases.pending_groups() == 0, seen  # their leases went back
+
+
+def test_dynamic_sampling_consumes_a_group_whose_rewards_are_all_equal():
+    """`runtime.dynamic_sampling` in the remote mode: the hub's gate keeps a group whose rewards
+    differ and hands one whose rewards are all equal to the data position as consumed."""
+    from jaxrl_llm.runtime import dynamic
+
+    hub, task = _hub(verify_fraction=0.0)
+    consumed = []
+    hub.gate, hub.consumed = dynamic.Gate(2, 0.0, limit=8), consumed.append
+    me = hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "n"})
+    s = {k: me[k] for k in ("run_id", "node", "session")}
+    weights = _weights(hub, s)
+    got = []
+    for rewards in ([0.0, 0.0], [1.0, 0.0]):
+        lease = hub.lease({**s, "version": 3})["leases"][0]
+        prompt = hub.producer.draw(1, lease["draw"])[0][lease["groups"][0]]
+        f = _group(rows=2, p=len(prompt) + 1, new=4, k=0, prompt=prompt, vocab=task.vocab_size, kept=False)
+        f["versions"] = np.where(f["loss_mask"] > 0, 3, -1).astype(np.int32)
+        f["rewards"] = np.asarray(rewards, np.float32)
+        got.append(hub.put_group({**s, "lease": lease["id"], "group": lease["groups"][0], "weights": weights,
+                                  "table": wire.encode_group(wire.group_batch(f))}))
+        got.append((lease["draw"], lease["groups"][0]))
+    assert got[0] == {"accepted": True, "dropped": True} and got[2] == {"accepted": True}
+    assert consumed == [(0, *got[1][:1], (got[1][1],))] and len(hub.queue) == 1
+    assert (hub.gate.seen, hub.gate.dropped) == (2, 1)

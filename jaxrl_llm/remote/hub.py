@@ -73,9 +73,12 @@ class NodeStats:
 
 class Hub:
     def __init__(self, producer: Producer, store: WeightStore, leases: Leases, queue: VersionedQueue, cfg,
-                 node_config: dict, admission=None, vocab: int = 0, capacity: int = 1, lengths=None):
+                 node_config: dict, admission=None, vocab: int = 0, capacity: int = 1, lengths=None,
+                 gate=None, consumed=None):
         """`cfg`: the runtime section; `node_config`: what a node needs to build its task,
-        model and sampler (`hello`); `capacity`: leased + queued groups allowed per live node."""
+        model and sampler (`hello`); `capacity`: leased + queued groups allowed per live node;
+        `gate` (`runtime.dynamic.Gate`): a group it stops goes to `consumed(origin)`, not the queue."""
+        self.gate, self.consumed = gate, consumed
         self.producer, self.store, self.leases, self.queue, self.cfg = producer, store, leases, queue, cfg
         self.node_config, self.admission, self.capacity, self.lengths = node_config, admission, capacity, lengths
         self.vocab = vocab or producer.sampler.model_cfg.vocab_size
@@ -232,6 +235,10 @@ class Hub:
             raise self._refusal(wire.Rejected(str(e)), _reason(e)) from None
         batch = wire.group_batch(f)  # advantages: once per learner batch (`RemoteMode`)
         n.groups += 1
+        with self._lock:  # the service's threads; a group whose rewards are all equal is consumed, untrained
+            if self.gate is not None and not self.gate.passes(batch):
+                self.consumed(Origin(STREAM, lease.draw, (group,)))
+                return {"accepted": True, "dropped": True}
         if self.lengths is not None:
             self.lengths.add("generated", batch)
         n.reward_failures += int(req.get("failures", 0))

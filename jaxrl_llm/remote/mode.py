@@ -25,6 +25,7 @@ from jaxrl_llm import staleness
 from jaxrl_llm import validation as V
 from jaxrl_llm.parallel import distributed, preemption
 from jaxrl_llm.batch import TrajectoryBatch
+from jaxrl_llm.runtime import dynamic
 from jaxrl_llm.runtime.admission import Admission
 from jaxrl_llm.remote.hub import STREAM, Hub
 from jaxrl_llm.remote.leases import Leases
@@ -53,6 +54,7 @@ class RemoteMode(QueueFed):
         self.cfg, self.producer = ctx.cfg, ctx.producer
         self.node_config = node_config(ctx)
         self.hub: Optional[Hub] = None  # process 0's
+        self.gate, self._gated = None, None  # dynamic sampling: the hub's gate, its totals at the last step
         self.service = None
         self._version = -1  # the version of the batch in hand
 
@@ -73,8 +75,11 @@ class RemoteMode(QueueFed):
                                on_drop=self._dropped)  # bounded by the leases the hub issues
         capacity = max(c.queue_size, c.max_staleness + 1 if admit else 0) * self.items * distributed.count()
         leases = Leases(ctx.position.todo(STREAM), r.lease_s, stall_s=r.stall_s)
+        self.gate = dynamic.Gate(self.producer.group_size, c.dynamic_min_std,
+                                 c.dynamic_max_draws * c.prompts_per_batch) if c.dynamic_sampling else None
         self.hub = Hub(self.producer, ctx.store, leases, queue, c, self.node_config, self.admission,
-                       capacity=capacity, lengths=ctx.lengths)
+                       capacity=capacity, lengths=ctx.lengths, gate=self.gate,
+                       consumed=lambda origin: ctx.position.deliver(*origin))
         self.service = serve(self.hub, r)
         log.warning("serving sampler nodes: python -m jaxrl_llm.sampler_node --learner=%s", self.service.address)
 
@@ -150,6 +155,9 @@ class RemoteMode(QueueFed):
             by_node.setdefault(node, []).append(self._version - staleness.oldest_version(r.batch.versions,
                                                                                          r.batch.loss_mask))
         m.update({f"remote/{node}/staleness": float(np.mean(d)) for node, d in by_node.items()})
+        if self.gate is not None:
+            filtered, self._gated = dynamic.gate_metrics([self.gate], self._gated, self.cfg.prompts_per_batch)
+            m.update(filtered)
         m["remote/origins"] = [[r.origin.draw, *r.origin.groups] for r in self._got]
         return m
 

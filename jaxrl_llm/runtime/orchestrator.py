@@ -115,7 +115,7 @@ def validate(c, batching: str = "static") -> None:
     _delay(c)  # bad delay bounds fail here
 
 
-_DYNAMIC = ("sync", "iterative", "offpolicy", "simulated", "async")  # the modes that refill (dynamic.py)
+_DYNAMIC = ("sync", "iterative", "offpolicy", "simulated", "async", "remote")  # the modes that refill (dynamic.py)
 
 
 def _delay(c) -> delay_lib.DelayModel:

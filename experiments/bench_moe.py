@@ -1,0 +1,114 @@
+"""A mixture-of-experts policy: learner step and decode against transformers (PyTorch eager) on the
+same random-init Qwen3-MoE-shaped model, and our two dispatches against each other (not a test).
+
+    python experiments/bench_moe.py [--json experiments/results/bench_moe_cpu.json] [--repeats 3]
+
+Model: Qwen3-MoE architecture, 4 layers, hidden 256, 8 query / 2 KV heads of 32, vocab 512, 16
+experts of width 256 with the top 4 renormalised (Qwen3-30B-A3B's expert width / hidden ratio and a
+quarter of its experts active instead of 8 of 128, so the tiny model keeps several experts per
+token). Learner: bench_learner's GRPO step (B = 32 x L = 128, 4 minibatch updates, AdamW, clipping)
+on both sides. Decode: bench_sampler's workload (64 prompts of 32 tokens, 96 new tokens, T = 1).
+Each side of a comparison takes turns within every repeat (best of `--repeats`).
+
+`moe_dispatch=dense` runs every expert on every token (E / k = 4x the expert FLOPs, no gather or
+scatter); `grouped` sorts the (token, expert) pairs and runs one `jax.lax.ragged_dot` per
+projection. Both figures are reported with their ratio; `auto` (what runs unless set) picks
+grouped above 8 experts.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxrl_llm import models, testing
+from jaxrl_llm.rollout import Sampler, SamplerConfig
+
+import bench_learner as BL  # noqa: E402  (experiments/ is on sys.path when run as a script)
+import bench_sampler as BS  # noqa: E402
+from common import across_isas, cpu_kind, parse_args, report  # noqa: E402
+
+EXPERTS, TOP, WIDTH = 16, 4, 256
+
+
+def hf_moe(path: str):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hc = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                                     num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                                     num_experts=EXPERTS, num_experts_per_tok=TOP, moe_intermediate_size=WIDTH,
+                                     norm_topk_prob=True, tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(hc).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def learner_steps(cfg, params, batch, repeats: int) -> dict:
+    """Best step time of each dispatch, the steps interleaved."""
+    runs = {}
+    for dispatch in ("dense", "grouped"):
+        lrn = BL._learner(cfg.replace(moe_dispatch=dispatch), "ppo")
+        state = lrn.init(jax.random.key(0), params=params)
+        state, _ = lrn.train_step(state, batch)  # compile
+        runs[dispatch] = [lrn, state, float("inf")]
+    for _ in range(repeats):
+        for dispatch, (lrn, state, best) in runs.items():
+            t = time.perf_counter()
+            state, _ = lrn.train_step(state, batch)
+            jax.block_until_ready(state.params)
+            runs[dispatch] = [lrn, state, min(best, time.perf_counter() - t)]
+    return {d: r[2] for d, r in runs.items()}
+
+
+def decode_run(params, cfg):
+    """bench_sampler's workload on every device (rows split), compiled here."""
+    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (BS.B, BS.PROMPT)).tolist()
+    s = Sampler(cfg, SamplerConfig(max_new_tokens=BS.NEW, temperature=1.0, capture_topk=BS.K,
+                                   prompt_buckets=(BS.PROMPT,), eos_token_id=None, num_samples=1),
+                mesh=Mesh(np.asarray(jax.devices()), ("data",)))
+    keys = iter(range(1 << 30))
+    run = lambda: jax.block_until_ready(s.generate(params, prompts, jax.random.key(next(keys))).tokens)  # noqa: E731
+    run()
+    return run
+
+
+def main():
+    args = parse_args(__doc__, extra=lambda ap: ap.add_argument(
+        "--devices", type=int, default=os.cpu_count(), help="CPU devices JAX exposes (decode splits rows over them)"))
+    if across_isas(args):
+        return
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    with tempfile.TemporaryDirectory() as d:
+        hf = hf_moe(d)
+        params, cfg = models.load_params(d)
+    res = {"device": jax.devices()[0].device_kind, "devices": len(jax.devices()), "experts": EXPERTS, "top_k": TOP,
+           "params_total_m": cfg.num_params / 1e6, "params_active_m": cfg.active_params / 1e6, **cpu_kind()}
+    batch = testing.model_batch(params, cfg, seed=0, num_prompts=BL.B // 8, group_size=8, length=BL.LEN,
+                                prompt=BL.PROMPT, topk=0, version=4, max_staleness=4)
+    tokens = BL.B * BL.LEN
+    steps = learner_steps(cfg, params, batch, args.repeats)
+    t_torch = BL.time_torch(hf, batch, args.repeats)
+    res.update(moe_learner_tokens_per_s_dense=tokens / steps["dense"],
+               moe_learner_tokens_per_s_grouped=tokens / steps["grouped"],
+               torch_learner_tokens_per_s=tokens / t_torch,
+               moe_learner_vs_torch=t_torch / min(steps.values()),
+               moe_learner_grouped_vs_dense=steps["dense"] / steps["grouped"])
+    hf.eval()
+    r = BS.tokens_per_s({"dense": decode_run(params, cfg.replace(moe_dispatch="dense")),
+                         "grouped": decode_run(params, cfg.replace(moe_dispatch="grouped")),
+                         "hf": BS.hf(hf, cfg.vocab_size)}, args.repeats)
+    res.update(moe_decode_tokens_per_s_dense=r["dense"], moe_decode_tokens_per_s_grouped=r["grouped"],
+               hf_decode_tokens_per_s=r["hf"], moe_decode_vs_hf=max(r["dense"], r["grouped"]) / r["hf"],
+               moe_decode_grouped_vs_dense=r["grouped"] / r["dense"])
+    report(res, args.json)
+
+
+if __name__ == "__main__":
+    main()
