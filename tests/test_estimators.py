@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxrl_llm.evaluate import estimators as E
+from jaxrl_llm.tasks import estimators as E
 
 
 def _brute_pass(n, c, k):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import tasks
-from jaxrl_llm.evaluate import estimators, request as evaluate, sampled
+from jaxrl_llm.evaluate import request as evaluate
+from jaxrl_llm.tasks import estimators, evaluation as sampled
 from jaxrl_llm.rollout import backend
 from jaxrl_llm.run import experiment, plan
 from jaxrl_llm.store import export
@@ -132,3 +133,17 @@ def test_an_hf_directory_on_a_local_dataset(tokenizer_dir, tmp_path):  # noqa: F
     assert {"maj@2", "answered", "pass@2"} <= set(got) and 0 <= got["reward"] <= 1
     with pytest.raises(ValueError, match="no 'dev' split"):
         evaluate.evaluate(evaluate.Request(hf_path=str(tokenizer_dir), split="dev", out=str(tmp_path / "o2")), config=c)
+
+
+def test_training_evaluates_pass_at_k_on_a_schedule(tmp_path):
+    """`train.eval_samples=n`: every evaluation also reports pass@k and maj@k of n samples per
+    held-out problem; with the exact reward (0 or 1) pass@1 is the sampled reward itself."""
+    c = _tiny("ppo")
+    c.train.update(steps=2, eval_every=2, save_every=2, eval_samples=4)
+    experiment.run(c, str(tmp_path), log=lambda *_: None)
+    evals = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"eval/reward"' in x]
+    assert [e["step"] for e in evals] == [0, 2]
+    for e in evals:
+        assert {"eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/maj@4", "eval/sampled_length"} <= set(e)
+        assert e["eval/pass@1"] == pytest.approx(e["eval/sampled_reward"])
+        assert e["eval/pass@1"] <= e["eval/pass@2"] <= e["eval/pass@4"] <= 1.0

@@ -1,6 +1,6 @@
 """Evaluate a policy, a run's checkpoint or a Hugging Face directory, on a task: `n` samples per
 problem at the run's sampling settings (or given ones) plus a greedy pass, reported as mean
-reward, pass@k, maj@k, response lengths and truncation (`sampled`), written to `eval.json`
+reward, pass@k, maj@k, response lengths and truncation (`tasks.evaluation`), written to `eval.json`
 and `eval.md` (`docs/evaluation.md`).
 
 The task and sampling settings come from `config` when one is given, else from the run's own
@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_llm import models, tasks
-from jaxrl_llm.evaluate import sampled
+from jaxrl_llm.tasks import evaluation as sampled
 from jaxrl_llm.rollout import backend, sampling
 from jaxrl_llm.run import config as config_lib
 from jaxrl_llm.run import plan

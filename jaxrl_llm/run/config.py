@@ -48,6 +48,9 @@ AUX_MODEL = _model(0, (0,) * len(_SIZES))
 # preempt_grace_s: after SIGTERM / Ctrl-C, the seconds the final save may take.
 TRAIN = V.Section(
     steps=(300, V.integer(1)), eval_every=(50, V.integer(1)), save_every=(50, V.integer(1)), keep=(2, V.integer(1)),
+    # each evaluation also draws this many samples per held-out problem at the sampler's settings:
+    # eval/pass@k, eval/maj@k, eval/sampled_reward (tasks/evaluation.py); 0: the greedy reward only
+    eval_samples=(0, V.integer(0)),
     tensorboard=(True, V.boolean()), progress=(True, V.boolean()), resume=("auto", V.one_of("auto", "fresh")),
     preempt_grace_s=(30.0, V.positive()),
     check_memory=(True, V.boolean()),  # refuse a memory plan beyond what is available

@@ -25,7 +25,8 @@ from jaxrl_llm.run.parts import Parts, build, initial_params  # noqa: F401  (bui
 from jaxrl_llm.store import checkpoint, frozen_base
 from jaxrl_llm.store import workdir as workdir_lib
 from jaxrl_llm.store.checkpoint import Checkpointer
-from jaxrl_llm.tasks import splits, warmstart
+from jaxrl_llm.rollout import backend as rollout_backend
+from jaxrl_llm.tasks import evaluation, splits, warmstart
 
 
 COMPILE_CACHE = "xla_cache"  # under the workdir: JAX's persistent cache, so a restart compiles nothing slow again
@@ -224,6 +225,23 @@ class _Evaluator:
         self.prompts = problems[distributed.index()::distributed.count()]
         eval_set = getattr(b.task, "eval_set", None)  # which split, so no record is read as held out wrongly
         self.about = {"eval/problems": len(problems), **({"eval_set": splits.describe(eval_set)} if eval_set else {})}
+        n = b.plan.config.train.get("eval_samples", 0)
+        self.drawer = n and rollout_backend.make(b.model_cfg.without_lora(), dataclasses.replace(
+            b.plan.sampler, num_samples=n, capture_topk=0), getattr(b.greedy, "mesh", None))
+        self.ks = tuple(sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n} | {n}))
+
+    def sampled(self, params, local: bool) -> dict:
+        """`train.eval_samples` samples per held-out problem at the sampler's settings (the same
+        key at every evaluation): pass@k, maj@k, their mean reward, lengths; over every process."""
+        params = params if local else distributed.to_local(params)
+        task = self.b.task
+        d = evaluation.draw(self.drawer, params, task, self.b.scorer, self.prompts,
+                            jax.random.key(self.b.plan.config.seed + 1))
+        r = evaluation.report(d, self.ks, evaluation.success_threshold(task))
+        keys = [k for k in r if k.startswith(("pass@", "maj@")) or k in ("reward", "length/mean", "truncated")]
+        sums = distributed.host_sum(np.array([r[k] * len(self.prompts) for k in keys] + [len(self.prompts)]))
+        names = {"reward": "sampled_reward", "length/mean": "sampled_length", "truncated": "sampled_truncated"}
+        return {f"eval/{names.get(k, k)}": float(s / sums[-1]) for k, s in zip(keys, sums[:-1])}
 
     def accuracy(self, params, sampler, local: bool = False) -> float:
         """`local`: `params` are this process's already (a published copy), not the learner's."""
@@ -247,8 +265,10 @@ class _Evaluator:
     def __call__(self, state) -> dict:
         b = self.b
         copy = self.published(state)
-        rec = {"eval/reward": self.accuracy(b.learner.policy_params(state), b.greedy) if copy is None else
-               self.accuracy(copy, b.greedy, local=True)}
+        params, local = (b.learner.policy_params(state), False) if copy is None else (copy, True)
+        rec = {"eval/reward": self.accuracy(params, b.greedy, local)}
+        if self.drawer:
+            rec.update(self.sampled(params, local))
         if b.aux_eval:
             rec[f"eval/{b.learner.aux.name}_reward"] = self.accuracy(state.aux.params, b.aux_greedy)
         rec.update(self.about, step=int(state.version), time_s=time.time() - self.t_start)

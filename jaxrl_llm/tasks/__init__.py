@@ -6,6 +6,8 @@ A task has `prompts(rng, n)`, `eval_prompts()`, `reward(prompt_ids, completion_i
 Embedded: `arithmetic` (no download) and `tool_arithmetic` (multi-turn: a calculator tool, see
 `multiturn`). From a local dataset: `math` (GSM8K / MATH style, math-verify reward) and
 `math_tools` (the same, multi-turn with a sandboxed Python tool in the chat template's format).
+`evaluation` draws n samples per problem and scores them; `estimators` turns them into pass@k and
+maj@k (the evaluate command and training's scheduled evaluation share both).
 
 It imports the rollout (multi-turn generation), `models`, `batch` and `validation`; never the
 learner, the runtime or a run.

@@ -1,5 +1,6 @@
 """`n` samples per problem drawn from a policy through a rollout backend, scored by the task's
-scoring stage, and summarised (`estimators`): what `python -m jaxrl_llm.evaluate` reports.
+scoring stage, and summarised (`estimators`): what `python -m jaxrl_llm.evaluate` reports, and
+`train.eval_samples` during training.
 
 Problems go through the backend in chunks of `chunk` prompts (each chunk `chunk * n` rows; with
 `sampler.batching=continuous` the rows stream through decode slots). Chunk j draws with
@@ -15,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm import tasks
-from jaxrl_llm.evaluate import estimators
+from jaxrl_llm.tasks import estimators
 from jaxrl_llm.tasks import multiturn
 
 
