@@ -172,3 +172,12 @@ def test_every_expert_weight_gets_a_gradient(pair):
     for name, g in layer.items():
         per_expert = jnp.abs(g).reshape(g.shape[0], -1).max(1) if name in ("gate", "up", "down") else jnp.abs(g).max()
         assert bool(jnp.all(per_expert > 0)), name  # 128 tokens reach every one of the experts
+
+
+def test_auto_dispatch_is_dense_on_cpu_and_grouped_for_many_experts_elsewhere():
+    cfg = models.ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
+                             num_kv_heads=1, head_dim=4, model_type="qwen3_moe", num_experts=16, num_experts_per_tok=2,
+                             moe_intermediate_size=4)
+    assert moe.dispatch(cfg, "cpu") == "dense" and moe.dispatch(cfg, "gpu") == "grouped"
+    assert moe.dispatch(cfg.replace(num_experts=8), "tpu") == "dense"
+    assert moe.dispatch(cfg.replace(moe_dispatch="grouped"), "cpu") == "grouped"

@@ -9,7 +9,9 @@ Dispatch (`ModelConfig.moe_dispatch`):
            cheapest for a handful of experts.
   grouped  dropless: the (token, expert) pairs sorted by expert and run as one grouped matmul
            per projection (`jax.lax.ragged_dot`), then scattered back weighted: the FLOPs of
-           the k chosen experts only. `auto` picks grouped above `DENSE_UP_TO` experts.
+           the k chosen experts only. `auto` picks grouped above `DENSE_UP_TO` experts on GPU and
+           TPU, and dense on CPU, where XLA's ragged_dot measured half dense's speed at 16
+           experts, top 4 (experiments/results/bench_moe_cpu.md).
 No capacity factor: no token is ever dropped, so the sampler and the learner compute the same
 function of the same routing.
 
@@ -72,9 +74,11 @@ def grouped_experts(x_NxD, gate_ExDxI, up_ExDxI, down_ExIxD, weights_NxK, ids_Nx
     return jnp.zeros_like(x_NxD).at[token].add(y)
 
 
-def dispatch(cfg: ModelConfig) -> str:
+def dispatch(cfg: ModelConfig, platform: str = "") -> str:
     if cfg.moe_dispatch != "auto":
         return cfg.moe_dispatch
+    if (platform or jax.default_backend()) == "cpu":
+        return "dense"
     return "dense" if cfg.num_experts <= DENSE_UP_TO else "grouped"
 
 
