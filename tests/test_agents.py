@@ -57,6 +57,13 @@ def test_the_agent_spec_and_mode_are_checked_at_start_up():
     with pytest.raises(ValueError, match="module:function"):
         agents.load(c.task.agent)
     c = shrink(get_config())
+    c.task.agent = ""
+    with pytest.raises(ValueError, match="task.name=agent plays an agent: set --config.task.agent"):
+        plan.resolve(c)
+    c.gateway.external = True
+    with pytest.raises(ValueError, match="gateway.external=True: .*set --config.gateway.port and --config.gateway.token"):
+        plan.resolve(c)
+    c = shrink(get_config())
     c.runtime.mode = "remote"
     with pytest.raises(ValueError, match="task.name=agent runs in runtime.mode=sync or async"):
         plan.resolve(c)
@@ -104,3 +111,60 @@ def _settings():
 
     return types.SimpleNamespace(host="127.0.0.1", port=0, concurrency=2, session_timeout_s=300.0, max_attempts=1,
                                  seed=0, max_obs_tokens=8)
+
+
+def test_external_agents_take_their_sessions_from_rl_prompts(tmp_path):
+    """gateway.external: the run plays no agent; another "process" (a thread with its own event
+    loop and HTTP clients) polls GET /rl/prompts, plays each session with the example agent on the
+    stock client and posts its reward (null: the task's check); the run trains those rows."""
+    import asyncio
+    import socket
+    import threading
+
+    import httpx
+    import openai
+
+    from examples.calculator_agent import agent
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = shrink(get_config(), steps=1, eval_every=1)
+    c.sampler.slots, c.task.max_turns, c.gateway.concurrency = 3, 3, 4
+    c.task.agent, c.runtime.mode = "", "sync"
+    c.gateway.update(external=True, token="s3cret", port=port)
+    stop, played, auth = threading.Event(), [], {"Authorization": "Bearer s3cret"}
+    base = f"http://127.0.0.1:{port}"
+
+    async def elsewhere():
+        async with httpx.AsyncClient(timeout=30) as http:
+            async def play(item):
+                client = openai.AsyncOpenAI(base_url=item["base_url"], api_key="s3cret", max_retries=0)
+                reward = await agent(client, item["problem"])
+                r = await http.post(f"{base}/rl/sessions/{item['session']}/reward", json={"reward": reward},
+                                    headers=auth)
+                played.append((item["session"], r.status_code))
+
+            tasks = []
+            while not stop.is_set():
+                try:
+                    r = await http.get(f"{base}/rl/prompts", params={"max": 8}, headers=auth)
+                except httpx.TransportError:  # not serving yet
+                    await asyncio.sleep(0.05)
+                    continue
+                tasks += [asyncio.create_task(play(item)) for item in r.json()["sessions"]]
+                await asyncio.sleep(0.02)
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    thread = threading.Thread(target=lambda: asyncio.run(elsewhere()), daemon=True)
+    thread.start()
+    try:
+        summary = experiment.run(c, str(tmp_path), log=lambda *_: None)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert summary["version"] == 1
+    step = next(r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r)
+    assert step["episode/count"] == 2 * 4 and step["gateway/sessions_closed"] >= 8
+    assert len(played) >= 8 and all(code == 200 for _, code in played)
+    assert json.load(open(tmp_path / "config.json"))["gateway"]["token"] == "***"  # never written out

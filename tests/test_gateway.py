@@ -175,6 +175,19 @@ def test_requests_outside_the_runs_distribution_or_token_are_refused_by_name(ser
         with pytest.raises((openai.AuthenticationError, OSError), match="401|Unauthorized|token"):
             wrong()
     assert [m.id for m in client.models.list().data] == ["policy"]
+    import urllib.error
+    import urllib.request
+
+    def get(path, key="sesame"):
+        req = urllib.request.Request(f"http://{srv.host}:{srv.port}{path}", headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.read()
+
+    for path, key, code in (("/rl/prompts", "sesame", 404), ("/rl/prompts", "x", 401)):
+        with pytest.raises(urllib.error.HTTPError, match=str(code)):  # this gateway plays its own agents
+            get(path, key)
+    with pytest.raises(urllib.error.HTTPError, match="400"):  # null is the task's check; text is no reward
+        _reward(srv, "s-none", "high")
 
 
 def test_an_edited_history_is_a_flagged_branch_never_spliced(served):

@@ -9,6 +9,11 @@ P x G sessions, `gateway.concurrency` at a time; a session whose agent fails or 
 dropped, counted, and played again (up to `gateway.max_attempts` times), so every group keeps its
 G rows. A session that branched trains its last row (the conversation its reward is for); the
 earlier ones are counted.
+
+With `gateway.external=True` the agents run elsewhere: a draw's sessions wait until agents take
+them (`GET /rl/prompts`, each with its problem and base URL), are played there and closed by
+`POST /rl/sessions/<id>/reward` (`{"reward": null}`: the task's check); a session not taken or not
+closed in time is dropped and played again under a new name, as above.
 """
 
 from __future__ import annotations
@@ -84,7 +89,8 @@ class AgentTask:
 
     def __init__(self, source, agent: str, cfg, format=None):
         self.source, self.agent_spec, self.cfg = source, agent, cfg
-        self.agent = load(agent)
+        self.external = bool(getattr(cfg, "external", False))  # the gateway section's fields, or a test's
+        self.agent = None if self.external else load(agent)
         if format is None:
             from jaxrl_llm.gateway.embedded import ArithmeticChat
 
@@ -97,6 +103,7 @@ class AgentTask:
         self._lock = threading.Lock()
         self._handed: dict = {}  # session -> its `Closed` (or its name: dropped), until its draw takes it
         self._ids = itertools.count()
+        self._waiting: collections.OrderedDict = collections.OrderedDict()  # external: session -> problem
         self.counts = {"dropped": 0, "branch_rows": 0, "agent_errors": 0}
 
     def __getattr__(self, name):
@@ -112,9 +119,17 @@ class AgentTask:
         self.gateway = service.Gateway(sampler, self.format, params, version, slots=sampler.cfg.slots or c.concurrency,
                                        max_turns=getattr(getattr(self.source, "turn", None), "max_turns", 1),
                                        timeout_s=c.session_timeout_s, max_obs=c.max_obs_tokens, seed=c.seed)
-        token = secrets.token_urlsafe(24)
-        self.server = server_lib.Server(self.gateway, c.host, c.port, token=token)
-        self.runner = Runner(self.agent, self.server.url, token, c.concurrency, c.session_timeout_s)
+        token = getattr(c, "token", "") or secrets.token_urlsafe(24)
+        self.server = server_lib.Server(self.gateway, c.host, c.port, token=token,
+                                        prompts=self.take if self.external else None)
+        self.runner = None if self.external else Runner(self.agent, self.server.url, token, c.concurrency,
+                                                     c.session_timeout_s)
+
+    def take(self, n: int) -> list:
+        """External agents' next `n` sessions (`GET /rl/prompts`), oldest first."""
+        with self._lock:
+            taken = [self._waiting.popitem(last=False) for _ in range(min(n, len(self._waiting)))]
+        return [{"session": s, "problem": p, "base_url": self.server.url(s)} for s, p in taken]
 
     def rollouts(self, sampler, params, prompts, key, version: int = 0, refresh=None):
         """P x G sessions of `prompts` -> (batch, `envs.TOTALS` sums), rows as the sampler lays
@@ -132,8 +147,16 @@ class AgentTask:
             if not todo:
                 break
             names = {f"d{next(self._ids)}-{i}-{k}-{attempt}": (i, k) for i, k in todo}
-            plays = {s: self.runner.start(s, self.problem(prompts[i])) for s, (i, _) in names.items()}
+            if self.runner is None:  # external agents take them
+                with self._lock:
+                    self._waiting.update((s, self.problem(prompts[i])) for s, (i, _) in names.items())
+                plays = {}
+            else:
+                plays = {s: self.runner.start(s, self.problem(prompts[i])) for s, (i, _) in names.items()}
             got.update(self._collect(names, plays))
+            with self._lock:  # not taken in time: played again under a new name
+                for s in names:
+                    self._waiting.pop(s, None)
         missing = [w for w in want if w not in got]
         if missing:
             raise RuntimeError(f"{len(missing)} of {len(want)} agent sessions failed {self.cfg.max_attempts} times "
@@ -146,7 +169,7 @@ class AgentTask:
         deadline = time.monotonic() + 2 * self.cfg.session_timeout_s + 60
         while open_ and time.monotonic() < deadline:
             self.gateway.check()
-            for s in [s for s in open_ if plays[s].done() and s not in settled]:
+            for s in [s for s in open_ if s in plays and plays[s].done() and s not in settled]:
                 settled.add(s)
                 try:
                     self.gateway.reward(s, plays[s].result())

@@ -11,6 +11,9 @@ SECTION = V.Section(
     concurrency=(64, V.integer(1)),  # agent sessions in flight at once
     session_timeout_s=(300.0, V.positive()),  # an idle session without a reward is dropped after this
     max_attempts=(3, V.integer(1)),  # a problem's dropped session is played again up to this many times
+    # agents run elsewhere (other processes or machines): they take sessions from GET /rl/prompts and
+    # post each reward; then `token` (the bearer key they send; redacted in records) and `port` are set
+    external=(False, V.boolean()), token=("", V.text()),
 )
 default_config = SECTION.config
 RULES = SECTION.rules

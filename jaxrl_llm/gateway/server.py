@@ -9,7 +9,8 @@ the run's token, sent as the bearer key (`api_key=` of the stock client).
   POST /v1/chat/completions          one assistant turn (`stream=true`: server-sent events)
   POST /v1/completions               one text turn (the session's text so far, then new text)
   GET  /v1/models                    the one model served
-  POST /rl/sessions/{id}/reward      {"reward": r}: the session closes and is trained
+  POST /rl/sessions/{id}/reward      {"reward": r} (null: the task's check): the session closes, is trained
+  GET  /rl/prompts?max=n             gateway.external: up to n sessions to play ({session, problem, base_url})
   GET  /rl/stats                     the sessions' counters
 """
 
@@ -44,8 +45,9 @@ def _param(message: str) -> str:
     return head if head.replace("_", "").isalnum() else None
 
 
-def app(gateway, token: Optional[str] = None):
-    """The ASGI app over `gateway`; `token`: the bearer key every request must carry (None: none)."""
+def app(gateway, token: Optional[str] = None, prompts=None):
+    """The ASGI app over `gateway`; `token`: the bearer key every request must carry (None: none);
+    `prompts(n)`: sessions for agents elsewhere (`GET /rl/prompts`; None: the run plays its own)."""
     # The guard runs inside each handler: starlette's middleware class cost as much CPU per request
     # as the handler itself (py-spy), on the cores the slots decode with.
     api = FastAPI(title="jaxrl_llm gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -88,6 +90,18 @@ def app(gateway, token: Optional[str] = None):
     @api.post("/rl/sessions/{session}/reward")
     async def reward(session: str, request: Request):
         return refused(request) or await _reward(gateway, session, request)
+
+    @api.get("/rl/prompts")
+    async def waiting(request: Request):
+        if prompts is None:
+            return refused(request) or _error(404, "this run plays its agents itself (gateway.external=False)")
+        try:
+            n = int(request.query_params.get("max", "1"))
+        except ValueError:
+            n = 0
+        if not 1 <= n <= 1024:
+            return refused(request) or _error(400, "max: an integer from 1 to 1024", "max")
+        return refused(request) or {"sessions": prompts(n)}
 
     @api.get("/rl/stats")
     async def stats(request: Request):
@@ -138,15 +152,18 @@ async def _answer(gateway, request: Request, session: Optional[str], kind: str):
 async def _reward(gateway, session: str, request: Request):
     try:
         body = await _body(request)
-        value = body.get("reward") if isinstance(body, dict) else None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise chat.ChatError("reward: a number")
-        gateway.reward(session, float(value))
+        if not isinstance(body, dict) or "reward" not in body:
+            raise chat.ChatError("reward: a number, or null for the task's check")
+        value = body["reward"]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise chat.ChatError("reward: a number, or null for the task's check")
+        value = None if value is None else float(value)
+        gateway.reward(session, value)
     except KeyError:
         return _error(404, f"no session {session!r}")
     except chat.ChatError as e:
         return _error(400, str(e), _param(str(e)))
-    return JSONResponse({"session": session, "reward": float(value)})
+    return JSONResponse({"session": session, "reward": value})
 
 
 def _events(head: dict, message: dict, finish: str):
@@ -179,12 +196,12 @@ def _text_events(head: dict, text: str, finish: str):
 class Server:
     """uvicorn serving `app(gateway, token)` on a thread; `port=0` picks a free one (`.port`)."""
 
-    def __init__(self, gateway, host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None):
+    def __init__(self, gateway, host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None, prompts=None):
         import uvicorn
 
         if not _loopback(host) and not token:
             raise ValueError(f"gateway.host={host!r} is not loopback: the gateway needs the run's token there")
-        self.config = uvicorn.Config(app(gateway, token), host=host, port=port, log_level="warning",
+        self.config = uvicorn.Config(app(gateway, token, prompts), host=host, port=port, log_level="warning",
                                      access_log=False, lifespan="off")
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, daemon=True, name="gateway-http")

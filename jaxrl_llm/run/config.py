@@ -91,6 +91,8 @@ def validate(config):
     collect(tasks.validate, config.task, config.model.hf_path)
     obj = collect(objectives.make_config, config.objective)
     collect(orchestrator.validate, config.runtime, config.sampler.batching)
+    if config.task.name == "agent":
+        collect(_agents, config.task, config.gateway)
     if config.task.name == "agent" and config.runtime.mode not in ("sync", "async"):
         problems.append(f"task.name=agent runs in runtime.mode=sync or async (got {config.runtime.mode!r}; sampler "
                         "nodes do not host a gateway yet)")
@@ -148,3 +150,14 @@ def devices(config):
 
 def has_aux_model(config) -> bool:
     return bool(config.aux_model.hf_path or config.aux_model.hidden_size)
+
+
+def _agents(task, gateway) -> None:
+    """Who plays task.name=agent's sessions: `task.agent` here, or agents elsewhere
+    (`gateway.external`), which need the token and port to reach the gateway."""
+    if not gateway.external and not task.agent:
+        raise ValueError("task.name=agent plays an agent: set --config.task.agent=module:function (or "
+                         "--config.gateway.external=True for agents in other processes)")
+    if gateway.external and (not gateway.token or not gateway.port):
+        raise ValueError("gateway.external=True: agents elsewhere reach the gateway with its port and token; set "
+                         "--config.gateway.port and --config.gateway.token")

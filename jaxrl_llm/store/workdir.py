@@ -34,7 +34,7 @@ FREE = ("train.steps", "train.eval_every", "train.save_every", "train.keep", "tr
 FREE_PREFIXES = ("distributed.", "mesh.", "cpu_devices", "runtime.sampler_devices", "runtime.remote.host",
                  "runtime.remote.port", "runtime.remote.tls_", "runtime.remote.token")
 # Secrets: never written to the workdir (config.json, the history, the lock) nor echoed.
-SECRETS = ("runtime.remote.token",)
+SECRETS = ("runtime.remote.token", "gateway.token")
 SECRET_FLAGS = ("--token",)  # sampler_node's own spelling of the token
 REDACTED = "***"
 # A different model cannot continue from the checkpoint at all, flag or not.

@@ -62,9 +62,7 @@ RULES = SECTION.rules
 def validate(c, hf_path: str = "") -> None:
     if c.name not in NAMES:
         raise ValueError(f"unknown task {c.name!r}; valid: {', '.join(NAMES)}")
-    if c.name == "agent":
-        if not c.agent:
-            raise ValueError("task.name=agent plays an agent: set --config.task.agent=module:function")
+    if c.name == "agent":  # task.agent is checked with the gateway section (run/config.py)
         return validate(source(c), hf_path)
     if c.name in MULTI_TURN:
         from jaxrl_llm.tasks import envs, math_tools, tool_arithmetic  # noqa: F401  (they register theirs)
