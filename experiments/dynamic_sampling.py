@@ -68,11 +68,12 @@ def verdict(rows: list) -> tuple[str, dict]:
     return ("holds" if diff - half > -MARGIN else "inconclusive"), check
 
 
-def page(rows: list, result: str, check: dict, cpu: dict) -> str:
+def page(rows: list, result: str, check: dict, cpu: dict, note: str = "") -> str:
     lines = ["# Dynamic sampling (DAPO) on the embedded default", "",
              f"`python experiments/dynamic_sampling.py` runs `{CONFIG}` with and without "
              "`runtime.dynamic_sampling=True`, once per seed, one run at a time.", "",
-             f"CPU: {cpu['cpu']} ({cpu['isa']}), 2 cores.", "", f"**Rule** (fixed before running): {RULE}.", "",
+             f"CPU: {cpu['cpu']} ({cpu['isa']}), 2 cores." + (f" {note}" if note else ""), "",
+             f"**Rule** (fixed before running): {RULE}.", "",
              f"**Verdict: {result}** (reward difference {stats.fmt(check['reward_diff_mean'], check['reward_diff_ci'])}; "
              f"informative tokens/s higher in every seed: {check['informative_tokens_per_s_higher_every_seed']})", "",
              "| arm | seed | start reward | final reward | wall-clock (s) | steps | informative tokens/s | "
@@ -95,6 +96,7 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--report_only", action="store_true", help="judge and write the page from finished runs")
     ap.add_argument("--out", default=OUT)
+    ap.add_argument("--note", default="", help="a sentence for the page (e.g. what else ran on the machine)")
     ap.add_argument("extra", nargs="*", help="config overrides passed to every run (e.g. --config.train.steps=300)")
     args = ap.parse_args(argv)
     os.makedirs(args.workdir, exist_ok=True)
@@ -112,9 +114,10 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     cpu = cpu_kind()
     with open(os.path.join(args.out, "README.md"), "w") as f:
-        f.write(page(rows, result, check, cpu))
+        f.write(page(rows, result, check, cpu, args.note))
     with open(os.path.join(args.out, "dynamic_sampling.json"), "w") as f:
-        json.dump({"rule": RULE, "verdict": result, "check": check, "cpu": cpu, "extra": args.extra, "runs": rows},
+        json.dump({"rule": RULE, "verdict": result, "check": check, "cpu": cpu, "extra": args.extra, "note": args.note,
+                   "runs": rows},
                   f, indent=2)
     print(f"verdict: {result} {check}; wrote {args.out}/README.md")
 
