@@ -12,8 +12,9 @@ Each side of a comparison takes turns within every repeat (best of `--repeats`).
 
 `moe_dispatch=dense` runs every expert on every token (E / k = 4x the expert FLOPs, no gather or
 scatter); `grouped` sorts the (token, expert) pairs and runs one `jax.lax.ragged_dot` per
-projection. Both figures are reported with their ratio; `auto` (what runs unless set) picks
-dense on CPU. `moe_learner_vs_torch` and `moe_decode_vs_hf` take the faster dispatch.
+projection; `blocked` pads each expert's sorted pairs to whole blocks and loops over the blocks.
+All three are reported with their ratios to dense; `auto` (what runs unless set) picks blocked on
+CPU for this model. `moe_learner_vs_torch` and `moe_decode_vs_hf` take the fastest dispatch.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import bench_sampler as BS  # noqa: E402
 from common import across_isas, cpu_kind, parse_args, report  # noqa: E402
 
 EXPERTS, TOP, WIDTH = 16, 4, 256
+DISPATCHES = ("dense", "grouped", "blocked")
 
 
 def hf_moe(path: str):
@@ -53,7 +55,7 @@ def hf_moe(path: str):
 def learner_steps(cfg, params, batch, repeats: int) -> dict:
     """Best step time of each dispatch, the steps interleaved."""
     runs = {}
-    for dispatch in ("dense", "grouped"):
+    for dispatch in DISPATCHES:
         lrn = BL._learner(cfg.replace(moe_dispatch=dispatch), "ppo")
         state = lrn.init(jax.random.key(0), params=params)
         state, _ = lrn.train_step(state, batch)  # compile
@@ -95,18 +97,15 @@ def main():
     tokens = BL.B * BL.LEN
     steps = learner_steps(cfg, params, batch, args.repeats)
     t_torch = BL.time_torch(hf, batch, args.repeats)
-    res.update(moe_learner_tokens_per_s_dense=tokens / steps["dense"],
-               moe_learner_tokens_per_s_grouped=tokens / steps["grouped"],
-               torch_learner_tokens_per_s=tokens / t_torch,
-               moe_learner_vs_torch=t_torch / min(steps.values()),
-               moe_learner_grouped_vs_dense=steps["dense"] / steps["grouped"])
+    res.update({f"moe_learner_tokens_per_s_{d}": tokens / steps[d] for d in DISPATCHES},
+               torch_learner_tokens_per_s=tokens / t_torch, moe_learner_vs_torch=t_torch / min(steps.values()),
+               **{f"moe_learner_{d}_vs_dense": steps["dense"] / steps[d] for d in DISPATCHES[1:]})
     hf.eval()
-    r = BS.tokens_per_s({"dense": decode_run(params, cfg.replace(moe_dispatch="dense")),
-                         "grouped": decode_run(params, cfg.replace(moe_dispatch="grouped")),
+    r = BS.tokens_per_s({**{d: decode_run(params, cfg.replace(moe_dispatch=d)) for d in DISPATCHES},
                          "hf": BS.hf(hf, cfg.vocab_size)}, args.repeats)
-    res.update(moe_decode_tokens_per_s_dense=r["dense"], moe_decode_tokens_per_s_grouped=r["grouped"],
-               hf_decode_tokens_per_s=r["hf"], moe_decode_vs_hf=max(r["dense"], r["grouped"]) / r["hf"],
-               moe_decode_grouped_vs_dense=r["grouped"] / r["dense"])
+    res.update({f"moe_decode_tokens_per_s_{d}": r[d] for d in DISPATCHES}, hf_decode_tokens_per_s=r["hf"],
+               moe_decode_vs_hf=max(r[d] for d in DISPATCHES) / r["hf"],
+               **{f"moe_decode_{d}_vs_dense": r[d] / r["dense"] for d in DISPATCHES[1:]})
     report(res, args.json)
 
 

@@ -57,7 +57,7 @@ def test_config_and_parameter_counts(pair):
     assert cfg.num_params - cfg.active_params == sparse * (e - k) * 3 * d * f
 
 
-@pytest.mark.parametrize("dispatch", ["dense", "grouped"])
+@pytest.mark.parametrize("dispatch", ["dense", "grouped", "blocked"])
 def test_logits_match_transformers(pair, dispatch):
     _, model, _, params, cfg = pair
     cfg = cfg.replace(moe_dispatch=dispatch)
@@ -96,22 +96,22 @@ def test_export_round_trip_loads_in_transformers(pair, tmp_path):
 
 def test_dispatches_agree_in_values_and_gradients_and_the_router_learns():
     rng = np.random.default_rng(3)
-    n, d, f, e, k = 40, 8, 6, 5, 2
+    n, d, f, e, k = 40, 8, 6, 5, 2  # blocked: 80 pairs in blocks of 16, every expert's run padded
     x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
     w = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in ((d, e), (e, d, f), (e, d, f), (e, f, d))]
 
     def out(dispatch, router, gate, up, down):
         weights, ids = moe.route(x @ router, k, True)
-        experts = moe.dense_experts if dispatch == "dense" else moe.grouped_experts
-        return experts(x, gate, up, down, weights, ids, jnp.float32)
+        experts = {"dense": moe.dense_experts, "grouped": moe.grouped_experts, "blocked": moe.blocked_experts}
+        return experts[dispatch](x, gate, up, down, weights, ids, jnp.float32)
 
-    dense, grouped = out("dense", *w), out("grouped", *w)
-    np.testing.assert_allclose(grouped, dense, atol=1e-5)
+    dense = out("dense", *w)
     loss = lambda dispatch: lambda *p: jnp.sum(out(dispatch, *p) ** 2)  # noqa: E731
     g_dense = jax.grad(loss("dense"), argnums=(0, 1, 2, 3))(*w)
-    g_grouped = jax.grad(loss("grouped"), argnums=(0, 1, 2, 3))(*w)
-    for a, b in zip(g_dense, g_grouped):
-        np.testing.assert_allclose(b, a, atol=1e-4)
+    for other in ("grouped", "blocked"):
+        np.testing.assert_allclose(out(other, *w), dense, atol=1e-5)
+        for a, b in zip(g_dense, jax.grad(loss(other), argnums=(0, 1, 2, 3))(*w)):
+            np.testing.assert_allclose(b, a, atol=1e-4)
     assert float(jnp.abs(g_dense[0]).max()) > 1e-3  # the router gets a gradient through the chosen weights
     # the router's gradient by central differences (the top-k set does not change at this step size)
     i, j, h = 2, 3, 1e-3
@@ -174,10 +174,11 @@ def test_every_expert_weight_gets_a_gradient(pair):
         assert bool(jnp.all(per_expert > 0)), name  # 128 tokens reach every one of the experts
 
 
-def test_auto_dispatch_is_dense_on_cpu_and_grouped_for_many_experts_elsewhere():
+def test_auto_dispatch_by_platform_and_expert_count():
     cfg = models.ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
                              num_kv_heads=1, head_dim=4, model_type="qwen3_moe", num_experts=16, num_experts_per_tok=2,
                              moe_intermediate_size=4)
-    assert moe.dispatch(cfg, "cpu") == "dense" and moe.dispatch(cfg, "gpu") == "grouped"
+    assert moe.dispatch(cfg, "cpu") == "blocked" and moe.dispatch(cfg, "gpu") == "grouped"
+    assert moe.dispatch(cfg.replace(num_experts=4), "cpu") == "dense"
     assert moe.dispatch(cfg.replace(num_experts=8), "tpu") == "dense"
     assert moe.dispatch(cfg.replace(moe_dispatch="grouped"), "cpu") == "grouped"

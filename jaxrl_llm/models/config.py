@@ -8,7 +8,7 @@ from typing import Optional
 
 SUPPORTED = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe")
 MOE = ("qwen2_moe", "qwen3_moe")
-DISPATCH = ("auto", "dense", "grouped")  # `moe.py`
+DISPATCH = ("auto", "dense", "grouped", "blocked")  # `moe.py`
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("auto", "xla", "cudnn", "splash", "chunked", "einsum", "dot_product_attention")  # the last: xla's old name
 # Rematerialisation of decoder layers under grad (`decoder.Decoder`): none keeps every

@@ -9,9 +9,12 @@ Dispatch (`ModelConfig.moe_dispatch`):
            cheapest for a handful of experts.
   grouped  dropless: the (token, expert) pairs sorted by expert and run as one grouped matmul
            per projection (`jax.lax.ragged_dot`), then scattered back weighted: the FLOPs of
-           the k chosen experts only. `auto` picks grouped above `DENSE_UP_TO` experts on GPU and
-           TPU, and dense on CPU, where XLA's ragged_dot measured half dense's speed at 16
-           experts, top 4 (experiments/results/bench_moe_cpu.md).
+           the k chosen experts only.
+  blocked  dropless: the sorted pairs padded to whole blocks per expert, one small SwiGLU per
+           block in a loop: the chosen experts' FLOPs plus padding, from plain matmuls.
+`auto` picks grouped above `DENSE_UP_TO` experts on GPU and TPU (their grouped GEMMs), and on
+CPU blocked above `DENSE_UP_TO_CPU`, where XLA's ragged_dot ran at half dense's speed
+(experiments/results/bench_moe_cpu.md has all three against PyTorch eager).
 No capacity factor: no token is ever dropped, so the sampler and the learner compute the same
 function of the same routing.
 
@@ -29,7 +32,8 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
 
-DENSE_UP_TO = 8  # moe_dispatch=auto: dense-masked dispatch up to this many experts
+DENSE_UP_TO = 8  # moe_dispatch=auto on GPU / TPU: dense-masked dispatch up to this many experts
+DENSE_UP_TO_CPU = 4  # on CPU: the blocked loop's overhead outweighs E / k for fewer experts
 _init = nn.initializers.normal(stddev=0.02)
 
 
@@ -74,11 +78,38 @@ def grouped_experts(x_NxD, gate_ExDxI, up_ExDxI, down_ExIxD, weights_NxK, ids_Nx
     return jnp.zeros_like(x_NxD).at[token].add(y)
 
 
+def blocked_experts(x_NxD, gate_ExDxI, up_ExDxI, down_ExIxD, weights_NxK, ids_NxK, dtype, block: int = 0):
+    """The chosen (token, expert) pairs sorted by expert, each expert's run padded to whole blocks
+    of `block` rows, and one small SwiGLU per block with its expert's weights (a loop over at most
+    (N k + E (block - 1)) / block blocks): the chosen experts' FLOPs plus the padding."""
+    n, k = ids_NxK.shape
+    e, m = gate_ExDxI.shape[0], n * k
+    block = block or int(min(64, max(8, 1 << max(m // e - 1, 1).bit_length())))
+    flat = ids_NxK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]
+    sizes = jnp.bincount(flat, length=e)
+    padded = (sizes + block - 1) // block * block
+    ends = jnp.cumsum(padded)
+    dest = (ends - padded)[expert] + jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[expert]
+    blocks = -(-(m + e * (block - 1)) // block)
+    rows = jnp.zeros((blocks * block, x_NxD.shape[1]), dtype).at[dest].set(x_NxD[order // k].astype(dtype))
+    owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * block, side="right"), e - 1)
+
+    def one(b):
+        xb, w = jax.lax.dynamic_slice_in_dim(rows, b * block, block), owner[b]
+        return _swiglu(xb, gate_ExDxI[w], up_ExDxI[w], down_ExIxD[w], dtype)
+
+    y = jax.lax.map(one, jnp.arange(blocks)).reshape(blocks * block, -1)[dest]
+    y = y * weights_NxK.reshape(-1)[order][:, None].astype(dtype)
+    return jnp.zeros_like(x_NxD, dtype=dtype).at[order // k].add(y)
+
+
 def dispatch(cfg: ModelConfig, platform: str = "") -> str:
     if cfg.moe_dispatch != "auto":
         return cfg.moe_dispatch
     if (platform or jax.default_backend()) == "cpu":
-        return "dense"
+        return "dense" if cfg.num_experts <= DENSE_UP_TO_CPU else "blocked"
     return "dense" if cfg.num_experts <= DENSE_UP_TO else "grouped"
 
 
@@ -97,7 +128,7 @@ class MoE(nn.Module):
         gate = self.param("gate", _part(("expert", "embed", "mlp")), (e, d, f), c.param_dtype)
         up = self.param("up", _part(("expert", "embed", "mlp")), (e, d, f), c.param_dtype)
         down = self.param("down", _part(("expert", "mlp", "embed")), (e, f, d), c.param_dtype)
-        experts = dense_experts if dispatch(c) == "dense" else grouped_experts
+        experts = {"dense": dense_experts, "grouped": grouped_experts, "blocked": blocked_experts}[dispatch(c)]
         y = experts(x.astype(c.dtype), gate, up, down, weights, ids, c.dtype)
         if c.shared_expert_intermediate_size:
             s = c.shared_expert_intermediate_size
