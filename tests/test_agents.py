@@ -168,3 +168,40 @@ def test_external_agents_take_their_sessions_from_rl_prompts(tmp_path):
     assert step["episode/count"] == 2 * 4 and step["gateway/sessions_closed"] >= 8
     assert len(played) >= 8 and all(code == 200 for _, code in played)
     assert json.load(open(tmp_path / "config.json"))["gateway"]["token"] == "***"  # never written out
+
+
+def test_an_agent_run_killed_with_sigkill_resumes_losing_and_repeating_no_session(tmp_path):
+    """kill -9 of a sync agent run mid-way: the resumed run trains every step once, each on
+    exactly its draw's P x G sessions (the checkpointed episode count goes on from the restored
+    version: none of the dead run's sessions past it is counted or trained)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from jaxrl_llm.store import checkpoint
+    from tests.test_distributed import ENV, ROOT, TINY
+
+    base = [sys.executable, "-m", "jaxrl_llm.main", "--config=configs/agent_calculator.py", *TINY[1:],
+            "--config.runtime.mode=sync", "--config.sampler.slots=3", "--config.task.max_turns=3",
+            "--config.gateway.concurrency=4", "--config.train.save_every=2", "--config.train.eval_every=1000",
+            "--config.train.keep=100"]
+    run, ckdir = str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints")
+    p = subprocess.Popen([*base, f"--workdir={run}", "--config.train.steps=1000"], cwd=ROOT, env=ENV,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    path, deadline = os.path.join(run, "metrics.jsonl"), time.monotonic() + 240
+    while time.monotonic() < deadline and not (os.path.isdir(os.path.join(ckdir, "4"))
+                                               and open(path).read().count('"loss"') >= 5):
+        time.sleep(0.05)
+    p.kill()
+    p.wait(timeout=60)
+    restored = checkpoint.Checkpointer(ckdir).latest_version()
+    assert restored >= 4
+    end = restored + 2
+    r = subprocess.run([*base, f"--workdir={run}", f"--config.train.steps={end}"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = [json.loads(x) for x in open(path) if '"loss"' in x]
+    assert [s["step"] for s in steps] == list(range(1, end + 1))
+    per_step = 2 * 4  # prompts_per_batch x num_samples
+    assert [s["episode/count"] for s in steps] == [per_step * s["step"] for s in steps]
