@@ -36,6 +36,7 @@ _BATCH_SPEC = {
     "input_mask": (("B", "L"), "f"),
     "behav_kept": (("B", "L"), "i"),
     "token_keep": (("B", "L"), "f"),
+    "routing": (("B", "L", "M", "R"), "i"),
 }
 
 _POLICY_SPEC = {
@@ -76,6 +77,9 @@ class TrajectoryBatch:
       behav_kept      i32[B, L]     size of the truncated support (top-k / top-p) each token
                                     was drawn from; 0 on prompt/pad. None: no truncation, or
                                     not recorded (the learner then re-applies the rule).
+      routing         i16[B, L, M, R]  the experts each position was routed to when sampled, per
+                                    sparse layer (a mixture of experts; R = experts per token);
+                                    replayed by the learner with `model.moe_routing=replay`.
       token_keep      f32[B, L]     1 on loss tokens an objective's step-level selection keeps,
                                     0 on those it drops, computed once over the step's whole
                                     batch (every minibatch and process; `register(prepare=)`),
@@ -98,6 +102,7 @@ class TrajectoryBatch:
     input_mask: Optional[Array] = None
     behav_kept: Optional[Array] = None
     token_keep: Optional[Array] = None
+    routing: Optional[Array] = None
 
     @classmethod
     def concat(cls, batches) -> "TrajectoryBatch":
@@ -138,6 +143,11 @@ class TrajectoryBatch:
                 f"TrajectoryBatch.topk_ids: expected rank 3 [B, L, K], got shape {np.shape(self.topk_ids)}"
             )
         dims = {"B": b, "L": l, "K": np.shape(self.topk_ids)[-1]}
+        if self.routing is not None:
+            if np.ndim(self.routing) != 4:
+                raise ValueError(f"TrajectoryBatch.routing: expected rank 4 [B, L, M, R], got shape "
+                                 f"{np.shape(self.routing)}")
+            dims.update(M=np.shape(self.routing)[2], R=np.shape(self.routing)[3])
         _check_fields("TrajectoryBatch", self, _BATCH_SPEC, dims)
         return self
 

@@ -182,3 +182,75 @@ def test_auto_dispatch_by_platform_and_expert_count():
     assert moe.dispatch(cfg.replace(num_experts=4), "cpu") == "dense"
     assert moe.dispatch(cfg.replace(num_experts=8), "tpu") == "dense"
     assert moe.dispatch(cfg.replace(moe_dispatch="grouped"), "cpu") == "grouped"
+
+
+def _sampled(params, cfg, seed=1):
+    from jaxrl_llm.models import decoder
+
+    s = Sampler(cfg, SamplerConfig(max_new_tokens=10, temperature=1.0, prompt_buckets=(8,), num_samples=2,
+                                   capture_topk=0, record_routing=True))
+    b = s.generate(params, [[5, 6, 7], [9, 10, 11, 12, 13]], jax.random.key(seed)).validate()
+    return b, decoder
+
+
+def test_the_sampler_records_each_positions_experts_and_replaying_them_is_recomputing(pair):
+    """Routing capture (prefill and decode, every sparse layer) equals the learner's own top-k at
+    the same weights, and replaying it gives exactly the recomputed log-probs (R3 changes
+    nothing when nothing is perturbed); the sampler's behaviour log-probs are reproduced."""
+    from jaxrl_llm.models import heads
+
+    _, _, _, params, cfg = pair
+    b, decoder = _sampled(params, cfg)
+    sparse = sum(cfg.sparse(i) for i in range(cfg.num_layers))
+    assert b.routing.shape == (4, 18, sparse, cfg.num_experts_per_tok) and b.routing.dtype == np.int16
+    _, var = decoder.Decoder(cfg).apply({"params": params}, b.tokens, decoder.padding_positions(b.input_mask),
+                                        decoder.causal_mask(b.input_mask), mutable=["intermediates"])
+    real = np.asarray(b.input_mask) > 0
+    mine = np.sort(np.asarray(decoder.routing_of(var, cfg, *b.tokens.shape)), -1)
+    np.testing.assert_array_equal(mine[real], np.sort(np.asarray(b.routing), -1)[real])
+    again = heads.sequence_logprobs(params, cfg, b.tokens, b.input_mask)["logp"]
+    replay = heads.sequence_logprobs(params, cfg.replace(moe_routing="replay"), b.tokens, b.input_mask,
+                                     routing_BxLxMxK=b.routing)["logp"]
+    loss = np.asarray(b.loss_mask) > 0  # (a prompt's first token is predicted from padding, never trained)
+    np.testing.assert_array_equal(np.asarray(replay)[loss], np.asarray(again)[loss])
+    np.testing.assert_allclose(np.asarray(replay)[loss], np.asarray(b.behav_logp)[loss], atol=1e-5)
+
+
+def test_replay_narrows_the_mismatch_of_a_perturbed_sampler_router(pair):
+    """A sampler whose routers differ from the learner's (noise on its router weights, standing in
+    for other numerics): the learner replaying the recorded experts is far closer to the
+    behaviour log-probs than the learner recomputing its own routing."""
+    from jaxrl_llm.models import heads
+
+    _, _, _, params, cfg = pair
+    noisy = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.01 * jax.random.normal(jax.random.key(7), x.shape)
+        if "router" in jax.tree_util.keystr(path) else x, params)
+    b, _ = _sampled(noisy, cfg, seed=2)
+    loss = np.asarray(b.loss_mask) > 0
+    gap = {}
+    for mode in ("recompute", "replay"):
+        logp = heads.sequence_logprobs(params, cfg.replace(moe_routing=mode), b.tokens, b.input_mask,
+                                       routing_BxLxMxK=b.routing if mode == "replay" else None)["logp"]
+        gap[mode] = float(np.abs(np.asarray(logp) - np.asarray(b.behav_logp))[loss].mean())
+    assert gap["replay"] < 0.5 * gap["recompute"], gap
+
+
+def test_a_run_replays_the_samplers_routing(pair, tmp_path):
+    from jaxrl_llm.run import experiment, plan
+    from tests.test_experiment import _tiny
+
+    _, _, path, _, _ = pair
+    c = _tiny("ppo", mode="sync")
+    c.model.update(hf_path=path, moe_routing="replay")
+    c.train.update(steps=2, eval_every=2, save_every=2)
+    assert experiment.run(c, str(tmp_path), log=lambda *_: None)["version"] == 2
+    steps = [__import__("json").loads(x) for x in open(tmp_path / "metrics.jsonl") if '"loss"' in x]
+    assert max(s["mismatch/abs_logp_max"] for s in steps) < 1e-4
+    c.sampler.batching = "continuous"
+    with pytest.raises(ValueError, match=r"moe_routing=replay needs .* \(here: sampler.batching=continuous\)"):
+        plan.resolve(c)
+    c = _tiny("ppo")
+    c.model.moe_routing = "replay"
+    with pytest.raises(ValueError, match=r"\(here: the model is dense\)"):
+        plan.resolve(c)

@@ -49,24 +49,36 @@ def stats(fwd: Forward, params, batch: TrajectoryBatch, topk: int = 0, gather: b
     gather_ids = batch.topk_ids if gather and batch.topk > 0 else None
     full = (lambda p: p) if base is None else (lambda p: lora.combine(base, p))  # noqa: E731
     kw = dict(dist=fwd.dist, topk=topk, chunk=fwd.chunk, return_hidden=return_hidden)
+    routing = replayed(fwd.model_cfg, batch)
     if replicas:
         split = lambda x: minibatches.by_shard(x, replicas, fwd.on_shards)  # noqa: E731
-        one = lambda p, t, m, k, g: heads.sequence_logprobs(  # noqa: E731
-            full(p), fwd.model_cfg, t, m, kept_BxL=k, gather_ids_BxLxK=g, **kw)
+        one = lambda p, t, m, k, g, r: heads.sequence_logprobs(  # noqa: E731
+            full(p), fwd.model_cfg, t, m, kept_BxL=k, gather_ids_BxLxK=g, routing_BxLxMxK=r, **kw)
         out = jax.vmap(one)(params, split(batch.tokens), split(batch.input_mask), split(batch.behav_kept),
-                            split(gather_ids))
+                            split(gather_ids), split(routing))
         return {k: v.reshape(-1, *v.shape[2:]) for k, v in out.items()}
     if packed is None:
         with attention.on_mesh(fwd.model_cfg, fwd.mesh):
             return heads.sequence_logprobs(full(params), fwd.model_cfg, batch.tokens, batch.input_mask,
-                                           kept_BxL=batch.behav_kept, gather_ids_BxLxK=gather_ids, **kw)
+                                           kept_BxL=batch.behav_kept, gather_ids_BxLxK=gather_ids,
+                                           routing_BxLxMxK=routing, **kw)
     rows = lambda x: jax.lax.with_sharding_constraint(x, fwd.on_shards)  # noqa: E731
     pack = lambda x: None if x is None else rows(packing.pack(x, packed.src))
     with attention.on_mesh(fwd.model_cfg, fwd.mesh):
         s = heads.sequence_logprobs(full(params), fwd.model_cfg, pack(batch.tokens), kept_BxL=pack(batch.behav_kept),
-                                    gather_ids_BxLxK=pack(gather_ids),
+                                    gather_ids_BxLxK=pack(gather_ids), routing_BxLxMxK=pack(routing),
                                     segments=(rows(packed.segment), rows(packed.position)), **kw)
     return {k: packing.unpack(v, packed.dst) for k, v in s.items()}
+
+
+def replayed(cfg: ModelConfig, batch: TrajectoryBatch):
+    """The experts the sampler used, when the model replays them (`model.moe_routing=replay`)."""
+    if cfg.moe_routing != "replay":
+        return None
+    if batch.routing is None:
+        raise ValueError("model.moe_routing=replay: this batch carries no routing (the sampler records it in "
+                         "static batching of single-turn tasks)")
+    return batch.routing
 
 
 def batch_stats(fwd: Forward, params, batch: TrajectoryBatch, packed: Optional[packing.PackLayout],

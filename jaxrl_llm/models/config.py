@@ -79,6 +79,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (sigmoid-gated)
     router_aux_loss_coef: float = 0.0
     moe_dispatch: str = "auto"
+    # recompute: the learner's routers choose experts; replay: the experts the sampler recorded
+    # (`TrajectoryBatch.routing`), gate weights from the learner's router (R3, arXiv:2510.11370)
+    moe_routing: str = "recompute"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED:
@@ -97,6 +100,8 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
                              f"{self.num_experts}")
+        if self.moe_routing not in ("recompute", "replay"):
+            raise ValueError(f"ModelConfig.moe_routing={self.moe_routing!r}; valid: recompute, replay")
         if self.moe_dispatch not in DISPATCH:
             raise ValueError(f"ModelConfig.moe_dispatch={self.moe_dispatch!r}; valid: {', '.join(DISPATCH)}")
         if self.num_experts and self.lora_rank and set(self.lora_targets) & {"gate", "up", "down"}:

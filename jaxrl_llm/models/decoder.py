@@ -189,22 +189,22 @@ class Block(nn.Module):
     sparse: bool = False  # a mixture-of-experts layer (`moe.py`)
 
     @nn.compact
-    def __call__(self, x, sin, cos, mask, cache=None, cache_index=0):
+    def __call__(self, x, sin, cos, mask, cache=None, cache_index=0, routing=None):
         c = self.cfg
         h, new_cache = Attention(c, name="attn")(
             RMSNorm(c.rms_norm_eps, param_dtype=c.param_dtype, name="input_norm")(x), sin, cos, mask, cache, cache_index)
         x = x + h
-        mlp = MoE(c, name="moe") if self.sparse else MLP(c, name="mlp")
-        x = x + mlp(RMSNorm(c.rms_norm_eps, param_dtype=c.param_dtype, name="post_norm")(x))
+        normed = RMSNorm(c.rms_norm_eps, param_dtype=c.param_dtype, name="post_norm")(x)
+        x = x + (MoE(c, name="moe")(normed, routing) if self.sparse else MLP(c, name="mlp")(normed))
         return x, new_cache
 
 
-def _block_out(mdl, x, sin, cos, mask):
-    return mdl(x, sin, cos, mask)[0]
+def _block_out(mdl, x, sin, cos, mask, routing=None):
+    return mdl(x, sin, cos, mask, routing=routing)[0]
 
 
-def _block_fwd(mdl, x, sin, cos, mask):
-    return _block_out(mdl, x, sin, cos, mask), (mdl.variables["params"], x, sin, cos, mask)
+def _block_fwd(mdl, x, sin, cos, mask, routing=None):
+    return _block_out(mdl, x, sin, cos, mask, routing), (mdl.variables["params"], x, sin, cos, mask, routing)
 
 
 @functools.lru_cache(maxsize=None)
@@ -217,12 +217,13 @@ def recomputed_block(cfg: ModelConfig, sparse: bool = False):
     once, well past the memory plan (the figures: CHANGELOG, "remat")."""
 
     def bwd(res, g):
-        params, x, sin, cos, mask = res
+        params, x, sin, cos, mask, routing = res
         # XLA:CPU drops optimization barriers before it schedules; a data dependence stays
         # (0 * g is not folded for floats: it would be NaN for a non-finite g).
         late = 0 * g.reshape(-1)[0]
         x = x + late.astype(x.dtype)
-        apply = lambda p, x, sin, cos: Block(cfg, sparse).apply({"params": p}, x, sin, cos, mask)[0]
+        apply = lambda p, x, sin, cos: Block(cfg, sparse).apply({"params": p}, x, sin, cos, mask,
+                                                                 routing=routing)[0]
         if cfg.lora_rank:  # the frozen base gets no weight gradient (zeros, dropped by XLA)
             base, adapters = lora.split(params)
             apply_adapters = lambda a, x, sin, cos: apply(lora.combine(base, a), x, sin, cos)
@@ -235,7 +236,7 @@ def recomputed_block(cfg: ModelConfig, sparse: bool = False):
         # weight gradients: XLA otherwise defers them (nothing else needs them) and keeps
         # every layer's intermediates alive until then.
         done = sum(jnp.sum(d) for d in jax.tree_util.tree_leaves(trained))
-        return {"params": dparams}, dx + 0 * done.astype(dx.dtype), dsin, dcos, None
+        return {"params": dparams}, dx + 0 * done.astype(dx.dtype), dsin, dcos, None, None
 
     return nn.custom_vjp(_block_out, forward_fn=_block_fwd, backward_fn=bwd)
 
@@ -246,7 +247,9 @@ class Decoder(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=0):
+    def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=0, routing_BxTxMxK=None):
+        """`routing_BxTxMxK`: the experts each position uses in each sparse layer (replay); None:
+        the routers choose."""
         c = self.cfg
         embed = self.param("embed", _part(_init, ("vocab", "embed")), (c.vocab_size, c.hidden_size), c.param_dtype)
         if not c.tie_word_embeddings:
@@ -257,12 +260,15 @@ class Decoder(nn.Module):
         training = c.remat != "none" and cache is None  # decoding keeps nothing for grad
         block = nn.remat(Block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable) \
             if training and c.remat == "dots" else Block
+        sparse = [i for i in range(c.num_layers) if c.sparse(i)]
         for i in range(c.num_layers):
             layer = block(c, c.sparse(i), name=f"layers_{i}")
+            r = None if routing_BxTxMxK is None or i not in sparse else routing_BxTxMxK[:, :, sparse.index(i)]
             if training and c.remat == "full":
-                x = recomputed_block(c, c.sparse(i))(layer, x, sin, cos, mask_BxTxS)
+                x = recomputed_block(c, c.sparse(i))(layer, x, sin, cos, mask_BxTxS, r)
                 continue
-            x, layer_cache = layer(x, sin, cos, mask_BxTxS, None if cache is None else cache[i], cache_index)
+            x, layer_cache = layer(x, sin, cos, mask_BxTxS, None if cache is None else cache[i], cache_index,
+                                   routing=r)
             new_cache.append(layer_cache)
         x = RMSNorm(c.rms_norm_eps, param_dtype=c.param_dtype, name="final_norm")(x)
         return x, (new_cache if cache is not None else None)
@@ -300,11 +306,20 @@ def causal_mask(input_mask_BxL):
     return causal[None] & (input_mask_BxL[:, None, :] > 0)
 
 
-def forward(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL):
-    """Full-sequence forward (learner / teacher forcing): hidden states [B, L, D]."""
+def forward(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL, routing=None):
+    """Full-sequence forward (learner / teacher forcing): hidden states [B, L, D]; `routing`
+    [B, L, M, K]: replay these experts (`Decoder`)."""
     mask = self_mask(cfg, input_mask_BxL, lambda: causal_mask(input_mask_BxL))
-    hidden, _ = Decoder(cfg).apply({"params": params}, tokens_BxL, padding_positions(input_mask_BxL), mask)
+    hidden, _ = Decoder(cfg).apply({"params": params}, tokens_BxL, padding_positions(input_mask_BxL), mask,
+                                   routing_BxTxMxK=routing)
     return hidden
+
+
+def routing_of(variables, cfg: ModelConfig, b: int, t: int):
+    """The experts each position used, [B, T, M, K] int16, from an apply's `intermediates`."""
+    inter = variables["intermediates"]
+    ids = [inter[f"layers_{i}"]["moe"]["routing"][0] for i in range(cfg.num_layers) if cfg.sparse(i)]
+    return jnp.stack(ids, 1).reshape(b, t, len(ids), -1).astype(jnp.int16)
 
 
 def segment_mask(segment_BxL):
@@ -313,9 +328,9 @@ def segment_mask(segment_BxL):
     return Segments(segment_BxL).dense()
 
 
-def forward_packed(params, cfg: ModelConfig, tokens_BxL, segment_BxL, position_BxL):
+def forward_packed(params, cfg: ModelConfig, tokens_BxL, segment_BxL, position_BxL, routing=None):
     """Full-sequence forward over packed rows (several sequences per row, `packing.py`)."""
     mask = self_mask(cfg, segment_BxL, lambda: segment_mask(segment_BxL))
-    hidden, _ = Decoder(cfg).apply({"params": params}, tokens_BxL, position_BxL, mask)
+    hidden, _ = Decoder(cfg).apply({"params": params}, tokens_BxL, position_BxL, mask, routing_BxTxMxK=routing)
     return hidden
 

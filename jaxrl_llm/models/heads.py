@@ -75,20 +75,20 @@ def map_chunks(fn, xs, chunk: int):
 
 def sequence_logprobs(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL=None, *, dist: PolicyDist = PolicyDist(),
                       kept_BxL=None, topk: int = 0, gather_ids_BxLxK=None, entropy: bool = True, chunk: int = 128,
-                      return_hidden: bool = False, segments=None):
+                      return_hidden: bool = False, segments=None, routing_BxLxMxK=None):
     """Teacher-forced stats aligned with `tokens` (the batch contract): index t describes token
     t given tokens[:, :t]; column 0 has no context and is 0 (it is always a prompt position).
     `kept_BxL` (aligned the same way: `TrajectoryBatch.behav_kept`) sizes the truncated support.
     `return_hidden` adds the final hidden states [B, L, D] (for callers reusing the forward).
     `segments = (segment_BxL, position_BxL)`: the rows are packed (`packing.py`); the stat at a
     sequence's first token then comes from the previous segment and must be masked (it is
-    always a prompt token)."""
+    always a prompt token). `routing_BxLxMxK`: a mixture of experts replays these experts."""
     if segments is not None:
-        hidden = decoder.forward_packed(params, cfg, tokens_BxL, *segments)
+        hidden = decoder.forward_packed(params, cfg, tokens_BxL, *segments, routing=routing_BxLxMxK)
     else:
         if input_mask_BxL is None:
             input_mask_BxL = jnp.ones(tokens_BxL.shape, jnp.int32)
-        hidden = decoder.forward(params, cfg, tokens_BxL, input_mask_BxL)
+        hidden = decoder.forward(params, cfg, tokens_BxL, input_mask_BxL, routing=routing_BxLxMxK)
     gather = None if gather_ids_BxLxK is None else gather_ids_BxLxK[:, 1:]
     kept = None if kept_BxL is None else kept_BxL[:, 1:]
     stats = logprob_stats(hidden[:, :-1], decoder.unembed_matrix(params, cfg), tokens_BxL[:, 1:], dist=dist,

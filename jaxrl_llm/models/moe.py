@@ -50,6 +50,16 @@ def route(logits_NxE, k: int, normalise: bool):
     return top, ids
 
 
+def replay(logits_NxE, ids_NxK, normalise: bool):
+    """(weights, ids) for given experts (Rollout Routing Replay, arXiv:2510.11370): the router's
+    probabilities at those experts, renormalised as `route` does; differentiable in the logits."""
+    ids = ids_NxK.astype(jnp.int32)
+    top = jnp.take_along_axis(jax.nn.softmax(logits_NxE.astype(jnp.float32), -1), ids, -1)
+    if normalise:
+        top = top / jnp.sum(top, -1, keepdims=True)
+    return top, ids
+
+
 def _swiglu(x, gate, up, down, dtype):
     return jnp.dot(nn.silu(jnp.dot(x, gate.astype(dtype))) * jnp.dot(x, up.astype(dtype)), down.astype(dtype))
 
@@ -117,14 +127,19 @@ class MoE(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxD):
+    def __call__(self, x_BxTxD, routing_BxTxK=None):
+        """`routing_BxTxK`: the experts to use (routing replay, R3); None: the router's top k."""
         c = self.cfg
         d, e, f = c.hidden_size, c.num_experts, c.moe_intermediate_size
         x = x_BxTxD.reshape(-1, d)
         router = self.param("router", _part(("embed", "expert")), (d, e), c.param_dtype)
         logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
         self.sow("intermediates", "router_logits", logits)
-        weights, ids = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
+        if routing_BxTxK is None:
+            weights, ids = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
+        else:
+            weights, ids = replay(logits, routing_BxTxK.reshape(-1, c.num_experts_per_tok), c.norm_topk_prob)
+        self.sow("intermediates", "routing", ids)
         gate = self.param("gate", _part(("expert", "embed", "mlp")), (e, d, f), c.param_dtype)
         up = self.param("up", _part(("expert", "embed", "mlp")), (e, d, f), c.param_dtype)
         down = self.param("down", _part(("expert", "mlp", "embed")), (e, f, d), c.param_dtype)

@@ -53,15 +53,19 @@ class DecodeState:
     # and which columns hold such tokens (loss 0, version -1, log-prob 0).
     forced_BxN: jax.Array  # i32
     obs_BxN: jax.Array  # bool
+    # A mixture of experts with `scfg.record_routing` (static batches): the experts each position
+    # (prompt, then new tokens) was routed to, per sparse layer: i16[B, P + N, M, R]. None: not recorded.
+    routing: Any = None
 
     @classmethod
-    def specs(cls, rows, per_row: bool = False) -> "DecodeState":
+    def specs(cls, rows, per_row: bool = False, routing: bool = False) -> "DecodeState":
         """PartitionSpecs with the rows split over the mesh axes `rows` (`per_row`: decode slots,
-        whose `step` and `logits_version` are per row too)."""
+        whose `step` and `logits_version` are per row too; `routing`: the state records it)."""
         r = PartitionSpec(rows)
         fields = {f: r for f in cls.__dataclass_fields__}
         scalar = r if per_row else PartitionSpec()
-        return cls(**{**fields, "step": scalar, "logits_version": scalar, "uniforms_NxB": PartitionSpec(None, rows)})
+        return cls(**{**fields, "step": scalar, "logits_version": scalar, "uniforms_NxB": PartitionSpec(None, rows),
+                      "routing": r if routing else None})
 
 
 def per_device(mesh, f, in_specs, out_specs):
@@ -100,8 +104,10 @@ def prefill(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg: Mo
     key_valid = jnp.concatenate([prompt_mask_BxP > 0, jnp.zeros((b, width - p), bool)], 1)
     positions = decoder.padding_positions(prompt_mask_BxP)
     causal = jnp.arange(width)[None, :] <= jnp.arange(p)[:, None]
-    hidden, cache = decoder.Decoder(mcfg).apply({"params": params}, prompt_BxP, positions,
-                                                causal[None] & key_valid[:, None, :], cache, 0)
+    (hidden, cache), routing = _apply(params, mcfg, scfg, prompt_BxP, positions, causal[None] & key_valid[:, None, :],
+                                      cache, 0)
+    if routing is not None:  # the prompt's, then room for every new token's
+        routing = jnp.concatenate([routing, jnp.zeros((b, width - p) + routing.shape[2:], routing.dtype)], 1)
     k = scfg.capture_topk
     unembed = unembed_matrix(params, mcfg)
     if keys_B is None:
@@ -114,8 +120,19 @@ def prefill(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg: Mo
         tokens_BxN=jnp.full((b, n), scfg.pad_token_id, jnp.int32), valid_BxN=jnp.zeros((b, n), bool), logp_BxN=jnp.zeros((b, n), jnp.float32), kept_BxN=jnp.zeros((b, n), jnp.int32),
         versions_BxN=jnp.full((b, n), -1, jnp.int32), topk_ids_BxNxK=jnp.zeros((b, n, k), jnp.int32),
         topk_logp_BxNxK=jnp.zeros((b, n, k), jnp.float32), forced_BxN=jnp.full((b, n), -1, jnp.int32),
-        obs_BxN=jnp.zeros((b, n), bool),
+        obs_BxN=jnp.zeros((b, n), bool), routing=routing,
     )
+
+
+def _apply(params, mcfg: ModelConfig, scfg: SamplerConfig, tokens_BxT, positions_BxT, mask, cache, index):
+    """The decoder's (hidden, cache) and, with `scfg.record_routing`, the experts each position
+    was routed to ([B, T, M, R], `decoder.routing_of`)."""
+    model = decoder.Decoder(mcfg)
+    if not scfg.record_routing:
+        return model.apply({"params": params}, tokens_BxT, positions_BxT, mask, cache, index), None
+    out, variables = model.apply({"params": params}, tokens_BxT, positions_BxT, mask, cache, index,
+                                 mutable=["intermediates"])
+    return out, decoder.routing_of(variables, mcfg, *tokens_BxT.shape)
 
 
 def segment_ends(n: int, scfg: SamplerConfig) -> list:
@@ -181,8 +198,10 @@ def decode_step(params, unembed_DxV, st: DecodeState, version, p: int, mcfg: Mod
     turn_end = drawn & jnp.isin(tok, jnp.asarray(scfg.turn_stop_ids, jnp.int32)) if scfg.turn_stop_ids else eos
     key_valid = put(st.key_valid_BxW, p + i, live)
     # Cache slots past p + i are not yet valid, so the key mask alone is causal.
-    h, cache = decoder.Decoder(mcfg).apply({"params": params}, tok[:, None], st.positions_B[:, None],
-                                           key_valid[:, None, :], st.cache, p + i)
+    (h, cache), routing = _apply(params, mcfg, scfg, tok[:, None], st.positions_B[:, None], key_valid[:, None, :],
+                                 st.cache, p + i)
+    if routing is not None:  # static batches only (`record_routing`): every row at column p + i
+        routing = jax.lax.dynamic_update_slice_in_dim(st.routing, routing, p + i, 1)
     taken = i + live if per_row else i + 1  # a finished slot keeps its column
     return st.replace(
         step=taken, cache=cache, logits_BxV=h[:, 0].astype(jnp.float32) @ unembed_DxV,
@@ -196,7 +215,7 @@ def decode_step(params, unembed_DxV, st: DecodeState, version, p: int, mcfg: Mod
         versions_BxN=put(st.versions_BxN, i, jnp.where(drawn, st.logits_version, -1)),
         topk_ids_BxNxK=put(st.topk_ids_BxNxK, i, jnp.where(live[:, None], top_ids, 0)),
         topk_logp_BxNxK=put(st.topk_logp_BxNxK, i, jnp.where(live[:, None], top_logp, 0.0)),
-        obs_BxN=put(st.obs_BxN, i, obs),
+        obs_BxN=put(st.obs_BxN, i, obs), routing=routing,
     )
 
 
@@ -224,4 +243,6 @@ def outputs(st: DecodeState, scfg: SamplerConfig) -> dict:
                topk_ids=st.topk_ids_BxNxK, topk_logp=st.topk_logp_BxNxK, done=st.eos_B, obs=st.obs_BxN)
     if scfg.dist.truncated:  # the learner restricts pi_theta to supports of these sizes
         out["kept"] = st.kept_BxN
+    if getattr(st, "routing", None) is not None:  # slots hand over a namespace of their outputs
+        out["routing"] = st.routing
     return out

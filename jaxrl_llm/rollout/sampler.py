@@ -50,12 +50,13 @@ class Sampler:
 
         def prefill(params, prompt, mask, limit, key, version, mcfg, scfg):
             f = functools.partial(decode.prefill, mcfg=mcfg, scfg=scfg, rows=rows)
-            specs = DecodeState.specs(rows)
+            specs = DecodeState.specs(rows, routing=scfg.record_routing)
             return local(f, (rep, r, r, r, rep, rep), specs)(params, prompt, mask, limit, key, version)
 
         def segment(params, st, version, end, p, mcfg, scfg):
             f = lambda params, st, version, end: decode.decode_segment(params, st, version, p, end, mcfg, scfg)  # noqa: E731
-            return local(f, (rep, DecodeState.specs(rows), rep, rep), DecodeState.specs(rows))(params, st, version, end)
+            s = DecodeState.specs(rows, routing=scfg.record_routing)
+            return local(f, (rep, s, rep, rep), s)(params, st, version, end)
 
         self._generate = jax.jit(generate, static_argnames=("mcfg", "scfg"))
         # Host-driven pieces for mid-generation weight refresh (same code; `end` is an input, so
@@ -195,4 +196,5 @@ def to_batch(prompt_BxP, prompt_mask_BxP, group_ids_B, out) -> TrajectoryBatch:
         input_mask=xp.concatenate([xp.asarray(prompt_mask_BxP, np.float32), gen_mask], 1),
         truncated=~out["done"],
         behav_kept=prompt(out["kept"], np.int32) if "kept" in out else None,
+        routing=out["routing"][:, :p + valid.shape[1]] if "routing" in out else None,
     )

@@ -60,6 +60,7 @@ def resolve(config) -> RunPlan:
         if cfg is not None and config[section].hf_path:
             models.check_weights(config[section].hf_path, cfg)
     check_sampling(config, task, mcfg)
+    check_replay(config, task, mcfg)
     learner_devices, sampler_devices = config_lib.devices(config)
     mesh = sharding.make_mesh(config.mesh, learner_devices)
     check_layout(config, mcfg, acfg, mesh)
@@ -73,7 +74,8 @@ def resolve(config) -> RunPlan:
     memory.check_run(config, task, mcfg, acfg, parts, layout)
     return RunPlan(config=ml_collections.FrozenConfigDict(config), task=task, model=mcfg, aux_model=acfg,
                    objective=objective, passes=frozenset(objectives.required_passes(objective)),
-                   sampler=sampler_cfg(config, task), greedy=sampler_cfg(config, task, greedy=True),
+                   sampler=sampler_cfg(config, task, record_routing=mcfg.moe_routing == "replay"),
+                   greedy=sampler_cfg(config, task, greedy=True),
                    learner_devices=tuple(learner_devices), sampler_devices=tuple(sampler_devices),
                    memory=types.MappingProxyType(parts), memory_layout=layout, warnings=warnings)
 
@@ -135,7 +137,8 @@ def check_layout(config, mcfg, acfg, mesh) -> None:
 def model_cfg(m, task) -> models.ModelConfig:
     """The decoder of model section `m`: a local HF checkpoint's config.json (read, nothing
     loaded) or a random model sized by `m`; compute dtype, attention kernel and remat from `m`."""
-    chosen = dict(dtype=auto_dtype() if m.dtype == "auto" else m.dtype, attention=m.attention, remat=m.remat, matmul_precision=m.get("matmul_precision", "default"))
+    chosen = dict(dtype=auto_dtype() if m.dtype == "auto" else m.dtype, attention=m.attention, remat=m.remat,
+                  matmul_precision=m.get("matmul_precision", "default"), moe_routing=m.get("moe_routing", "recompute"))
     if "lora" in m and m.lora.rank:
         chosen.update(lora_rank=m.lora.rank, lora_alpha=float(m.lora.alpha),
                       lora_targets=models.lora.parse_targets(m.lora.targets))
@@ -149,7 +152,21 @@ def model_cfg(m, task) -> models.ModelConfig:
                               **{f: m[f] for f in _MODEL_FIELDS})
 
 
-def sampler_cfg(config, task, greedy: bool = False) -> SamplerConfig:
+def check_replay(config, task, mcfg: models.ModelConfig) -> None:
+    """`model.moe_routing=replay` replays what the samplers record: a mixture of experts sampled in
+    static batches of a single-turn task by this run's own samplers."""
+    if mcfg.moe_routing != "replay":
+        return
+    why = ("the model is dense" if not mcfg.num_experts else
+           "sampler.batching=continuous" if config.sampler.batching != "static" else
+           f"task {config.task.name!r} is multi-turn" if config.task.name in tasks.MULTI_TURN + ("agent",) else
+           "sampler nodes" if config.runtime.mode == "remote" else "")
+    if why:
+        raise ValueError(f"model.moe_routing=replay needs a mixture of experts sampled in static batches of a "
+                         f"single-turn task by the run's own samplers (here: {why})")
+
+
+def sampler_cfg(config, task, greedy: bool = False, record_routing: bool = False) -> SamplerConfig:
     """The `sampler` section as the sampler's frozen config (greedy: evaluation's)."""
     s = config.sampler
     kw = dict(max_new_tokens=s.max_new_tokens or task.max_answer_len, eos_token_id=task.eos_id,
@@ -160,4 +177,4 @@ def sampler_cfg(config, task, greedy: bool = False) -> SamplerConfig:
         return SamplerConfig(temperature=0.0, num_samples=1, capture_topk=0, **kw)
     return SamplerConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, capture_topk=s.capture_topk,
                          num_samples=s.num_samples, batching=s.batching, slots=s.slots,
-                         decode_segment=s.decode_segment, turn_cache=s.turn_cache, **kw)
+                         decode_segment=s.decode_segment, turn_cache=s.turn_cache, record_routing=record_routing, **kw)
