@@ -14,7 +14,9 @@ Each side of a comparison takes turns within every repeat (best of `--repeats`).
 scatter); `grouped` sorts the (token, expert) pairs and runs one `jax.lax.ragged_dot` per
 projection; `blocked` pads each expert's sorted pairs to whole blocks and loops over the blocks.
 All three are reported with their ratios to dense; `auto` (what runs unless set) picks blocked on
-CPU for this model. `moe_learner_vs_torch` and `moe_decode_vs_hf` take the fastest dispatch.
+CPU for this model. `moe_learner_vs_torch` and `moe_decode_vs_hf` take the fastest dispatch. `routing_capture_cost`: the
+decode time routing capture (R3, `record_routing`) adds, blocked dispatch; `routing_bytes_per_token`:
+what it records (int16 expert ids, top-k per sparse layer).
 """
 
 from __future__ import annotations
@@ -69,11 +71,13 @@ def learner_steps(cfg, params, batch, repeats: int) -> dict:
     return {d: r[2] for d, r in runs.items()}
 
 
-def decode_run(params, cfg):
-    """bench_sampler's workload on every device (rows split), compiled here."""
+def decode_run(params, cfg, record: bool = False):
+    """bench_sampler's workload on every device (rows split), compiled here; `record`: with
+    routing capture (R3)."""
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (BS.B, BS.PROMPT)).tolist()
     s = Sampler(cfg, SamplerConfig(max_new_tokens=BS.NEW, temperature=1.0, capture_topk=BS.K,
-                                   prompt_buckets=(BS.PROMPT,), eos_token_id=None, num_samples=1),
+                                   prompt_buckets=(BS.PROMPT,), eos_token_id=None, num_samples=1,
+                                   record_routing=record),
                 mesh=Mesh(np.asarray(jax.devices()), ("data",)))
     keys = iter(range(1 << 30))
     run = lambda: jax.block_until_ready(s.generate(params, prompts, jax.random.key(next(keys))).tokens)  # noqa: E731
@@ -102,7 +106,11 @@ def main():
                **{f"moe_learner_{d}_vs_dense": steps["dense"] / steps[d] for d in DISPATCHES[1:]})
     hf.eval()
     r = BS.tokens_per_s({**{d: decode_run(params, cfg.replace(moe_dispatch=d)) for d in DISPATCHES},
+                         "recorded": decode_run(params, cfg.replace(moe_dispatch="blocked"), record=True),
                          "hf": BS.hf(hf, cfg.vocab_size)}, args.repeats)
+    sparse = sum(cfg.sparse(i) for i in range(cfg.num_layers))
+    res.update(routing_capture_cost=1.0 - r["recorded"] / r["blocked"],
+               routing_bytes_per_token=sparse * cfg.num_experts_per_tok * 2)  # int16 ids
     res.update({f"moe_decode_tokens_per_s_{d}": r[d] for d in DISPATCHES}, hf_decode_tokens_per_s=r["hf"],
                moe_decode_vs_hf=max(r[d] for d in DISPATCHES) / r["hf"],
                **{f"moe_decode_{d}_vs_dense": r[d] / r["dense"] for d in DISPATCHES[1:]})
