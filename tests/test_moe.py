@@ -158,6 +158,7 @@ def test_a_run_trains_a_mixture_of_experts_on_a_sharded_mesh(pair, tmp_path):
     assert all(np.isfinite(s["loss"]) for s in steps)
     # the sampler's behaviour log-probs are the learner's (same routing, float32 throughout)
     assert max(s["mismatch/abs_logp_max"] for s in steps) < 1e-4
+    assert all(0 <= s["moe/routing_differs_tokens"] <= 1 for s in steps)  # the sampler's routing, on the mesh
 
 
 def test_every_expert_weight_gets_a_gradient(pair):
@@ -208,12 +209,14 @@ def test_the_sampler_records_each_positions_experts_and_replaying_them_is_recomp
     real = np.asarray(b.input_mask) > 0
     mine = np.sort(np.asarray(decoder.routing_of(var, cfg, *b.tokens.shape)), -1)
     np.testing.assert_array_equal(mine[real], np.sort(np.asarray(b.routing), -1)[real])
-    again = heads.sequence_logprobs(params, cfg, b.tokens, b.input_mask)["logp"]
+    seen = heads.sequence_logprobs(params, cfg, b.tokens, b.input_mask, routing_BxLxMxK=b.routing)
+    again = seen["logp"]
     replay = heads.sequence_logprobs(params, cfg.replace(moe_routing="replay"), b.tokens, b.input_mask,
                                      routing_BxLxMxK=b.routing)["logp"]
     loss = np.asarray(b.loss_mask) > 0  # (a prompt's first token is predicted from padding, never trained)
     np.testing.assert_array_equal(np.asarray(replay)[loss], np.asarray(again)[loss])
     np.testing.assert_allclose(np.asarray(replay)[loss], np.asarray(b.behav_logp)[loss], atol=1e-5)
+    assert float(np.asarray(seen["routing_differs"])[loss].max()) == 0.0  # recompute saw the same experts
 
 
 def test_replay_narrows_the_mismatch_of_a_perturbed_sampler_router(pair):
@@ -233,6 +236,8 @@ def test_replay_narrows_the_mismatch_of_a_perturbed_sampler_router(pair):
         logp = heads.sequence_logprobs(params, cfg.replace(moe_routing=mode), b.tokens, b.input_mask,
                                        routing_BxLxMxK=b.routing if mode == "replay" else None)["logp"]
         gap[mode] = float(np.abs(np.asarray(logp) - np.asarray(b.behav_logp))[loss].mean())
+    differs = heads.sequence_logprobs(params, cfg, b.tokens, b.input_mask, routing_BxLxMxK=b.routing)["routing_differs"]
+    assert 0 < float((np.asarray(differs)[loss] > 0).mean()) < 1  # some tokens were routed elsewhere
     assert gap["replay"] < 0.5 * gap["recompute"], gap
 
 
@@ -247,6 +252,7 @@ def test_a_run_replays_the_samplers_routing(pair, tmp_path):
     assert experiment.run(c, str(tmp_path), log=lambda *_: None)["version"] == 2
     steps = [__import__("json").loads(x) for x in open(tmp_path / "metrics.jsonl") if '"loss"' in x]
     assert max(s["mismatch/abs_logp_max"] for s in steps) < 1e-4
+    assert all(s["moe/routing_differs_pairs"] <= s["moe/routing_differs_tokens"] <= 1 for s in steps)
     c.sampler.batching = "continuous"
     with pytest.raises(ValueError, match=r"moe_routing=replay needs .* \(here: sampler.batching=continuous\)"):
         plan.resolve(c)

@@ -32,6 +32,14 @@ def of_update(objective, cfg, policy: PolicyOutput, batch: TrajectoryBatch) -> d
     return metrics
 
 
+def routing(differs_BxL, batch: TrajectoryBatch, layers: int) -> dict:
+    """Over trained tokens: the fraction of (token, sparse layer) pairs whose learner top k
+    differs from the experts the sampler used, and of tokens with any such layer (R3's mismatch)."""
+    mask = batch.loss_mask
+    return {"moe/routing_differs_pairs": masked_mean(differs_BxL / layers, mask),
+            "moe/routing_differs_tokens": masked_mean((differs_BxL > 0).astype(jnp.float32), mask)}
+
+
 def reduce_minibatches(ms: dict) -> dict:
     """Per-minibatch metrics [M] -> one number each (max/min keep their meaning). `mismatch/`
     is the first minibatch's: only there are the params the ones the step started from."""

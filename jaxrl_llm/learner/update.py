@@ -141,6 +141,9 @@ def train_step(state: TrainState, batch: TrajectoryBatch, packed: Optional[packi
         stats, mbs = minibatches.replicate_rows((stats, mbs), 1, sharding.replicated(plan.fwd.mesh))
     of_update = lambda s, b, v, r: step_metrics.of_update(plan.objective, plan.obj_cfg, _policy(s, v, r), b)  # noqa: E731
     ms.update(jax.vmap(of_update, in_axes=(0, 0, None, 0))(stats, mbs, state.version, rngs))
+    if "routing_differs" in stats:  # a mixture of experts with the sampler's routing
+        ms.update(jax.vmap(step_metrics.routing, in_axes=(0, 0, None))(stats["routing_differs"], mbs,
+                                                                      mbs.routing.shape[-2]))
     metrics = step_metrics.reduce_minibatches(ms)
     metrics["param_norm"] = optax.global_norm(state.params)
     metrics["trained_tokens"] = mbs.loss_mask.sum()  # on the gathered rows: no extra rendezvous

@@ -307,12 +307,21 @@ def causal_mask(input_mask_BxL):
 
 
 def forward(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL, routing=None):
-    """Full-sequence forward (learner / teacher forcing): hidden states [B, L, D]; `routing`
-    [B, L, M, K]: replay these experts (`Decoder`)."""
+    """Full-sequence forward (learner / teacher forcing): hidden states [B, L, D]. With `routing`
+    [B, L, M, K] (the sampler's experts: replayed under `moe_routing=replay`): (hidden, the
+    number of sparse layers whose top k differs from it at each position [B, L])."""
     mask = self_mask(cfg, input_mask_BxL, lambda: causal_mask(input_mask_BxL))
-    hidden, _ = Decoder(cfg).apply({"params": params}, tokens_BxL, padding_positions(input_mask_BxL), mask,
-                                   routing_BxTxMxK=routing)
-    return hidden
+    return _apply(params, cfg, tokens_BxL, padding_positions(input_mask_BxL), mask, routing)
+
+
+def _apply(params, cfg: ModelConfig, tokens_BxL, positions_BxL, mask, routing):
+    if routing is None:
+        return Decoder(cfg).apply({"params": params}, tokens_BxL, positions_BxL, mask)[0]
+    (hidden, _), variables = Decoder(cfg).apply({"params": params}, tokens_BxL, positions_BxL, mask,
+                                                routing_BxTxMxK=routing, mutable=["intermediates"])
+    inter = variables["intermediates"]
+    differs = sum(inter[f"layers_{i}"]["moe"]["routing_differs"][0] for i in range(cfg.num_layers) if cfg.sparse(i))
+    return hidden, differs.reshape(tokens_BxL.shape)
 
 
 def routing_of(variables, cfg: ModelConfig, b: int, t: int):
@@ -331,6 +340,5 @@ def segment_mask(segment_BxL):
 def forward_packed(params, cfg: ModelConfig, tokens_BxL, segment_BxL, position_BxL, routing=None):
     """Full-sequence forward over packed rows (several sequences per row, `packing.py`)."""
     mask = self_mask(cfg, segment_BxL, lambda: segment_mask(segment_BxL))
-    hidden, _ = Decoder(cfg).apply({"params": params}, tokens_BxL, position_BxL, mask, routing_BxTxMxK=routing)
-    return hidden
+    return _apply(params, cfg, tokens_BxL, position_BxL, mask, routing)
 

@@ -82,13 +82,16 @@ def sequence_logprobs(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL=None,
     `return_hidden` adds the final hidden states [B, L, D] (for callers reusing the forward).
     `segments = (segment_BxL, position_BxL)`: the rows are packed (`packing.py`); the stat at a
     sequence's first token then comes from the previous segment and must be masked (it is
-    always a prompt token). `routing_BxLxMxK`: a mixture of experts replays these experts."""
+    always a prompt token). `routing_BxLxMxK`: the sampler's experts (a mixture of experts):
+    replayed under `moe_routing=replay`, and `routing_differs` counts the sparse layers whose own
+    top k differs from them at each position."""
     if segments is not None:
-        hidden = decoder.forward_packed(params, cfg, tokens_BxL, *segments, routing=routing_BxLxMxK)
+        out = decoder.forward_packed(params, cfg, tokens_BxL, *segments, routing=routing_BxLxMxK)
     else:
         if input_mask_BxL is None:
             input_mask_BxL = jnp.ones(tokens_BxL.shape, jnp.int32)
-        hidden = decoder.forward(params, cfg, tokens_BxL, input_mask_BxL, routing=routing_BxLxMxK)
+        out = decoder.forward(params, cfg, tokens_BxL, input_mask_BxL, routing=routing_BxLxMxK)
+    hidden, differs = out if routing_BxLxMxK is not None else (out, None)
     gather = None if gather_ids_BxLxK is None else gather_ids_BxLxK[:, 1:]
     kept = None if kept_BxL is None else kept_BxL[:, 1:]
     stats = logprob_stats(hidden[:, :-1], decoder.unembed_matrix(params, cfg), tokens_BxL[:, 1:], dist=dist,
@@ -96,6 +99,8 @@ def sequence_logprobs(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL=None,
     stats = jax.tree_util.tree_map(lambda y: jnp.pad(y, [(0, 0), (1, 0)] + [(0, 0)] * (y.ndim - 2)), stats)
     if return_hidden:
         stats["hidden"] = hidden
+    if differs is not None:
+        stats["routing_differs"] = differs
     return stats
 
 

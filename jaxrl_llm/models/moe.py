@@ -128,17 +128,21 @@ class MoE(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxTxD, routing_BxTxK=None):
-        """`routing_BxTxK`: the experts to use (routing replay, R3); None: the router's top k."""
+        """`routing_BxTxK`: the experts the sampler used: replayed with `moe_routing=replay` (R3),
+        else only compared with the router's own top k (`routing_differs`); None: the router's."""
         c = self.cfg
         d, e, f = c.hidden_size, c.num_experts, c.moe_intermediate_size
         x = x_BxTxD.reshape(-1, d)
         router = self.param("router", _part(("embed", "expert")), (d, e), c.param_dtype)
         logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
         self.sow("intermediates", "router_logits", logits)
-        if routing_BxTxK is None:
-            weights, ids = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
-        else:
-            weights, ids = replay(logits, routing_BxTxK.reshape(-1, c.num_experts_per_tok), c.norm_topk_prob)
+        weights, ids = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
+        if routing_BxTxK is not None:
+            given = routing_BxTxK.reshape(-1, c.num_experts_per_tok).astype(jnp.int32)
+            differs = jnp.any(jnp.sort(given, -1) != jnp.sort(ids, -1), -1)
+            self.sow("intermediates", "routing_differs", differs.astype(jnp.float32))
+            if c.moe_routing == "replay":
+                weights, ids = replay(logits, given, c.norm_topk_prob)
         self.sow("intermediates", "routing", ids)
         gate = self.param("gate", _part(("expert", "embed", "mlp")), (e, d, f), c.param_dtype)
         up = self.param("up", _part(("expert", "embed", "mlp")), (e, d, f), c.param_dtype)

@@ -74,7 +74,7 @@ def resolve(config) -> RunPlan:
     memory.check_run(config, task, mcfg, acfg, parts, layout)
     return RunPlan(config=ml_collections.FrozenConfigDict(config), task=task, model=mcfg, aux_model=acfg,
                    objective=objective, passes=frozenset(objectives.required_passes(objective)),
-                   sampler=sampler_cfg(config, task, record_routing=mcfg.moe_routing == "replay"),
+                   sampler=sampler_cfg(config, task, record_routing=records_routing(config, mcfg)),
                    greedy=sampler_cfg(config, task, greedy=True),
                    learner_devices=tuple(learner_devices), sampler_devices=tuple(sampler_devices),
                    memory=types.MappingProxyType(parts), memory_layout=layout, warnings=warnings)
@@ -164,6 +164,13 @@ def check_replay(config, task, mcfg: models.ModelConfig) -> None:
     if why:
         raise ValueError(f"model.moe_routing=replay needs a mixture of experts sampled in static batches of a "
                          f"single-turn task by the run's own samplers (here: {why})")
+
+
+def records_routing(config, mcfg: models.ModelConfig) -> bool:
+    """Whether the samplers record each position's experts: a mixture of experts sampled in static
+    batches of a single-turn task by the run's own samplers (for replay, or the mismatch metrics)."""
+    return bool(mcfg.num_experts) and config.sampler.batching == "static" and config.runtime.mode != "remote" \
+        and config.task.name not in tasks.MULTI_TURN + ("agent",)
 
 
 def sampler_cfg(config, task, greedy: bool = False, record_routing: bool = False) -> SamplerConfig:
