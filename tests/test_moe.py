@@ -2,6 +2,8 @@
 export round trip), both dispatches alike in values and gradients, the load-balancing loss
 against transformers', and the parameter counts (total vs active)."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -253,6 +255,7 @@ def test_a_run_replays_the_samplers_routing(pair, tmp_path):
     steps = [__import__("json").loads(x) for x in open(tmp_path / "metrics.jsonl") if '"loss"' in x]
     assert max(s["mismatch/abs_logp_max"] for s in steps) < 1e-4
     assert all(s["moe/routing_differs_pairs"] <= s["moe/routing_differs_tokens"] <= 1 for s in steps)
+    assert all(1 <= s["moe/expert_load_max_over_mean"] <= s["moe/expert_load_worst_layer"] <= 4 for s in steps)
     c.sampler.batching = "continuous"
     with pytest.raises(ValueError, match=r"moe_routing=replay needs .* \(here: sampler.batching=continuous\)"):
         plan.resolve(c)
@@ -260,3 +263,23 @@ def test_a_run_replays_the_samplers_routing(pair, tmp_path):
     c.model.moe_routing = "replay"
     with pytest.raises(ValueError, match=r"\(here: the model is dense\)"):
         plan.resolve(c)
+
+
+def test_expert_load_by_hand():
+    """The busiest expert's share over the mean share, per sparse layer, over trained tokens."""
+    from jaxrl_llm.runtime.orchestrator import expert_load
+
+    routing = np.zeros((1, 3, 2, 2), np.int16)
+    routing[0, 0] = [[3, 3], [3, 3]]  # a prompt position: not counted
+    routing[0, 1] = [[0, 1], [2, 3]]
+    routing[0, 2] = [[0, 1], [0, 2]]
+    batch = types.SimpleNamespace(routing=routing, loss_mask=np.array([[0.0, 1.0, 1.0]]))
+    # layer 0: experts 0, 1 twice each -> counts 2, 2, 0, 0, max 2 / mean 1; layer 1: counts 1, 0, 2, 1 -> 2 / 1
+    assert expert_load(batch, 4) == {"moe/expert_load_max_over_mean": 2.0, "moe/expert_load_worst_layer": 2.0}
+    routing[0, 2, 1] = [2, 3]  # layer 1: counts 0, 0, 2, 2 -> 2 / 1; layer 0 unchanged
+    routing[0, 1, 0] = [0, 2]  # layer 0: counts 2, 1, 1, 0 -> 2 / 1
+    assert expert_load(batch, 4)["moe/expert_load_worst_layer"] == 2.0
+    batch.loss_mask[0, 2] = 0.0  # one trained token: k = 2 experts of 4 busy in each layer, 1 / 0.5
+    assert expert_load(batch, 4) == {"moe/expert_load_max_over_mean": 2.0, "moe/expert_load_worst_layer": 2.0}
+    batch.loss_mask[0, :] = 0.0
+    assert expert_load(batch, 4) == {}  # nothing trained here

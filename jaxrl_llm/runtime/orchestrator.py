@@ -123,6 +123,18 @@ def _delay(c) -> delay_lib.DelayModel:
     return delay_lib.make(d.kind, min=d.min, max=d.max, value=d.value, weibull_shape=d.weibull_shape)
 
 
+def expert_load(batch, experts: int) -> dict:
+    """How evenly the sampler spread this batch's trained tokens over the experts: per sparse
+    layer, the busiest expert's share over the mean share (1: even; `experts`: one expert took
+    all), the mean and the worst over layers (this process's rows)."""
+    ids = np.asarray(batch.routing)[np.asarray(batch.loss_mask) > 0]  # [tokens, layers, k]
+    if not ids.size:
+        return {}
+    load = [np.bincount(ids[:, j].ravel(), minlength=experts) for j in range(ids.shape[1])]
+    ratio = [c.max() / max(c.mean(), 1e-9) for c in load]
+    return {"moe/expert_load_max_over_mean": float(np.mean(ratio)), "moe/expert_load_worst_layer": float(np.max(ratio))}
+
+
 class Orchestrator:
     """Runs the learner on batches that the configured mode takes from the producer."""
 
@@ -209,6 +221,8 @@ class Orchestrator:
         m["processes"] = distributed.count()
         if self.producer.multi_turn:
             m.update(self._episode_metrics(version, batch))
+        if batch.routing is not None:
+            m.update(expert_load(batch, self.learner.model_cfg.num_experts))
         if hasattr(self.producer.task, "metrics"):  # a task that plays its own rows (the agent gateway)
             m.update(self.producer.task.metrics())
         return state, m
