@@ -136,3 +136,23 @@ def test_prox_approximation_plot_when_a3po_logs_it(tmp_path):
     none.mkdir()
     assert not any(os.path.basename(p) == "prox_approx.png" for p in report.plot([{"name": "x", "steps": steps[:0] + [{"step": 1, "time_s": 1.0}],
                                                               "evals": []}], str(none)))
+
+
+def test_gateway_and_moe_plots_when_their_metrics_are_logged(tmp_path):
+    """Agent runs get gateway.png (sessions by outcome, request latency), mixture-of-experts runs
+    moe.png (routing mismatch, expert load); runs without those metrics get neither."""
+    import matplotlib.image
+
+    steps = [{"step": i, "time_s": float(i), "gateway/sessions_closed": 8.0 * i, "gateway/sessions_timed_out": 0.0,
+              "gateway/sessions_dropped": float(i > 2), "gateway/sessions_branched": 0.0,
+              "gateway/request_p50_ms": 40.0 + i, "gateway/request_p99_ms": 90.0 + 3 * i,
+              "moe/routing_differs_tokens": 0.1 * i, "moe/routing_differs_pairs": 0.04 * i,
+              "moe/expert_load_max_over_mean": 1.2, "moe/expert_load_worst_layer": 1.5 + 0.1 * i} for i in range(1, 6)]
+    paths = report.plot([{"name": "agent", "steps": steps, "evals": []}], str(tmp_path))
+    for name in ("gateway", "moe"):
+        assert str(tmp_path / f"{name}.png") in paths
+        assert matplotlib.image.imread(tmp_path / f"{name}.png")[..., :3].std() > 0.01
+    none = tmp_path / "none"
+    none.mkdir()
+    plain = report.plot([{"name": "x", "steps": [{"step": 1, "time_s": 1.0, "loss": 0.1}], "evals": []}], str(none))
+    assert not any(p.endswith(("gateway.png", "moe.png")) for p in plain)

@@ -139,6 +139,9 @@ def plot(runs: Sequence[dict], out: str) -> list[str]:
         panel(plt, runs, colors, save)
     if any("episode/turns" in r for run in runs for r in run["steps"]):
         paths.append(plot_episodes(runs, out, colors))
+    for name, prefix, panels in EXTRA_PANELS:
+        if any(k.startswith(prefix) for run in runs for r in run["steps"] for k in r):
+            paths.append(plot_panels(runs, out, colors, name, panels))
     _plot_staleness(plt, runs, colors, save)
     return paths
 
@@ -265,6 +268,44 @@ def plot_episodes(runs: Sequence[dict], out: str, colors) -> str:
     axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
     path = os.path.join(out, "episodes.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# name, the metric prefix that calls for it, and its panels ((key, line style), ...), y label, title)
+EXTRA_PANELS = (
+    ("gateway", "gateway/", (
+        ((("gateway/sessions_closed", "-"), ("gateway/sessions_timed_out", "--"), ("gateway/sessions_dropped", ":"),
+          ("gateway/sessions_branched", "-.")), "sessions so far", "closed (solid), timed out (dashed), dropped "
+                                                                  "(dotted), branched (dash-dot)"),
+        ((("gateway/request_p50_ms", "-"), ("gateway/request_p99_ms", "--")), "ms", "request latency p50 (solid), "
+                                                                                    "p99 (dashed)"))),
+    ("moe", "moe/", (
+        ((("moe/routing_differs_tokens", "-"), ("moe/routing_differs_pairs", "--")), "fraction of trained tokens",
+         "learner top k != sampler's experts: any layer (solid), per layer (dashed)"),
+        ((("moe/expert_load_max_over_mean", "-"), ("moe/expert_load_worst_layer", "--")), "busiest / mean share",
+         "expert load: mean over layers (solid), worst layer (dashed)"))),
+)
+
+
+def plot_panels(runs: Sequence[dict], out: str, colors, name: str, panels) -> str:
+    """One figure of line panels over learner steps (`EXTRA_PANELS`): `<out>/<name>.png`."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (keys, ylabel, title) in zip(axes[0], panels):
+        for i, run in enumerate(runs):
+            for key, style in keys:
+                x, y = series(run["steps"], key)
+                if x is not None:
+                    ax.plot(x, y, style, color=colors[i % len(colors)], label=f"{run['name']} {key.split('/')[1]}")
+        ax.set(xlabel="learner step", ylabel=ylabel, title=title)
+        ax.title.set_fontsize(9)
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out, f"{name}.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
