@@ -247,13 +247,7 @@ def plot_episodes(runs: Sequence[dict], out: str, colors) -> str:
                "tool errors (solid), timeouts (dashed)"),
               (axes[1, 0], (("episode/obs_tokens", "-"),), "tokens per episode", "observation tokens"))
     for ax, keys, ylabel, title in panels:
-        for i, run in enumerate(runs):
-            for key, style in keys:
-                x, y = series(run["steps"], key)
-                if x is not None:
-                    ax.plot(x, y, style, color=colors[i % len(colors)], label=f"{run['name']} {key.split('/')[1]}")
-        ax.set(xlabel="learner step", ylabel=ylabel, title=title)
-        ax.grid(alpha=0.3)
+        _lines(ax, runs, colors, keys, ylabel, title)
     ax = axes[1, 1]
     width = 0.8 / max(len(runs), 1)
     for i, run in enumerate(runs):
@@ -271,6 +265,17 @@ def plot_episodes(runs: Sequence[dict], out: str, colors) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _lines(ax, runs, colors, keys, ylabel: str, title: str) -> None:
+    """One panel: each run's `keys` ((metric, line style), ...) over learner steps."""
+    for i, run in enumerate(runs):
+        for key, style in keys:
+            x, y = series(run["steps"], key)
+            if x is not None:
+                ax.plot(x, y, style, color=colors[i % len(colors)], label=f"{run['name']} {key.split('/')[1]}")
+    ax.set(xlabel="learner step", ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
 
 
 # name, the metric prefix that calls for it, and its panels ((key, line style), ...), y label, title)
@@ -295,14 +300,8 @@ def plot_panels(runs: Sequence[dict], out: str, colors, name: str, panels) -> st
 
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     for ax, (keys, ylabel, title) in zip(axes[0], panels):
-        for i, run in enumerate(runs):
-            for key, style in keys:
-                x, y = series(run["steps"], key)
-                if x is not None:
-                    ax.plot(x, y, style, color=colors[i % len(colors)], label=f"{run['name']} {key.split('/')[1]}")
-        ax.set(xlabel="learner step", ylabel=ylabel, title=title)
+        _lines(ax, runs, colors, keys, ylabel, title)
         ax.title.set_fontsize(9)
-        ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
     path = os.path.join(out, f"{name}.png")
