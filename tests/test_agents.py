@@ -177,27 +177,17 @@ def test_an_agent_run_killed_with_sigkill_resumes_losing_and_repeating_no_sessio
     import os
     import subprocess
     import sys
-    import time
 
-    from jaxrl_llm.store import checkpoint
     from tests.test_distributed import ENV, ROOT, TINY
+    from tests.test_faults import killed_mid_run
 
     base = [sys.executable, "-m", "jaxrl_llm.main", "--config=configs/agent_calculator.py", *TINY[1:],
             "--config.runtime.mode=sync", "--config.sampler.slots=3", "--config.task.max_turns=3",
             "--config.gateway.concurrency=4", "--config.train.save_every=2", "--config.train.eval_every=1000",
             "--config.train.keep=100"]
-    run, ckdir = str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints")
-    p = subprocess.Popen([*base, f"--workdir={run}", "--config.train.steps=1000"], cwd=ROOT, env=ENV,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    path, deadline = os.path.join(run, "metrics.jsonl"), time.monotonic() + 240
-    while time.monotonic() < deadline and not (os.path.isdir(os.path.join(ckdir, "4"))
-                                               and open(path).read().count('"loss"') >= 5):
-        time.sleep(0.05)
-    p.kill()
-    p.wait(timeout=60)
-    restored = checkpoint.Checkpointer(ckdir).latest_version()
-    assert restored >= 4
-    end = restored + 2
+    run = str(tmp_path / "run")
+    end = killed_mid_run(base, run) + 2
+    path = os.path.join(run, "metrics.jsonl")
     r = subprocess.run([*base, f"--workdir={run}", f"--config.train.steps={end}"], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

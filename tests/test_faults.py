@@ -198,6 +198,26 @@ def test_an_async_run_resumed_from_its_checkpoint_trains_no_prompt_twice(tmp_pat
     assert sorted(n for n in os.listdir(ckdir) if n.endswith(".runtime")) == sorted(f"{v}.runtime" for v in kept)
 
 
+def killed_mid_run(base: list, run: str) -> int:
+    """Start `base` (a `python -m jaxrl_llm.main` command saving every 2 steps) in `run`, kill -9 it
+    once its checkpoint 4 is written and 5 steps are logged; returns the version it left."""
+    from tests.test_distributed import ENV, ROOT
+
+    ckdir = os.path.join(run, "checkpoints")
+    p = subprocess.Popen([*base, f"--workdir={run}", "--config.train.steps=1000"], cwd=ROOT, env=ENV,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    path, deadline = os.path.join(run, "metrics.jsonl"), time.monotonic() + 240
+    # orbax renames a checkpoint to its version once written, so a "4" directory is complete
+    while time.monotonic() < deadline and not (os.path.isdir(os.path.join(ckdir, "4"))
+                                               and open(path).read().count('"loss"') >= 5):
+        time.sleep(0.05)
+    p.kill()
+    p.wait(timeout=60)
+    restored = checkpoint.Checkpointer(ckdir).latest_version()
+    assert restored >= 4
+    return restored
+
+
 def test_async_run_killed_with_sigkill_resumes_its_prompt_stream_where_the_checkpoint_left_it(tmp_path):
     """kill -9 mid-run in async mode: the restored version's runtime state says every draw up
     to it was trained once (one draw per step here) and the resumed process goes on from there;
@@ -209,17 +229,7 @@ def test_async_run_killed_with_sigkill_resumes_its_prompt_stream_where_the_check
             "--config.train.keep=100"]
     run = str(tmp_path / "run")
     ckdir = os.path.join(run, "checkpoints")
-    p = subprocess.Popen([*base, f"--workdir={run}", "--config.train.steps=1000"], cwd=ROOT, env=ENV,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    path, deadline = os.path.join(run, "metrics.jsonl"), time.monotonic() + 240
-    # orbax renames a checkpoint to its version once written, so a "4" directory is complete
-    while time.monotonic() < deadline and not (os.path.isdir(os.path.join(ckdir, "4"))
-                                               and open(path).read().count('"loss"') >= 5):
-        time.sleep(0.1)
-    p.kill()
-    p.wait(timeout=60)
-    restored = checkpoint.Checkpointer(ckdir).latest_version()
-    assert restored >= 4
+    restored = killed_mid_run(base, run)
 
     def position(version):
         return json.load(open(os.path.join(ckdir, f"{version}.runtime", "process_0.json")))["position"]["workers"]["0"]

@@ -74,12 +74,10 @@ def stats(fwd: Forward, params, batch: TrajectoryBatch, topk: int = 0, gather: b
 def replayed(cfg: ModelConfig, batch: TrajectoryBatch):
     """The experts the sampler used (a mixture of experts): replayed under `model.moe_routing=replay`
     (which needs them), else compared with the learner's own (`routing_differs`)."""
-    if cfg.moe_routing != "replay" or batch.routing is not None:
-        return batch.routing if cfg.num_experts else None
-    if batch.routing is None:
+    if cfg.moe_routing == "replay" and batch.routing is None:
         raise ValueError("model.moe_routing=replay: this batch carries no routing (the sampler records it in "
                          "static batching of single-turn tasks)")
-    return batch.routing
+    return batch.routing if cfg.num_experts else None
 
 
 def batch_stats(fwd: Forward, params, batch: TrajectoryBatch, packed: Optional[packing.PackLayout],

@@ -29,6 +29,7 @@ import time
 from typing import Callable, Optional
 
 from jaxrl_llm import validation as V
+from jaxrl_llm.store import workdir as workdir_lib
 
 BACKENDS = ("tensorboard", "wandb", "mlflow", "jsonl")
 IDS = "tracking.json"
@@ -125,7 +126,7 @@ class Mlflow:
     def _params(self, config: dict) -> None:
         from mlflow.entities import Param
 
-        flat = list(_flat(config).items())
+        flat = list(workdir_lib.flat_dict(config).items())
         for i in range(0, len(flat), 100):  # MLflow takes at most 100 parameters per call
             self.client.log_batch(self.run_id, params=[Param(k, json.dumps(v)[:500]) for k, v in flat[i:i + 100]])
 
@@ -142,16 +143,6 @@ class Mlflow:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
 
 
 _MAKERS = {"wandb": Wandb, "mlflow": Mlflow}

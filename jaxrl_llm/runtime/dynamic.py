@@ -24,19 +24,22 @@ from typing import Optional
 import jax
 import numpy as np
 
+from jaxrl_llm import advantages
 from jaxrl_llm.batch import TrajectoryBatch
 
 
 def informative(rewards_B, group_size: int, min_std: float = 0.0) -> np.ndarray:
     """bool[groups]: which groups (rows group-major, `group_size` each) carry a learning signal:
-    rewards not all equal, or (min_std > 0) a population standard deviation >= min_std. A group
-    of one is always kept (verl's rule: its std is undefined, and GRPO gives it its own value)."""
+    rewards not all equal (`advantages.nonzero_variance`, the rule `mask_zero_variance` and the
+    `tokens/informative` metric use), or (min_std > 0) a population standard deviation >= min_std.
+    A group of one is always kept (verl's rule: its std is undefined, and GRPO gives it its own value)."""
     r = np.asarray(rewards_B, np.float64).reshape(-1, group_size)
     if group_size == 1:
         return np.ones(len(r), bool)
     if min_std > 0:
         return r.std(1) >= min_std
-    return r.max(1) > r.min(1)
+    groups = np.repeat(np.arange(len(r)), group_size)
+    return np.asarray(advantages.nonzero_variance(r.ravel(), groups))[::group_size] > 0
 
 
 def groups_of(batch: TrajectoryBatch, group_size: int) -> list:

@@ -110,16 +110,18 @@ def public(config) -> dict:
 
 def flat(config) -> dict:
     """A config as {dotted key: JSON value}, secrets redacted."""
-    def walk(d, prefix):
-        out = {}
-        for k, v in d.items():
-            if isinstance(v, dict):
-                out.update(walk(v, f"{prefix}{k}."))
-            else:
-                out[prefix + k] = v
-        return out
+    return flat_dict(public(config))
 
-    return walk(public(config), "")
+
+def flat_dict(d: dict, prefix: str = "") -> dict:
+    """Nested dicts as {dotted key: value}."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat_dict(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
 
 
 def last_run(workdir: str) -> Optional[dict]:
