@@ -79,7 +79,7 @@ class TrajectoryBatch:
                                     not recorded (the learner then re-applies the rule).
       routing         i16[B, L, M, R]  the experts each position was routed to when sampled, per
                                     sparse layer (a mixture of experts; R = experts per token);
-                                    replayed by the learner with `model.moe_routing=replay`.
+                                    replayed by the learner with `model.moe.routing=replay`.
       token_keep      f32[B, L]     1 on loss tokens an objective's step-level selection keeps,
                                     0 on those it drops, computed once over the step's whole
                                     batch (every minibatch and process; `register(prepare=)`),

@@ -28,7 +28,9 @@ def _todo():
         d += 1
 
 
-def _hub(verify_fraction=1.0, task=None, max_new_tokens=4, capacity=100):
+def _hub(verify_fraction=1.0, task=None, max_new_tokens=4, capacity=100, experts=0):
+    """A hub over a 1-layer model (`experts` > 0: a top-2 mixture of experts whose sampler records
+    routing) with version 3 published."""
     import jax
 
     from jaxrl_llm import models
@@ -41,12 +43,15 @@ def _hub(verify_fraction=1.0, task=None, max_new_tokens=4, capacity=100):
     from jaxrl_llm.tasks.arithmetic import Arithmetic
 
     task = task or Arithmetic()
+    moe = dict(model_type="qwen3_moe", num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=8)
     mcfg = models.ModelConfig(vocab_size=task.vocab_size, hidden_size=16, intermediate_size=32, num_layers=1,
-                              num_heads=2, num_kv_heads=1, head_dim=8, eos_token_id=task.eos_id)
+                              num_heads=2, num_kv_heads=1, head_dim=8, eos_token_id=task.eos_id,
+                              **(moe if experts else {}))
     cfg = orchestrator.default_config()
     cfg.prompts_per_batch, cfg.remote.verify_fraction = 2, verify_fraction
-    producer = Producer(Sampler(mcfg, SamplerConfig(max_new_tokens=max_new_tokens, num_samples=2, capture_topk=0,
-                                                     eos_token_id=task.eos_id)), task, cfg)
+    scfg = SamplerConfig(max_new_tokens=max_new_tokens, num_samples=2, capture_topk=0, eos_token_id=task.eos_id,
+                         record_routing=bool(experts))
+    producer = Producer(Sampler(mcfg, scfg), task, cfg)
     store = WeightStore()
     store.publish(3, models.init_params(mcfg, jax.random.key(0)))
     queue = VersionedQueue(100)

@@ -97,6 +97,17 @@ def test_reproduce_writes_claims_with_seeds_and_verdicts_and_skips_finished_runs
     assert "Proximal-policy cost measured at small" in md
     reproduce.main(args)  # every run finished: nothing runs again
     assert "/8]" not in capsys.readouterr().out
+    page = tmp_path / "page"  # a committed page holding one claim; the other joins it
+    page.mkdir()
+    (page / "claims.json").write_text(json.dumps(saved[:1]))
+    (page / "claims.md").write_text("# Claims in miniature (an earlier set)\n\n| claim | ...\n")
+    reproduce.main([*args, "--claims=offpolicy_grpo_v10", f"--merge={page}"])
+    merged = json.load(open(page / "claims.json"))
+    assert [r["claim"] for r in merged] == ["a3po_vs_decoupled_ppo", "offpolicy_grpo_v10"]
+    assert merged[1]["arms"] == saved[1]["arms"] and (page / merged[1]["figure"]).exists()
+    md = (page / "claims.md").read_text()
+    assert md.startswith("# Claims in miniature (an earlier set)\n\nAdded later (offpolicy_grpo_v10: 4 runs of 2 steps")
+    assert "| offpolicy_grpo_v10 | arXiv:2505.22257 |" in md and "| a3po_vs_decoupled_ppo |" in md
     for bad in ("--claims=nope", "--seeds=0", "--seeds=1,1"):  # argparse errors name the flag
         with pytest.raises(SystemExit):
             reproduce.main([f"--workdir={tmp_path}", bad])

@@ -204,12 +204,15 @@ def killed_mid_run(base: list, run: str) -> int:
     from tests.test_distributed import ENV, ROOT
 
     ckdir = os.path.join(run, "checkpoints")
-    p = subprocess.Popen([*base, f"--workdir={run}", "--config.train.steps=1000"], cwd=ROOT, env=ENV,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.makedirs(run, exist_ok=True)
+    with open(os.path.join(run, "stderr.log"), "w") as err:
+        p = subprocess.Popen([*base, f"--workdir={run}", "--config.train.steps=1000"], cwd=ROOT, env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=err)
     path, deadline = os.path.join(run, "metrics.jsonl"), time.monotonic() + 240
     # orbax renames a checkpoint to its version once written, so a "4" directory is complete
     while time.monotonic() < deadline and not (os.path.isdir(os.path.join(ckdir, "4"))
                                                and open(path).read().count('"loss"') >= 5):
+        assert p.poll() is None, open(os.path.join(run, "stderr.log")).read()[-2000:]  # it ended on its own
         time.sleep(0.05)
     p.kill()
     p.wait(timeout=60)

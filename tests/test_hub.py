@@ -89,7 +89,7 @@ def test_oversized_groups_are_refused_before_decoding_and_gone_nodes_leave_the_t
         prompt = hub.producer.draw(1, lease["draw"])[0][lease["groups"][0]]
         wide = _group(rows=2, p=len(prompt) + 4000, new=4, k=0, prompt=prompt, vocab=task.vocab_size, kept=False)
         table = wire.encode_group(wire.group_batch(wide)) if name == "wide" else rows
-        with pytest.raises(wire.Rejected, match="this run's groups take at most 10 rows and"):
+        with pytest.raises(wire.Rejected, match=f"this run's groups take at most {len(wire.GROUP_FIELDS)} rows and"):
             hub.put_group({**bad, "lease": lease["id"], "group": lease["groups"][0], "table": table})
         with pytest.raises(PermissionError, match=f"node {name} was refused: it sent a group larger than"):
             hub.lease({**bad, "version": 3})
@@ -329,3 +329,35 @@ def test_dynamic_sampling_consumes_a_group_whose_rewards_are_all_equal():
     assert got[0] == {"accepted": True, "dropped": True} and got[2] == {"accepted": True}
     assert consumed == [(0, *got[1][:1], (got[1][1],))] and len(hub.queue) == 1
     assert (hub.gate.seen, hub.gate.dropped) == (2, 1)
+
+
+def test_a_mixture_of_experts_groups_experts_are_checked_and_queued():
+    """A run whose samplers record routing: a node's group carries its experts to the learner's
+    queue (for replay); a group with a forged expert id, or without routing, is refused and its
+    group leased again."""
+    hub, task = _hub(experts=4)
+    assert hub.routing == (1, 2, 4)
+    me = hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "n"})
+    s = {k: me[k] for k in ("run_id", "node", "session")}
+    weights = _weights(hub, s)
+
+    def put(k, routing):
+        prompt = hub.producer.draw(1, lease["draw"])[0][k]
+        f = _group(rows=2, p=len(prompt) + 1, new=4, k=0, prompt=prompt, vocab=task.vocab_size, kept=False)
+        f["versions"] = np.where(f["loss_mask"] > 0, 3, -1).astype(np.int32)
+        f["rewards"] = np.float32([task.reward(prompt, t[m > 0].tolist()) for t, m in zip(f["tokens"], f["loss_mask"])])
+        if routing is not None:
+            f["routing"] = routing(f["tokens"].shape)
+        return hub.put_group({**s, "lease": lease["id"], "group": k, "weights": weights,
+                              "table": wire.encode_group(wire.group_batch(f))}), f
+
+    honest = lambda shape: np.broadcast_to(np.int16([[[0, 3]]]), shape + (1, 2)).copy()  # noqa: E731
+    lease = hub.lease({**s, "version": 3})["leases"][0]
+    for why, routing in (("expert ids outside", lambda shape: honest(shape) + 1), ("routing missing", None)):
+        with pytest.raises(wire.Rejected, match=why):
+            put(0, routing)
+        lease = hub.lease({**s, "version": 3})["leases"][0]  # leased again at once
+    out, f = put(0, honest)
+    assert out == {"accepted": True}
+    np.testing.assert_array_equal(hub.queue.get(3)[0].batch.routing, f["routing"])
+    assert hub.refusals == {"malformed": 2}

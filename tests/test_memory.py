@@ -148,3 +148,37 @@ def test_qwen7b_on_8_h100s_is_refused_only_without_fsdp_which_the_message_names(
         memory.check_run(c, task, QWEN7B, None, memory.estimate(c, task, QWEN7B, layout=data), data)
     assert f"--config.mesh.data=1 --config.mesh.fsdp=8 ({fits / memory.GB:.1f} GiB)" in str(e.value)
     assert "GiB per device" in str(e.value)
+
+
+def test_a_mixture_of_experts_plan_holds_what_its_sharded_tree_holds():
+    """Per device: the stacked experts split over fsdp x tensor x expert, every other weight over
+    fsdp x tensor, counted against the shards of the real parameter tree on 8 devices; the
+    activations grow with the expert group each device runs tokens for (`moe.on_devices`)."""
+    import pytest
+
+    from jaxrl_llm import models
+    from jaxrl_llm.models import decoder
+    from jaxrl_llm.parallel import sharding
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
+                      head_dim=16, model_type="qwen3_moe", num_experts=16, num_experts_per_tok=4,
+                      moe_intermediate_size=32, mlp_only_layers=(1,), remat="full")
+    shapes = jax.eval_shape(lambda: decoder.init_params(cfg, jax.random.key(0)))
+    assert sum(x.size for x in jax.tree.leaves(shapes)) == cfg.num_params
+    assert cfg.expert_params == 2 * 16 * 3 * 64 * 32
+    for sizes in (dict(data=2, expert=4), dict(fsdp=2, expert=4), dict(fsdp=2, expert=2, tensor=2)):
+        c = sharding.default_config()
+        c.update(**{**dict(data=1, fsdp=1, expert=1, tensor=1), **sizes})
+        placed = sharding.param_shardings(models.logical_axes(cfg), sharding.make_mesh(c))
+        held = sum(int(np.prod(s.shard_shape(x.shape)))
+                   for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(placed)))
+        layout = memory.Layout(**sizes)
+        if "tensor" in sizes:  # norms and the router are not split over tensor; the plan splits everything
+            assert memory.held_params(cfg, layout) == pytest.approx(held, rel=0.02)
+        else:
+            assert memory.held_params(cfg, layout) == held
+            assert memory.learner(cfg, 16, 256, 2, layout=layout)["optimizer"] == 8 * held
+    assert held < memory.held_params(cfg, memory.Layout(fsdp=2, tensor=2)) < cfg.num_params
+    acts = [memory.activations(cfg, 2, 256, expert=x) for x in (1, 2, 4)]
+    assert acts[0] < acts[1] < acts[2]
+    assert memory.activations(cfg.replace(num_experts_per_tok=2), 2, 256) < acts[0]

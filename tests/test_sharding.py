@@ -66,9 +66,9 @@ def test_divisibility_is_checked_from_the_rules_before_anything_is_placed():
     assert "kv_heads [4]" in sharding.check_divisible(axes, shapes, mesh(data=1, tensor=8), 512)[0]  # no fallback
     assert sharding.check_divisible(axes, shapes, mesh(data=1, fsdp=8), 512) == []
     rows = sharding.check_divisible(axes, shapes, mesh(data=2, fsdp=4), 500)
-    assert rows == ["the batch's 500 rows do not split over the learner's data x fsdp = 8 devices: change "
-                    "runtime.prompts_per_batch, mesh.data / mesh.fsdp, or runtime.sampler_devices (which takes "
-                    "devices from the learner)"]
+    assert rows == ["the batch's 500 rows do not split over the learner's data x fsdp x expert = 8 devices: "
+                    "change runtime.prompts_per_batch, mesh.data / mesh.fsdp / mesh.expert, or "
+                    "runtime.sampler_devices (which takes devices from the learner)"]
     # The vocabulary over tensor when a rule maps it there (152064 = 2^7 x 1188: 8 divides it).
     assert sharding.indivisible(axes, shapes, {"tensor": 5})["tensor"][1]["vocab"] == {152064}
 

@@ -52,8 +52,8 @@ def test_rollout_table_roundtrip_and_every_forgery_rejected():
     f = _group()
     batch = wire.group_batch(f)
     got = wire.decode_group(wire.encode_group(batch))
-    assert set(got) == set(wire.GROUP_FIELDS)
-    for name in wire.GROUP_FIELDS:
+    assert set(got) == set(wire.GROUP_FIELDS) - {"routing"}  # a mixture of experts' (below)
+    for name in got:
         np.testing.assert_array_equal(got[name], f[name])
     _check(got)
     forged = {
@@ -92,6 +92,39 @@ def test_rollout_table_roundtrip_and_every_forgery_rejected():
     t = wire.encode_group(batch)
     with pytest.raises(wire.Rejected, match="bytes do not hold shape"):
         wire.decode_group(t.set_column(2, "shape", [[[9, 9]] * t.num_rows]))
+
+
+def test_a_groups_experts_round_trip_and_forged_ones_are_refused():
+    """Routing (a mixture of experts' experts per position, sparse layer and choice) travels as
+    int16 and is checked where the learner would replay it: shape, ids in [0, E), k different
+    experts at every real position, present exactly when the run records it."""
+    f = _group()
+    rng = np.random.default_rng(0)
+    f["routing"] = np.argsort(rng.random((2, 7, 3, 4)), -1)[..., :2].astype(np.int16)  # 3 layers, top 2 of 4
+    pad = f["input_mask"] == 0
+    f["routing"][pad] = 0  # padding's (never decoded) may repeat an expert
+    spec = (3, 2, 4)
+    got = wire.decode_group(wire.encode_group(wire.group_batch(f)))
+    np.testing.assert_array_equal(got["routing"], f["routing"])
+    _check(got, routing=spec)
+    assert wire.group_batch(got).routing.dtype == np.int16
+    real = f["input_mask"] > 0
+    twice, (i, j) = f["routing"].copy(), np.argwhere(real)[0]
+    twice[i, j, 2, 1] = twice[i, j, 2, 0]
+    forged = {r"expert ids outside \[0, 4\)": dict(f, routing=np.where(real[..., None, None], f["routing"] + 4, 0)),
+              "ids outside": dict(f, routing=(f["routing"] - 1).astype(np.int16)),
+              "an expert chosen twice": dict(f, routing=twice),
+              r"routing has shape \(2, 7, 3, 1\)": dict(f, routing=f["routing"][..., :1])}
+    for why, g in forged.items():
+        with pytest.raises(wire.Rejected, match=why):
+            _check(wire.decode_group(wire.encode_group(wire.group_batch(g))), routing=spec)
+    with pytest.raises(wire.Rejected, match="routing missing: this run records each token's experts"):
+        _check({k: v for k, v in got.items() if k != "routing"}, routing=spec)
+    with pytest.raises(wire.Rejected, match="routing given, but this run records no experts"):
+        _check(got)
+    with pytest.raises(wire.Rejected, match="dtype int32, expected int16"):
+        wire.decode_group(wire.encode_group(wire.group_batch(dict(f, routing=f["routing"].astype(np.int32)))))
+    assert wire.max_group_bytes(2, 7, 2, spec) - wire.max_group_bytes(2, 7, 2) == 2 * 7 * 3 * 2 * 2
 
 
 # ---------------------------------------------------------------------- leases

@@ -72,10 +72,10 @@ def stats(fwd: Forward, params, batch: TrajectoryBatch, topk: int = 0, gather: b
 
 
 def replayed(cfg: ModelConfig, batch: TrajectoryBatch):
-    """The experts the sampler used (a mixture of experts): replayed under `model.moe_routing=replay`
+    """The experts the sampler used (a mixture of experts): replayed under `model.moe.routing=replay`
     (which needs them), else compared with the learner's own (`routing_differs`)."""
     if cfg.moe_routing == "replay" and batch.routing is None:
-        raise ValueError("model.moe_routing=replay: this batch carries no routing (the sampler records it in "
+        raise ValueError("model.moe.routing=replay: this batch carries no routing (the sampler records it in "
                          "static batching of single-turn tasks)")
     return batch.routing if cfg.num_experts else None
 

@@ -85,7 +85,7 @@ class Learner:
         """The model the samplers run: the auxiliary's when it samples, else the policy."""
         if self.aux is not None and self.aux.samples:
             return self.plan.aux_ctx.model_cfg
-        return self.model_cfg.without_lora()  # LoRA: samplers get merged weights (`WeightStore`)
+        return self.model_cfg.for_sampling()  # LoRA: samplers get merged weights (`WeightStore`)
 
     def rollout_params(self, state: TrainState):
         """The params the samplers generate with (see `rollout_model_cfg`)."""

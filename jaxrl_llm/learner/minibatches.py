@@ -1,6 +1,6 @@
 """Which rows form each minibatch, laid out so that no minibatch leaves its devices.
 
-A step's B rows are split over the S devices of the batch axes (data x fsdp) in contiguous
+A step's B rows are split over the S devices of the batch axes (data x fsdp x expert) in contiguous
 blocks, and its M minibatch updates run in a scan. Slicing minibatch m out of the contiguous
 layout would put it on B/(M·B/S) of the devices: XLA then all-gathers the whole batch inside
 every scan iteration and each device computes every minibatch (no data parallelism; over

@@ -59,9 +59,10 @@ def self_mask(cfg: ModelConfig, ids_BxL, dense_BxLxL):
 
 
 def on_mesh(cfg: ModelConfig, mesh):
-    """Context for tracing a forward whose batch is sharded over `mesh`: splash is a Pallas call,
-    which XLA cannot partition, so it runs under `shard_map` over the mesh this makes visible."""
-    if kernel(cfg) != "splash" or mesh is None or mesh.size == 1:
+    """Context for tracing a forward whose batch is sharded over `mesh`: splash (a Pallas call)
+    and a mixture of experts' dispatch (`moe.on_devices`) are what XLA cannot partition, so they
+    run under `shard_map` over the mesh this makes visible."""
+    if (kernel(cfg) != "splash" and not cfg.num_experts) or mesh is None or mesh.size == 1:
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 

@@ -82,11 +82,13 @@ class ModelConfig:
     # recompute: the learner's routers choose experts; replay: the experts the sampler recorded
     # (`TrajectoryBatch.routing`), gate weights from the learner's router (R3, arXiv:2510.11370)
     moe_routing: str = "recompute"
+    router_dtype: str = "float32"  # the routers' matmul; the samplers' is `sampler_router_dtype` (`for_sampling`)
+    sampler_router_dtype: str = "float32"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED:
             raise ValueError(f"unsupported model_type {self.model_type!r}; supported: {', '.join(SUPPORTED)}")
-        for f in ("param_dtype", "dtype"):
+        for f in ("param_dtype", "dtype", "router_dtype", "sampler_router_dtype"):
             if getattr(self, f) not in DTYPES:
                 raise ValueError(f"ModelConfig.{f}={getattr(self, f)!r}; valid: {', '.join(DTYPES)}")
         if self.attention not in ATTENTION:
@@ -122,6 +124,11 @@ class ModelConfig:
     def without_lora(self) -> "ModelConfig":
         """The base model (what the samplers run on merged weights, what HF checkpoints hold)."""
         return dataclasses.replace(self, lora_rank=0, lora_alpha=0.0, lora_targets=())
+
+    def for_sampling(self) -> "ModelConfig":
+        """What the samplers run: the base model, its routers' matmul in `sampler_router_dtype`
+        (a research knob: perturbed sampler numerics, as a bf16 inference engine's)."""
+        return dataclasses.replace(self.without_lora(), router_dtype=self.sampler_router_dtype)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -168,6 +175,12 @@ class ModelConfig:
     def num_params(self) -> int:
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return sum(self._attn_params() + self._mlp_params(i) for i in range(self.num_layers)) + embed + self.hidden_size
+
+    @property
+    def expert_params(self) -> int:
+        """The stacked experts' parameters (what the `expert` mesh axis splits)."""
+        sparse = sum(self.sparse(i) for i in range(self.num_layers))
+        return sparse * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
 
     @property
     def active_params(self) -> int:

@@ -1,9 +1,11 @@
-"""Device mesh (data, fsdp, tensor) and logical-axis rules -> NamedShardings.
+"""Device mesh (data, fsdp, expert, tensor) and logical-axis rules -> NamedShardings.
 
 Parameters carry logical axis names (models/decoder.py); the rules below map them onto mesh
 axes, big_vision / MaxText style. Batches shard their leading (sequence) dimension over
-data x fsdp; parameters shard `embed` over fsdp (ZeRO-3 style) and heads / mlp / vocab over
-tensor (Megatron style). Everything is overridable from the config.
+data x fsdp x expert; parameters shard `embed` over fsdp (ZeRO-3 style), heads / mlp / vocab
+over tensor (Megatron style) and a mixture of experts' stacked experts over expert (each
+device of an `expert` group holds E / expert of them and runs its group's tokens through
+them: `models/moe.py`). Everything is overridable from the config.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxrl_llm.parallel import distributed
 from jaxrl_llm import validation as V
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # logical axis -> mesh axis (or None: replicated)
 DEFAULT_RULES = (
@@ -29,11 +31,13 @@ DEFAULT_RULES = (
     ("kv", None),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
+    ("expert", "expert"),
 )
 
 
 SECTION = V.Section(  # mesh sizes (-1: take the remaining devices) and the logical rules
-    data=(-1, V.integer(1, extra=(-1,))), fsdp=(1, V.integer(1, extra=(-1,))), tensor=(1, V.integer(1, extra=(-1,))),
+    data=(-1, V.integer(1, extra=(-1,))), fsdp=(1, V.integer(1, extra=(-1,))),
+    expert=(1, V.integer(1, extra=(-1,))), tensor=(1, V.integer(1, extra=(-1,))),
     rules=(DEFAULT_RULES, V.anything()),  # logical axis -> mesh axes, checked when params are sharded
 )
 default_config = SECTION.config
@@ -41,10 +45,11 @@ RULES = SECTION.rules
 
 
 def make_mesh(cfg=None, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` (default: all); one size may be -1."""
+    """A (data, fsdp, expert, tensor) mesh over `devices` (default: all); one size may be -1, an
+    axis `cfg` does not name has size 1."""
     cfg = cfg or default_config()
     devices = list(devices if devices is not None else jax.devices())
-    sizes = [int(cfg[a]) for a in MESH_AXES]
+    sizes = [int(cfg.get(a, 1)) for a in MESH_AXES]
     if sizes.count(-1) > 1:
         raise ValueError(f"at most one mesh axis may be -1; got {dict(zip(MESH_AXES, sizes))}")
     known = int(np.prod([s for s in sizes if s != -1]))
@@ -92,7 +97,7 @@ def param_shardings(logical_axes, mesh: Mesh, cfg=None, kv_heads: int = 0):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (sequence) dim over data x fsdp; every other dim replicated."""
+    """Leading (sequence) dim over data x fsdp x expert; every other dim replicated."""
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
@@ -102,8 +107,8 @@ def batch_size(mesh: Mesh) -> int:
 
 
 def pure_data(mesh: Mesh) -> bool:
-    """Whether the mesh only splits rows (data > 1, fsdp = tensor = 1): params replicated."""
-    return mesh.shape.get("data", 1) > 1 and all(mesh.shape.get(a, 1) == 1 for a in ("fsdp", "tensor"))
+    """Whether the mesh only splits rows (data > 1, fsdp = expert = tensor = 1): params replicated."""
+    return mesh.shape.get("data", 1) > 1 and all(mesh.shape.get(a, 1) == 1 for a in ("fsdp", "expert", "tensor"))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -111,7 +116,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def shard_batch(batch, mesh: Mesh):
-    """Put every batch leaf on the mesh: [B, ...] arrays split over data x fsdp. With many
+    """Put every batch leaf on the mesh: [B, ...] arrays split over data x fsdp x expert. With many
     processes, `batch` holds this process's rows and the result all processes' rows."""
     return distributed.global_batch(batch, mesh, P(BATCH_AXES))
 
@@ -177,9 +182,10 @@ def indivisible(logical_axes, shapes, mesh_shape: dict, cfg=None, kv_heads: int 
 def check_divisible(logical_axes, shapes, mesh: Mesh, rows: int, what: str = "model", cfg=None,
                     kv_heads: int = 0) -> list:
     """One line per split that cannot happen, each naming the setting that fixes it: parameter
-    dimensions over their mesh axes (query heads by `tensor`, vocab, MLP, embed by `fsdp`; KV
-    heads `tensor` does not divide are replicated, given `kv_heads`)
-    and the batch's rows over data x fsdp. Checked at start-up, before anything compiles."""
+    dimensions over their mesh axes (query heads by `tensor`, vocab, MLP, embed by `fsdp`,
+    stacked experts by `expert`; KV heads `tensor` does not divide are replicated, given
+    `kv_heads`) and the batch's rows over data x fsdp x expert. Checked at start-up, before
+    anything compiles."""
     problems, n = [], mesh.size
     for axis, (size, dims, example) in indivisible(logical_axes, shapes, dict(mesh.shape), cfg, kv_heads).items():
         every = sorted({d for ds in dims.values() for d in ds})
@@ -189,7 +195,8 @@ def check_divisible(logical_axes, shapes, mesh: Mesh, rows: int, what: str = "mo
                         f"--config.mesh.{axis} to one of {fits} (or map those logical axes elsewhere in mesh.rules)")
     shards = batch_size(mesh)
     if rows % shards:
-        problems.append(f"the batch's {rows} rows do not split over the learner's data x fsdp = {shards} devices: "
-                        "change runtime.prompts_per_batch, mesh.data / mesh.fsdp, or runtime.sampler_devices "
+        problems.append(f"the batch's {rows} rows do not split over the learner's data x fsdp x expert = {shards} "
+                        "devices: change runtime.prompts_per_batch, mesh.data / mesh.fsdp / mesh.expert, or "
+                        "runtime.sampler_devices "
                         "(which takes devices from the learner)")
     return problems

@@ -78,8 +78,8 @@ class Hub:
         """`cfg`: the runtime section; `node_config`: what a node needs to build its task,
         model and sampler (`hello`); `capacity`: leased + queued groups allowed per live node;
         `gate` (`runtime.dynamic.Gate`): a group it stops goes to `consumed(origin)`, not the queue."""
-        self.gate, self.consumed = gate, consumed
-        self.producer, self.store, self.leases, self.queue, self.cfg = producer, store, leases, queue, cfg
+        self.gate, self.consumed, self.producer, self.store = gate, consumed, producer, store
+        self.leases, self.queue, self.cfg = leases, queue, cfg
         self.node_config, self.admission, self.capacity, self.lengths = node_config, admission, capacity, lengths
         self.vocab = vocab or producer.sampler.model_cfg.vocab_size
         self.run_id = uuid.uuid4().hex
@@ -95,7 +95,8 @@ class Hub:
         self.made_by: dict[tuple, str] = {}  # (draw, group) queued -> its node, until trained or dropped
         sc = producer.sampler.cfg
         self.max_width = producer.prompt_width + sc.max_new_tokens  # no row a node sends is wider
-        self.group_bytes = wire.max_group_bytes(producer.group_size, self.max_width, sc.capture_topk)
+        self.routing = wire.routing_spec(producer.sampler)  # the experts every group must carry, if any
+        self.group_bytes = wire.max_group_bytes(producer.group_size, self.max_width, sc.capture_topk, self.routing)
         self.reward_range = tasks.reward_range(producer.task)
         self.hellos = Buckets(HELLO_BURST, HELLO_EVERY_S)
 
@@ -216,15 +217,14 @@ class Hub:
             wire.check_group(f, rows=self.producer.group_size, prompt=prompt, vocab=self.vocab, topk=sc.capture_topk,
                              max_new_tokens=sc.max_new_tokens, learner_version=self.store.latest()[0],
                              min_version=max(0, lease.version), kept=sc.dist.truncated, max_width=self.max_width,
-                             reward_range=self.reward_range)
+                             reward_range=self.reward_range, routing=self.routing)
             self._check_weights(req.get("weights"), f)
             if self.cfg.remote.verify_fraction and self._rng.random() < self.cfg.remote.verify_fraction:
                 self._verify(n, prompt, f)
             self.leases.received(lease_id, n.name, group)
         except Exception as e:  # every path: counted by reason, the group leased again at once
             n.rejected += 1
-            # A refused group of a lease the node holds is leased again at once (the node's
-            # heartbeats would otherwise keep it held and its prompts untrained).
+            # leased again at once: the node's heartbeats would keep it held and its prompts untrained
             if lease is not None and self.leases.give_back(lease.id, group) and self.admission is not None:
                 self.admission.revoke(lease.version, 1)
             if getattr(e, "reason", "") == "size":  # no honest node sends more than its config allows

@@ -32,8 +32,8 @@ ALIGN = 64  # leaf offsets, so a leaf read in place from a chunk buffer is align
 # Field -> dtype on the wire; the learner recomputes group ids and advantages from the rewards.
 GROUP_FIELDS = {"tokens": "int32", "loss_mask": "float32", "behav_logp": "float32", "versions": "int32",
                 "topk_ids": "int32", "topk_logp": "float32", "rewards": "float32", "truncated": "bool",
-                "input_mask": "float32", "behav_kept": "int32"}
-OPTIONAL = {"behav_kept"}
+                "input_mask": "float32", "behav_kept": "int32", "routing": "int16"}
+OPTIONAL = {"behav_kept", "routing"}
 _SCHEMA = pa.schema([("field", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
                      ("data", pa.large_binary())])
 
@@ -46,11 +46,21 @@ class Rejected(ValueError):
         self.reason = reason
 
 
-def max_group_bytes(rows: int, width: int, topk: int) -> int:
+def max_group_bytes(rows: int, width: int, topk: int, routing=None) -> int:
     """The most bytes an encoded group of `rows` samples of `width` positions can take: every
-    field at once, and room for the field names, dtypes and shapes."""
+    field at once, and room for the field names, dtypes and shapes. `routing`: `routing_spec`'s."""
     per_position = 6 * 4 + 2 * 4 * topk  # tokens, masks, log-probs, versions, behav_kept; top-K ids and log-probs
+    per_position += 2 * routing[0] * routing[1] if routing else 0  # int16 experts per sparse layer and choice
     return rows * (width * per_position + 5) + (16 << 10)
+
+
+def routing_spec(sampler):
+    """(sparse layers, experts per token, experts) of the routing `sampler` records with every
+    group (a mixture of experts, `SamplerConfig.record_routing`); None where it records none."""
+    m = sampler.model_cfg
+    if not sampler.cfg.record_routing:
+        return None
+    return sum(m.sparse(i) for i in range(m.num_layers)), m.num_experts_per_tok, m.num_experts
 
 
 def check_size(table: pa.Table, limit: int) -> None:
@@ -178,13 +188,13 @@ def decode_group(table: pa.Table) -> dict:
 
 def check_group(f: dict, *, rows: int, prompt, vocab: int, topk: int, max_new_tokens: int,
                 learner_version: int, min_version: int = 0, kept: bool = False, max_width: int = 1 << 30,
-                reward_range: tuple = (-float("inf"), float("inf"))) -> None:
+                reward_range: tuple = (-float("inf"), float("inf")), routing=None) -> None:
     """Raise Rejected unless `f` (decoded fields) is one group of `rows` samples answering
     `prompt` (token ids, left-padded into the prompt span) with at most `max_new_tokens` new
     tokens each, sampled by versions in [min_version, learner_version]. `kept`: whether the
     run's sampling truncates (top-k / top-p), so that every group carries `behav_kept` (a batch
     is assembled from groups of many nodes: one field for all or none); `reward_range`: the task's
-    (`tasks.reward_range`)."""
+    (`tasks.reward_range`); `routing`: `routing_spec`'s, when every group carries its experts."""
     toks = f["tokens"]
     if toks.ndim != 2 or toks.shape[0] != rows:
         raise Rejected(f"tokens have shape {toks.shape}, expected ({rows}, L)")
@@ -226,6 +236,26 @@ def check_group(f: dict, *, rows: int, prompt, vocab: int, topk: int, max_new_to
         raise Rejected(f"behav_kept must be in [0, {vocab}]")
     if not (toks[:, p - len(prompt):p] == np.asarray(prompt, np.int32)).all():
         raise Rejected("the rows do not answer the leased prompt")
+    _check_routing(f, routing)
+
+
+def _check_routing(f: dict, routing) -> None:
+    """A group's experts: present iff the run records them, [B, L, sparse layers, k], each id in
+    [0, E), and k different experts at every real position (`input_mask`); the learner replays
+    them (`model.moe.routing=replay`), so a forged id would pick another expert's weights."""
+    if ("routing" in f) != (routing is not None):
+        raise Rejected("routing " + ("missing: this run records each token's experts" if routing else
+                                     "given, but this run records no experts"))
+    if routing is None:
+        return
+    r, (layers, k, experts) = f["routing"], routing
+    if r.shape != f["tokens"].shape + (layers, k):
+        raise Rejected(f"routing has shape {r.shape}, expected {f['tokens'].shape + (layers, k)}")
+    if r.size and (r.min() < 0 or r.max() >= experts):
+        raise Rejected(f"routing: expert ids outside [0, {experts})")
+    real = np.sort(r[f["input_mask"] > 0], -1)
+    if (real[..., 1:] == real[..., :-1]).any():
+        raise Rejected(f"routing: an expert chosen twice for one position; the sampler chooses {k} different ones")
 
 
 def group_batch(f: dict) -> TrajectoryBatch:

@@ -40,6 +40,11 @@ OFFPOLICY = ("Revisiting Group Relative Policy Optimization: Insights into On-Po
 M2PO = ("Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?", "arXiv:2510.01161")
 JACKPOT = ("Jackpot: Optimal Budgeted Rejection Sampling for Extreme Actor-Policy Mismatch Reinforcement Learning",
            "arXiv:2602.06107")
+R3 = ("Stabilizing MoE Reinforcement Learning by Aligning Training and Inference Routers", "arXiv:2510.11370")
+# A random 4-expert, top-2 policy whose samplers route in bfloat16 while its learner routes in float32
+# (an inference engine's numerics against a trainer's); TIS on the behaviour weight in both arms.
+MOE = (("model.moe.experts", 4), ("model.moe.top_k", 2), ("model.moe.sampler_router_dtype", "bfloat16"),
+       ("objective.is_correction.kind", "tis"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +167,13 @@ def _jackpot_rule(r: Results) -> list:
                     "final reward jackpot - no correction")]
 
 
+def _r3_rule(r: Results) -> list:
+    gap = mean_of("mismatch/abs_logp_mean")  # fresh tokens: the routing's share of the mismatch, not staleness'
+    return [greater(r.per_seed("r3_recompute", gap), r.per_seed("r3_replay", gap),
+                    "mean |log-prob mismatch| on fresh tokens: recompute - replay"),
+            noninferior(r.final("r3_replay"), r.final("r3_recompute"), "final reward replay - recompute")]
+
+
 def _drop(r: Results, objective: str) -> np.ndarray:
     return r.final(f"{objective}_s0") - r.final(f"{objective}_s{STALENESS[-1]}")
 
@@ -220,6 +232,15 @@ def all_claims() -> list[Claim]:
               f"final held-out reward; drop = reward at s=0 - at s={STALENESS[-1]} (same seed)",
               tuple(sweep_arm(o, k) for o in SWEEP_OBJECTIVES for k in STALENESS), _sweep_rule,
               "greater(ppo drop, decoupled_ppo drop); greater(ppo drop, a3po drop)"),
+        Claim("r3_routing_replay", R3,
+              "With the samplers' routers perturbed (a bfloat16 router matmul against the learner's float32) "
+              "in async training at max staleness 4, replaying the experts each token was sampled with (R3) "
+              "leaves a smaller log-prob mismatch than recomputing them with TIS, and no worse a reward.",
+              "mean |log pi_learner - log pi_behav| on fresh tokens per step (past the first 5); final "
+              "held-out reward", (
+                  Arm("r3_replay", "configs/default.py", MOE + (("model.moe.routing", "replay"),)),
+                  Arm("r3_recompute", "configs/default.py", MOE)), _r3_rule,
+              f"greater(recompute mismatch, replay mismatch); noninferior(replay, recompute, {MARGIN})"),
     ]
 
 

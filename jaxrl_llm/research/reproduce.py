@@ -8,7 +8,10 @@ Every arm of every claim (`jaxrl_llm.research.claims`) runs for every seed as an
 W/runs/<arm>_seed<n> (arms with equal configs run once; a finished run is skipped, an
 interrupted one resumes). Runs of one seed share their warm start (W/warm_start) and compiled
 programs (W/jax_cache). Writes W/claims.json, W/claims.md and W/figures/<claim>/reward_bands.png.
-`--set key=value` (repeatable) overrides every run's config, e.g. a smaller model.
+`--set key=value` (repeatable) overrides every run's config, e.g. a smaller model. `--merge=DIR`
+also adds (or replaces) the judged claims in the page in DIR (its claims.json, claims.md and
+figures), keeping the other claims it holds: a claim added later joins the committed page
+without rerunning the rest.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import ast
 import importlib
 import json
 import os
+import shutil
 import time
 
 import numpy as np
@@ -215,6 +219,24 @@ def sweep_table(row: dict) -> str:
     return "\n".join(lines)
 
 
+def merge(rows: list[dict], header: str, workdir: str, page: str) -> None:
+    """`rows` into the claims page in `page`: the claims it holds keep their rows, these replace
+    theirs or are added; the page keeps its header and notes what joined it."""
+    with open(os.path.join(page, "claims.json")) as f:
+        old = json.load(f)
+    with open(os.path.join(page, "claims.md")) as f:
+        lines = f.read().split("\n| claim |")[0].strip()
+    keys = {r["claim"] for r in rows}
+    for key in keys:
+        shutil.copytree(os.path.join(workdir, "figures", key), os.path.join(page, "figures", key), dirs_exist_ok=True)
+    merged = [r for r in old if r["claim"] not in keys] + rows
+    with open(os.path.join(page, "claims.json"), "w") as f:
+        json.dump(merged, f, indent=1, default=float)
+    joined = f"{', '.join(sorted(keys))}: {header.removeprefix('# Claims in miniature ').strip('()')}"
+    with open(os.path.join(page, "claims.md"), "w") as f:
+        f.write(markdown(merged, f"{lines}\n\nAdded later ({joined})."))
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", required=True)
@@ -225,6 +247,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="override every run's config")
     ap.add_argument("--cost_shapes", default="qwen2.5-0.5b", choices=("qwen2.5-0.5b", "tiny"),
                     help="model of the A-3PO cost check (tiny: a small one, for tests)")
+    ap.add_argument("--merge", default="", help="a claims page directory to add these claims to (e.g. "
+                                                "experiments/results/claims)")
     args = ap.parse_args(argv)
     known = {c.key: c for c in C.all_claims()}
     wanted = [k.strip() for k in args.claims.split(",") if k.strip()] or list(known)
@@ -252,6 +276,8 @@ def main(argv=None) -> list[dict]:
               f"{run_seconds(runs, args.workdir):.0f} s of run time, {time.time() - t0:.0f} s this invocation)")
     with open(os.path.join(args.workdir, "claims.md"), "w") as f:
         f.write(markdown(rows, header))
+    if args.merge:
+        merge(rows, header, args.workdir, args.merge)
     for r in rows:
         print(f"{r['claim']}: {r['verdict']}")
     return rows

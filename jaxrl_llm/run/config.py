@@ -40,9 +40,7 @@ def _model(size_low: int, sizes: tuple, **more) -> V.Section:
 MODEL = _model(1, (64, 128, 2, 4, 2, 16), lora=models.lora.SECTION,  # lora: models/lora.py
                # float32 matmuls' precision, for the whole run (models/config.py: PRECISIONS)
                matmul_precision=("default", V.one_of(*models.config.PRECISIONS)),
-               # a mixture of experts: the learner's routers choose (recompute) or it replays the
-               # experts the sampler recorded per token (replay: R3, models/moe.py)
-               moe_routing=("recompute", V.one_of("recompute", "replay")))
+               moe=models.moe.SECTION)  # a mixture of experts (models/moe.py; routing=replay: R3)
 # A second model for objectives that train one (e.g. Jackpot's rollout actor): hf_path, or a
 # random model of hidden_size > 0; off (all sizes 0) by default.
 AUX_MODEL = _model(0, (0,) * len(_SIZES))

@@ -226,7 +226,7 @@ class _Evaluator:
         eval_set = getattr(b.task, "eval_set", None)  # which split, so no record is read as held out wrongly
         self.about = {"eval/problems": len(problems), **({"eval_set": splits.describe(eval_set)} if eval_set else {})}
         n = b.plan.config.train.get("eval_samples", 0)
-        self.drawer = n and rollout_backend.make(b.model_cfg.without_lora(), dataclasses.replace(
+        self.drawer = n and rollout_backend.make(b.model_cfg.for_sampling(), dataclasses.replace(
             b.plan.sampler, num_samples=n, capture_topk=0), getattr(b.greedy, "mesh", None))
         self.ks = tuple(sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n} | {n}))
 

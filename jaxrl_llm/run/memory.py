@@ -13,6 +13,10 @@ Learner (one step, `num_minibatches` updates over `rows` sequences of `seq_len` 
   long sequences) and key. `remat=full` keeps only
   each layer's input and recomputes one layer at a time; `dots` keeps the projections' outputs.
   The log-prob head works in `logprob_chunk`-token chunks: never a [B, L, V] array.
+  A mixture of experts' layer holds, per token, its k experts' four intermediates, the router's
+  float32 logits and probabilities, and the dispatched rows in and out; with `expert` = X > 1
+  each device runs the tokens of its X-device group (`moe.on_devices`), in buffers sized for
+  the case where all of them pick its experts (dropless, static shapes): X times those.
   With LoRA (`models/lora.py`) the float32 master, gradient, moments and update are the
   adapters' alone, the frozen base is held once in the compute dtype, and the activations add
   each adapted projection's low-rank intermediate (rows x tokens x rank).
@@ -24,7 +28,8 @@ Sampler (one call over `rows` rows): its weight copy in its compute dtype, the f
   in float32; the decode step converts layer by layer, `rollout.decode._upcast_in_loop`).
 
 Every figure is per device (`Layout`): the learner's parameters, gradients and moments divide
-over fsdp x tensor, its rows over data x fsdp, its heads / MLP / vocabulary over tensor; each
+over fsdp x tensor (stacked experts also over expert), its rows over data x fsdp x expert, its
+heads / MLP / vocabulary over tensor; each
 sampler device holds a whole weight copy and its share of the rows. An accelerator compares
 the busiest device with the smallest `bytes_limit` (which XLA_PYTHON_CLIENT_MEM_FRACTION
 sets); a CPU host holds every device's share in one RAM (replicated sampler weights once,
@@ -52,6 +57,7 @@ class Layout:
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+    expert: int = 1
     samplers: int = 1
     shared: bool = True
     local: int = 1  # the learner's devices in this process (a CPU host's RAM holds their shares)
@@ -59,7 +65,12 @@ class Layout:
 
     @property
     def learner_devices(self) -> int:
-        return self.data * self.fsdp * self.tensor
+        return self.data * self.fsdp * self.expert * self.tensor
+
+    @property
+    def rows(self) -> int:
+        """How many ways the learner's rows split (the batch axes)."""
+        return self.data * self.fsdp * self.expert
 
     @property
     def on_cpu(self) -> bool:
@@ -73,7 +84,7 @@ class Layout:
         import jax
 
         local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-        sizes = {a: mesh.shape.get(a, 1) for a in ("data", "fsdp", "tensor")}
+        sizes = {a: mesh.shape.get(a, 1) for a in ("data", "fsdp", "expert", "tensor")}
         return cls(**sizes, samplers=max(1, len(sampler_devices)), shared=shared, local=max(1, local),
                    platform=mesh.devices.flat[0].platform)
 
@@ -82,13 +93,26 @@ def nbytes(dtype: str) -> int:
     return 2 if dtype == "bfloat16" else 4
 
 
-def layer_activations(cfg: ModelConfig, rows: int, length: int, tensor: int = 1) -> int:
-    """Bytes one decoder layer keeps for its backward pass without remat (heads and the MLP
+def _mlp_width(cfg: ModelConfig, layer: int, tensor: int, expert: int) -> int:
+    """Per token on one device, the width of layer `layer`'s MLP intermediates (a mixture of
+    experts: its k experts' for each of the `expert` devices whose tokens it runs, and the
+    shared expert's)."""
+    if not cfg.sparse(layer):
+        return -(-cfg.intermediate_size // tensor)
+    return (expert * cfg.num_experts_per_tok * -(-cfg.moe_intermediate_size // tensor)
+            + -(-cfg.shared_expert_intermediate_size // tensor))
+
+
+def layer_activations(cfg: ModelConfig, rows: int, length: int, tensor: int = 1, layer: int = 0,
+                      expert: int = 1) -> int:
+    """Bytes decoder layer `layer` keeps for its backward pass without remat (heads and the MLP
     split over `tensor` devices; the residual stream is whole on each)."""
     a = nbytes(cfg.dtype)
     d, hd = cfg.hidden_size, cfg.head_dim
-    f, h, k = (-(-x // tensor) for x in (cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads))
-    per_token = 5 * d * 4 + a * (2 * (h + 2 * k) * hd + h * hd + 4 * f)
+    h, k = (-(-x // tensor) for x in (cfg.num_heads, cfg.num_kv_heads))
+    per_token = 5 * d * 4 + a * (2 * (h + 2 * k) * hd + h * hd + 4 * _mlp_width(cfg, layer, tensor, expert))
+    if cfg.sparse(layer):  # router logits and probabilities; each chosen pair's rows in and out
+        per_token += 8 * cfg.num_experts + 2 * a * d * expert * cfg.num_experts_per_tok
     c, kernel = cfg.attention_chunk, attn.kernel(cfg)
     # models.attention's [queries, keys] scores: one block when chunked, none held by the flash
     # kernels (cuDNN's, splash)
@@ -96,32 +120,39 @@ def layer_activations(cfg: ModelConfig, rows: int, length: int, tensor: int = 1)
     return rows * length * per_token + rows * h * queries * length * (4 + a)
 
 
-def activations(cfg: ModelConfig, rows: int, length: int, tensor: int = 1) -> int:
-    one = layer_activations(cfg, rows, length, tensor)
+def activations(cfg: ModelConfig, rows: int, length: int, tensor: int = 1, expert: int = 1) -> int:
+    each = [layer_activations(cfg, rows, length, tensor, i, expert) for i in range(cfg.num_layers)]
     a, d = nbytes(cfg.dtype), cfg.hidden_size
     if cfg.remat == "full":
-        return cfg.num_layers * rows * length * d * 4 + one
+        return cfg.num_layers * rows * length * d * 4 + max(each)
     if cfg.remat == "dots":
-        hd = cfg.head_dim
-        split = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + 2 * cfg.intermediate_size
-        dots = rows * length * a * (-(-split // tensor) + 2 * d)
-        return cfg.num_layers * dots + one
-    return cfg.num_layers * one
+        attn_dots = -(-(cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // tensor) + 2 * d
+        dots = sum(rows * length * a * (attn_dots + 2 * _mlp_width(cfg, i, tensor, expert))
+                   for i in range(cfg.num_layers))
+        return dots + max(each)
+    return sum(each)
+
+
+def held_params(cfg: ModelConfig, layout: Layout) -> int:
+    """How many of the model's parameters one learner device holds: all of them split over
+    fsdp x tensor, a mixture of experts' stacked experts also over expert."""
+    shards, experts = layout.fsdp * layout.tensor, cfg.expert_params
+    return -(-(cfg.num_params - experts) // shards) + -(-experts // (shards * layout.expert))
 
 
 def learner(cfg: ModelConfig, rows: int, seq_len: int, minibatches: int = 1, chunk: int = 128,
             layout: Layout = Layout()) -> dict:
     """Bytes of one learner step on one of its devices, by part (`base`: LoRA's frozen weights,
     0 without LoRA)."""
-    n, base, low_rank = cfg.num_params, 0, 0
-    shards, batch = layout.fsdp * layout.tensor, layout.data * layout.fsdp
+    shards, batch = layout.fsdp * layout.tensor, layout.rows
     mb = -(-max(1, rows // minibatches) // batch)  # one minibatch's rows on this device
+    n, base, low_rank = held_params(cfg, layout), 0, 0
     if cfg.lora_rank:
-        n, base = lora.num_params(cfg), cfg.num_params * nbytes(cfg.dtype)
+        n, base = -(-lora.num_params(cfg) // shards), n * nbytes(cfg.dtype)
         low_rank = cfg.num_layers * len(cfg.lora_targets) * mb * seq_len * cfg.lora_rank * nbytes(cfg.dtype)
-    n, base = -(-n // shards), -(-base // shards)
     return {"base": base, "params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "update": 4 * n,
-            "activations": activations(cfg, mb, seq_len, layout.tensor) + mb * seq_len * 4 + low_rank,  # + the mask
+            "activations": activations(cfg, mb, seq_len, layout.tensor, layout.expert)
+            + mb * seq_len * 4 + low_rank,  # + the mask
             "head": 3 * mb * min(chunk, seq_len) * -(-cfg.vocab_size // layout.tensor) * 4,
             "stats": -(-rows // batch) * seq_len * 8}  # every update's log-probs and entropy, for the metric pass
 
@@ -207,8 +238,8 @@ def estimate(config, task, mcfg, acfg=None, obj=None, layout: Layout = Layout())
         plan.update({f"aux_{k}": v for k, v in learner(acfg, rows, prompt + new, mb, chunk, layout).items()})
     obj = obj if obj is not None else objectives.make_config(config.objective)
     if "ref_logp" in objectives.required_passes(obj):  # LoRA: the adapters, disabled
-        ref = lora.num_params(mcfg) if mcfg.lora_rank else mcfg.num_params
-        plan["reference"] = 4 * -(-ref // (layout.fsdp * layout.tensor))
+        shards = layout.fsdp * layout.tensor
+        plan["reference"] = 4 * (-(-lora.num_params(mcfg) // shards) if mcfg.lora_rank else held_params(mcfg, layout))
     aux = objectives.get(obj.name).aux
     rollout = acfg if acfg is not None and aux is not None and aux.samples else mcfg.without_lora()
     # Sampler weight copies: simulated keeps a window of versions; async samples from one while
@@ -238,7 +269,7 @@ def check_run(config, task, mcfg, acfg, plan, layout: Layout = Layout()) -> None
     tries = [("model.remat", "full"), ("model.dtype", "bfloat16"), ("sampler.cache_dtype", "bfloat16"),
              ("learner.num_minibatches", config.learner.num_minibatches * 2),
              ("runtime.prompts_per_batch", max(1, config.runtime.prompts_per_batch // 2))]
-    if layout.learner_devices > 1 and layout.fsdp * layout.tensor == 1:  # ZeRO-3 over every learner device
+    if layout.learner_devices > 1 and layout.fsdp * layout.tensor * layout.expert == 1:  # ZeRO-3 over every device
         tries.append(("mesh.fsdp", layout.learner_devices))
     fits = []
     for key, value in tries:

@@ -84,7 +84,7 @@ def build(config) -> Parts:
                                      node_config={"task": c.task.to_dict(), "hf_path": c.model.hf_path})
     # A sampling auxiliary (a rollout model) is evaluated beside the policy; any auxiliary may be warm-started.
     return Parts(plan=p, task=p.task, scorer=scorer, learner=lrn, orchestrator=orch,
-                 greedy=backend.make(p.model.without_lora(), p.greedy, mesh), params=params, aux_params=aux_params,
+                 greedy=backend.make(p.model.for_sampling(), p.greedy, mesh), params=params, aux_params=aux_params,
                  aux_greedy=p.aux_model and backend.make(p.aux_model, p.greedy, mesh),
                  aux_eval=lrn.aux is not None and lrn.aux.samples)
 

@@ -138,38 +138,48 @@ def model_cfg(m, task) -> models.ModelConfig:
     """The decoder of model section `m`: a local HF checkpoint's config.json (read, nothing
     loaded) or a random model sized by `m`; compute dtype, attention kernel and remat from `m`."""
     chosen = dict(dtype=auto_dtype() if m.dtype == "auto" else m.dtype, attention=m.attention, remat=m.remat,
-                  matmul_precision=m.get("matmul_precision", "default"), moe_routing=m.get("moe_routing", "recompute"))
+                  matmul_precision=m.get("matmul_precision", "default"))
     if "lora" in m and m.lora.rank:
         chosen.update(lora_rank=m.lora.rank, lora_alpha=float(m.lora.alpha),
                       lora_targets=models.lora.parse_targets(m.lora.targets))
+    moe = m.get("moe")
+    if moe is not None:
+        chosen.update(moe_routing=moe.routing, moe_dispatch=moe.dispatch, sampler_router_dtype=moe.sampler_router_dtype)
     if m.hf_path:
+        if moe is not None and moe.experts:
+            raise ValueError("model.moe.experts sizes a random mixture of experts; with model.hf_path the "
+                             "checkpoint's config.json decides (set model.moe.experts=0)")
         cfg = models.load_config(m.hf_path)
         if task.vocab_size > cfg.vocab_size:
             raise ValueError(f"the task's tokenizer has {task.vocab_size} tokens but {m.hf_path!r} embeds only "
                              f"{cfg.vocab_size}")
         return cfg.replace(**chosen)
+    if moe is not None and moe.experts:
+        if moe.top_k > moe.experts:
+            raise ValueError(f"model.moe.top_k={moe.top_k} exceeds model.moe.experts={moe.experts}")
+        chosen.update(model_type="qwen3_moe", num_experts=moe.experts, num_experts_per_tok=moe.top_k,
+                      moe_intermediate_size=moe.intermediate_size or m.intermediate_size, norm_topk_prob=True)
     return models.ModelConfig(vocab_size=task.vocab_size, eos_token_id=task.eos_id, **chosen,
                               **{f: m[f] for f in _MODEL_FIELDS})
 
 
 def check_replay(config, task, mcfg: models.ModelConfig) -> None:
-    """`model.moe_routing=replay` replays what the samplers record: a mixture of experts sampled in
-    static batches of a single-turn task by this run's own samplers."""
+    """`model.moe.routing=replay` replays what the samplers record: a mixture of experts sampled in
+    static batches of a single-turn task (by the run's own samplers or its sampler nodes)."""
     if mcfg.moe_routing != "replay":
         return
     why = ("the model is dense" if not mcfg.num_experts else
            "sampler.batching=continuous" if config.sampler.batching != "static" else
-           f"task {config.task.name!r} is multi-turn" if config.task.name in tasks.MULTI_TURN + ("agent",) else
-           "sampler nodes" if config.runtime.mode == "remote" else "")
+           f"task {config.task.name!r} is multi-turn" if config.task.name in tasks.MULTI_TURN + ("agent",) else "")
     if why:
-        raise ValueError(f"model.moe_routing=replay needs a mixture of experts sampled in static batches of a "
-                         f"single-turn task by the run's own samplers (here: {why})")
+        raise ValueError(f"model.moe.routing=replay needs a mixture of experts sampled in static batches of a "
+                         f"single-turn task (here: {why})")
 
 
 def records_routing(config, mcfg: models.ModelConfig) -> bool:
-    """Whether the samplers record each position's experts: a mixture of experts sampled in static
-    batches of a single-turn task by the run's own samplers (for replay, or the mismatch metrics)."""
-    return bool(mcfg.num_experts) and config.sampler.batching == "static" and config.runtime.mode != "remote" \
+    """Whether the samplers (the run's own, or its nodes) record each position's experts: a mixture
+    of experts sampled in static batches of a single-turn task (for replay, or the mismatch metrics)."""
+    return bool(mcfg.num_experts) and config.sampler.batching == "static" \
         and config.task.name not in tasks.MULTI_TURN + ("agent",)
 
 
