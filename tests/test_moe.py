@@ -137,6 +137,33 @@ def test_load_balancing_loss_matches_transformers():
     assert float(moe.load_balancing_loss(uniform, 2)) == pytest.approx(2.0, rel=1e-5)
 
 
+def test_the_forwards_load_balancing_loss_is_transformers_aux_loss_and_reaches_the_router(pair):
+    """`balance=True`: the forward's load-balancing loss over the real tokens of a left-padded
+    batch equals transformers' `aux_loss` (`output_router_logits=True`), and its gradient reaches
+    the routers alike under every remat mode (remat=full's custom VJP carries the logits' cotangent)."""
+    from jaxrl_llm.models import heads
+
+    arch, model, _, params, cfg = pair
+    rng = np.random.default_rng(9)
+    tokens = rng.integers(1, cfg.vocab_size, (3, 12))
+    mask = np.ones((3, 12), np.int64)
+    mask[0, :4] = mask[2, :7] = 0
+    t, m = torch.as_tensor(tokens), torch.as_tensor(mask)
+    with torch.no_grad():
+        want = model(t, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0), output_router_logits=True).aux_loss
+    ours = heads.sequence_logprobs(params, cfg, jnp.asarray(tokens), jnp.asarray(mask), balance=True)["moe_aux_loss"]
+    assert float(ours) == pytest.approx(float(want), rel=1e-5)
+    grads = {}
+    for remat in ("none", "dots", "full"):
+        c = cfg.replace(remat=remat)
+        aux = lambda p: heads.sequence_logprobs(p, c, jnp.asarray(tokens), jnp.asarray(mask), balance=True)["moe_aux_loss"]  # noqa: E731
+        grads[remat] = jax.grad(aux)(params)
+    router = lambda g: g["layers_0"]["moe"]["router"]  # noqa: E731
+    assert float(jnp.abs(router(grads["none"])).max()) > 1e-4
+    for remat in ("dots", "full"):
+        np.testing.assert_allclose(router(grads[remat]), router(grads["none"]), atol=1e-6)
+
+
 def test_a_run_trains_a_mixture_of_experts_on_a_sharded_mesh(pair, tmp_path):
     """An MoE checkpoint as the policy of a run (embedded task, its ids inside the vocabulary):
     its weights checked, sharded over fsdp x expert x tensor (each device holds half the experts),
@@ -424,7 +451,8 @@ def test_a_random_mixture_of_experts_from_the_config_and_a_perturbed_sampler_rou
     gaps = {}
     for dtype in ("float32", "bfloat16"):
         c = _tiny("ppo", mode="sync")
-        c.model.moe.update(experts=4, top_k=2, intermediate_size=32, sampler_router_dtype=dtype)
+        c.model.moe.update(experts=4, top_k=2, intermediate_size=32, sampler_router_dtype=dtype,
+                           aux_loss_coef=0.01 if dtype == "bfloat16" else 0.0)
         c.train.update(steps=2, eval_every=2, save_every=2)
         lines = []
         assert experiment.run(c, str(tmp_path / dtype), log=lines.append)["version"] == 2
@@ -432,6 +460,8 @@ def test_a_random_mixture_of_experts_from_the_config_and_a_perturbed_sampler_rou
         steps = [json.loads(x) for x in open(tmp_path / dtype / "metrics.jsonl") if '"loss"' in x]
         gaps[dtype] = max(s["mismatch/abs_logp_max"] for s in steps)
         assert all("moe/expert_load_max_over_mean" in s for s in steps)
+        # the load-balancing loss is logged when its coefficient is on (2, k, at an even load)
+        assert all(1 < s["moe/aux_loss"] < 4 for s in steps) if dtype == "bfloat16" else "moe/aux_loss" not in steps[0]
     assert gaps["float32"] < 1e-4 < gaps["bfloat16"], gaps
     c.model.hf_path = "/nonexistent"
     with pytest.raises(ValueError, match="model.moe.experts sizes a random mixture of experts"):

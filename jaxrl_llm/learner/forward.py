@@ -42,13 +42,14 @@ class Forward:
 
 def stats(fwd: Forward, params, batch: TrajectoryBatch, topk: int = 0, gather: bool = True,
           return_hidden: bool = False, packed: Optional[packing.PackLayout] = None, replicas: int = 0,
-          base=None) -> dict:
+          base=None, balance: bool = False) -> dict:
     """Per-token stats (`heads.sequence_logprobs`) in the padded [B, L] layout. `gather`: also
     the policy's log-probs at the behaviour top-K ids; `topk`: the policy's own top-K. `base`:
-    with LoRA, the frozen weights the adapters `params` complete (one copy, also under replicas)."""
+    with LoRA, the frozen weights the adapters `params` complete (one copy, also under replicas).
+    `balance`: also `moe_aux_loss`, the load-balancing loss (a scalar; per replica under replicas)."""
     gather_ids = batch.topk_ids if gather and batch.topk > 0 else None
     full = (lambda p: p) if base is None else (lambda p: lora.combine(base, p))  # noqa: E731
-    kw = dict(dist=fwd.dist, topk=topk, chunk=fwd.chunk, return_hidden=return_hidden)
+    kw = dict(dist=fwd.dist, topk=topk, chunk=fwd.chunk, return_hidden=return_hidden, balance=balance)
     routing = replayed(fwd.model_cfg, batch)
     if replicas:
         split = lambda x: minibatches.by_shard(x, replicas, fwd.on_shards)  # noqa: E731
@@ -56,7 +57,7 @@ def stats(fwd: Forward, params, batch: TrajectoryBatch, topk: int = 0, gather: b
             full(p), fwd.model_cfg, t, m, kept_BxL=k, gather_ids_BxLxK=g, routing_BxLxMxK=r, **kw)
         out = jax.vmap(one)(params, split(batch.tokens), split(batch.input_mask), split(batch.behav_kept),
                             split(gather_ids), split(routing))
-        return {k: v.reshape(-1, *v.shape[2:]) for k, v in out.items()}
+        return {k: v if k == "moe_aux_loss" else v.reshape(-1, *v.shape[2:]) for k, v in out.items()}
     if packed is None:
         with attention.on_mesh(fwd.model_cfg, fwd.mesh):
             return heads.sequence_logprobs(full(params), fwd.model_cfg, batch.tokens, batch.input_mask,
@@ -68,7 +69,7 @@ def stats(fwd: Forward, params, batch: TrajectoryBatch, topk: int = 0, gather: b
         s = heads.sequence_logprobs(full(params), fwd.model_cfg, pack(batch.tokens), kept_BxL=pack(batch.behav_kept),
                                     gather_ids_BxLxK=pack(gather_ids), routing_BxLxMxK=pack(routing),
                                     segments=(rows(packed.segment), rows(packed.position)), **kw)
-    return {k: packing.unpack(v, packed.dst) for k, v in s.items()}
+    return {k: v if k == "moe_aux_loss" else packing.unpack(v, packed.dst) for k, v in s.items()}
 
 
 def replayed(cfg: ModelConfig, batch: TrajectoryBatch):

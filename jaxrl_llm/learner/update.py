@@ -83,9 +83,13 @@ def loss(params, batch: TrajectoryBatch, version, rng, packed=None, replicas=0, 
     the latter handed to the auxiliary model's loss instead of a second policy forward. With
     LoRA, `params` are the adapters and `base` the frozen rest: gradients reach adapters only."""
     topk = batch.topk if "topk" in plan.needs else 0
+    coef = plan.fwd.model_cfg.moe_aux_loss_coef  # a mixture of experts' load balancing (0: off)
     s = forward.stats(plan.fwd, params, batch, topk=topk, return_hidden=plan.aux is not None, packed=packed,
-                      replicas=replicas, base=base)
+                      replicas=replicas, base=base, balance=coef > 0)
     value, _ = plan.objective(_policy(s, version, rng), batch, plan.obj_cfg)
+    if "moe_aux_loss" in s:  # per replica under replicas: their mean, as the objective's value is
+        s["moe_aux_loss"] = jnp.mean(s["moe_aux_loss"])
+        value = value + coef * s["moe_aux_loss"]
     hidden = s.pop("hidden", None)
     return value, (jax.lax.stop_gradient(s), jax.lax.stop_gradient(hidden))
 
@@ -135,6 +139,8 @@ def train_step(state: TrainState, batch: TrajectoryBatch, packed: Optional[packi
         return st, (metrics, stats, rng)
 
     state, (ms, stats, rngs) = jax.lax.scan(one, state, (mbs, packed))
+    if "moe_aux_loss" in stats:  # [M]: one per update
+        ms["moe/aux_loss"] = stats.pop("moe_aux_loss")
     # The objective's metrics for all M updates at once, after the loop: inside it every masked
     # mean over the sharded batch was an all-reduce, a rendezvous of the processes, per update.
     if plan.gather_metrics:

@@ -77,7 +77,8 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple = ()
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (sigmoid-gated)
-    router_aux_loss_coef: float = 0.0
+    router_aux_loss_coef: float = 0.0  # the checkpoint's (exported as read)
+    moe_aux_loss_coef: float = 0.0  # what the learner adds: coef x the load-balancing loss (0: off)
     moe_dispatch: str = "auto"
     # recompute: the learner's routers choose experts; replay: the experts the sampler recorded
     # (`TrajectoryBatch.routing`), gate weights from the learner's router (R3, arXiv:2510.11370)

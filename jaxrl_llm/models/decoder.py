@@ -190,13 +190,14 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, sin, cos, mask, cache=None, cache_index=0, routing=None):
+        """-> (x, the updated cache, a sparse layer's router logits [B T, E] or None)."""
         c = self.cfg
         h, new_cache = Attention(c, name="attn")(
             RMSNorm(c.rms_norm_eps, param_dtype=c.param_dtype, name="input_norm")(x), sin, cos, mask, cache, cache_index)
         x = x + h
         normed = RMSNorm(c.rms_norm_eps, param_dtype=c.param_dtype, name="post_norm")(x)
-        x = x + (MoE(c, name="moe")(normed, routing) if self.sparse else MLP(c, name="mlp")(normed))
-        return x, new_cache
+        y, logits = MoE(c, name="moe")(normed, routing) if self.sparse else (MLP(c, name="mlp")(normed), None)
+        return x + y, new_cache, logits
 
 
 def _block_out(mdl, x, sin, cos, mask, routing=None):
@@ -207,23 +208,37 @@ def _block_fwd(mdl, x, sin, cos, mask, routing=None):
     return _block_out(mdl, x, sin, cos, mask, routing), (mdl.variables["params"], x, sin, cos, mask, routing)
 
 
+def _block_with_logits(mdl, x, sin, cos, mask, routing=None):
+    out, _, logits = mdl(x, sin, cos, mask, routing=routing)
+    return out, logits
+
+
+def _block_with_logits_fwd(mdl, x, sin, cos, mask, routing=None):
+    return (_block_with_logits(mdl, x, sin, cos, mask, routing),
+            (mdl.variables["params"], x, sin, cos, mask, routing))
+
+
 @functools.lru_cache(maxsize=None)
-def recomputed_block(cfg: ModelConfig, sparse: bool = False):
+def recomputed_block(cfg: ModelConfig, sparse: bool = False, logits: bool = False):
     """`remat=full`: a decoder layer that keeps only its inputs and recomputes itself in the
     backward pass once that layer's turn has come. Under `jax.checkpoint` the recomputation
     depends only on the saved inputs, and when the update needs every gradient first (global-norm
     clipping, the non-finite check) XLA:CPU's scheduler hoists every layer's recomputation and
     defers its weight-gradient matmuls: all layers' MLP and attention intermediates were live at
-    once, well past the memory plan (the figures: CHANGELOG, "remat")."""
+    once, well past the memory plan (the figures: CHANGELOG, "remat"). `logits`: a sparse layer
+    also returns its router logits (the load-balancing loss), their cotangent taken too."""
 
     def bwd(res, g):
         params, x, sin, cos, mask, routing = res
         # XLA:CPU drops optimization barriers before it schedules; a data dependence stays
         # (0 * g is not folded for floats: it would be NaN for a non-finite g).
-        late = 0 * g.reshape(-1)[0]
+        late = 0 * (g[0] if logits else g).reshape(-1)[0]
         x = x + late.astype(x.dtype)
-        apply = lambda p, x, sin, cos: Block(cfg, sparse).apply({"params": p}, x, sin, cos, mask,
-                                                                 routing=routing)[0]
+
+        def apply(p, x, sin, cos):
+            out, _, router = Block(cfg, sparse).apply({"params": p}, x, sin, cos, mask, routing=routing)
+            return (out, router) if logits else out
+
         if cfg.lora_rank:  # the frozen base gets no weight gradient (zeros, dropped by XLA)
             base, adapters = lora.split(params)
             apply_adapters = lambda a, x, sin, cos: apply(lora.combine(base, a), x, sin, cos)
@@ -238,6 +253,8 @@ def recomputed_block(cfg: ModelConfig, sparse: bool = False):
         done = sum(jnp.sum(d) for d in jax.tree_util.tree_leaves(trained))
         return {"params": dparams}, dx + 0 * done.astype(dx.dtype), dsin, dcos, None, None
 
+    if logits:
+        return nn.custom_vjp(_block_with_logits, forward_fn=_block_with_logits_fwd, backward_fn=bwd)
     return nn.custom_vjp(_block_out, forward_fn=_block_fwd, backward_fn=bwd)
 
 
@@ -247,9 +264,11 @@ class Decoder(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=0, routing_BxTxMxK=None):
+    def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=0, routing_BxTxMxK=None,
+                 router_logits: bool = False):
         """`routing_BxTxMxK`: the experts each position uses in each sparse layer (replay); None:
-        the routers choose."""
+        the routers choose. `router_logits`: sow each sparse layer's router logits
+        (`intermediates/router_logits`, differentiable: the load-balancing loss)."""
         c = self.cfg
         embed = self.param("embed", _part(_init, ("vocab", "embed")), (c.vocab_size, c.hidden_size), c.param_dtype)
         if not c.tie_word_embeddings:
@@ -264,12 +283,16 @@ class Decoder(nn.Module):
         for i in range(c.num_layers):
             layer = block(c, c.sparse(i), name=f"layers_{i}")
             r = None if routing_BxTxMxK is None or i not in sparse else routing_BxTxMxK[:, :, sparse.index(i)]
+            keep = router_logits and c.sparse(i)
             if training and c.remat == "full":
-                x = recomputed_block(c, c.sparse(i))(layer, x, sin, cos, mask_BxTxS, r)
-                continue
-            x, layer_cache = layer(x, sin, cos, mask_BxTxS, None if cache is None else cache[i], cache_index,
-                                   routing=r)
-            new_cache.append(layer_cache)
+                x = recomputed_block(c, c.sparse(i), keep)(layer, x, sin, cos, mask_BxTxS, r)
+                x, logits = x if keep else (x, None)
+            else:
+                x, layer_cache, logits = layer(x, sin, cos, mask_BxTxS, None if cache is None else cache[i],
+                                               cache_index, routing=r)
+                new_cache.append(layer_cache)
+            if keep:
+                self.sow("intermediates", "router_logits", logits)
         x = RMSNorm(c.rms_norm_eps, param_dtype=c.param_dtype, name="final_norm")(x)
         return x, (new_cache if cache is not None else None)
 
@@ -306,22 +329,29 @@ def causal_mask(input_mask_BxL):
     return causal[None] & (input_mask_BxL[:, None, :] > 0)
 
 
-def forward(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL, routing=None):
+def forward(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL, routing=None, router_logits: bool = False):
     """Full-sequence forward (learner / teacher forcing): hidden states [B, L, D]. With `routing`
-    [B, L, M, K] (the sampler's experts: replayed under `moe_routing=replay`): (hidden, the
-    number of sparse layers whose top k differs from it at each position [B, L])."""
+    [B, L, M, K] (the sampler's experts: replayed under `moe_routing=replay`) or `router_logits`:
+    (hidden, extras), extras holding `routing_differs` (the number of sparse layers whose top k
+    differs from `routing` at each position [B, L]) and / or `router_logits` (each sparse
+    layer's [B L, E], differentiable)."""
     mask = self_mask(cfg, input_mask_BxL, lambda: causal_mask(input_mask_BxL))
-    return _apply(params, cfg, tokens_BxL, padding_positions(input_mask_BxL), mask, routing)
+    return _apply(params, cfg, tokens_BxL, padding_positions(input_mask_BxL), mask, routing, router_logits)
 
 
-def _apply(params, cfg: ModelConfig, tokens_BxL, positions_BxL, mask, routing):
-    if routing is None:
+def _apply(params, cfg: ModelConfig, tokens_BxL, positions_BxL, mask, routing, router_logits=False):
+    if routing is None and not router_logits:
         return Decoder(cfg).apply({"params": params}, tokens_BxL, positions_BxL, mask)[0]
     (hidden, _), variables = Decoder(cfg).apply({"params": params}, tokens_BxL, positions_BxL, mask,
-                                                routing_BxTxMxK=routing, mutable=["intermediates"])
-    inter = variables["intermediates"]
-    differs = sum(inter[f"layers_{i}"]["moe"]["routing_differs"][0] for i in range(cfg.num_layers) if cfg.sparse(i))
-    return hidden, differs.reshape(tokens_BxL.shape)
+                                                routing_BxTxMxK=routing, router_logits=router_logits,
+                                                mutable=["intermediates"])
+    inter, extras = variables["intermediates"], {}
+    if routing is not None:
+        extras["routing_differs"] = sum(inter[f"layers_{i}"]["moe"]["routing_differs"][0]
+                                        for i in range(cfg.num_layers) if cfg.sparse(i)).reshape(tokens_BxL.shape)
+    if router_logits:
+        extras["router_logits"] = list(inter["router_logits"])
+    return hidden, extras
 
 
 def routing_of(variables, cfg: ModelConfig, b: int, t: int):
@@ -337,8 +367,9 @@ def segment_mask(segment_BxL):
     return Segments(segment_BxL).dense()
 
 
-def forward_packed(params, cfg: ModelConfig, tokens_BxL, segment_BxL, position_BxL, routing=None):
+def forward_packed(params, cfg: ModelConfig, tokens_BxL, segment_BxL, position_BxL, routing=None,
+                   router_logits: bool = False):
     """Full-sequence forward over packed rows (several sequences per row, `packing.py`)."""
     mask = self_mask(cfg, segment_BxL, lambda: segment_mask(segment_BxL))
-    return _apply(params, cfg, tokens_BxL, position_BxL, mask, routing)
+    return _apply(params, cfg, tokens_BxL, position_BxL, mask, routing, router_logits)
 

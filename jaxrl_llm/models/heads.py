@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_llm.models import decoder, policy_dist
+from jaxrl_llm.models import decoder, moe, policy_dist
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.policy_dist import PolicyDist
 
@@ -75,7 +75,7 @@ def map_chunks(fn, xs, chunk: int):
 
 def sequence_logprobs(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL=None, *, dist: PolicyDist = PolicyDist(),
                       kept_BxL=None, topk: int = 0, gather_ids_BxLxK=None, entropy: bool = True, chunk: int = 128,
-                      return_hidden: bool = False, segments=None, routing_BxLxMxK=None):
+                      return_hidden: bool = False, segments=None, routing_BxLxMxK=None, balance: bool = False):
     """Teacher-forced stats aligned with `tokens` (the batch contract): index t describes token
     t given tokens[:, :t]; column 0 has no context and is 0 (it is always a prompt position).
     `kept_BxL` (aligned the same way: `TrajectoryBatch.behav_kept`) sizes the truncated support.
@@ -84,14 +84,19 @@ def sequence_logprobs(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL=None,
     sequence's first token then comes from the previous segment and must be masked (it is
     always a prompt token). `routing_BxLxMxK`: the sampler's experts (a mixture of experts):
     replayed under `moe_routing=replay`, and `routing_differs` counts the sparse layers whose own
-    top k differs from them at each position."""
+    top k differs from them at each position. `balance`: also `moe_aux_loss`, the load-balancing
+    loss (`moe.load_balancing_loss`) over the real tokens, one number."""
+    balance = balance and cfg.num_experts > 0
+    kw = dict(routing=routing_BxLxMxK, router_logits=balance)
     if segments is not None:
-        out = decoder.forward_packed(params, cfg, tokens_BxL, *segments, routing=routing_BxLxMxK)
+        out = decoder.forward_packed(params, cfg, tokens_BxL, *segments, **kw)
+        real_BxL = segments[0] > 0
     else:
         if input_mask_BxL is None:
             input_mask_BxL = jnp.ones(tokens_BxL.shape, jnp.int32)
-        out = decoder.forward(params, cfg, tokens_BxL, input_mask_BxL, routing=routing_BxLxMxK)
-    hidden, differs = out if routing_BxLxMxK is not None else (out, None)
+        out = decoder.forward(params, cfg, tokens_BxL, input_mask_BxL, **kw)
+        real_BxL = input_mask_BxL > 0
+    hidden, extras = out if routing_BxLxMxK is not None or balance else (out, {})
     gather = None if gather_ids_BxLxK is None else gather_ids_BxLxK[:, 1:]
     kept = None if kept_BxL is None else kept_BxL[:, 1:]
     stats = logprob_stats(hidden[:, :-1], decoder.unembed_matrix(params, cfg), tokens_BxL[:, 1:], dist=dist,
@@ -99,8 +104,11 @@ def sequence_logprobs(params, cfg: ModelConfig, tokens_BxL, input_mask_BxL=None,
     stats = jax.tree_util.tree_map(lambda y: jnp.pad(y, [(0, 0), (1, 0)] + [(0, 0)] * (y.ndim - 2)), stats)
     if return_hidden:
         stats["hidden"] = hidden
-    if differs is not None:
-        stats["routing_differs"] = differs
+    if "routing_differs" in extras:
+        stats["routing_differs"] = extras["routing_differs"]
+    if balance:
+        stats["moe_aux_loss"] = moe.load_balancing_loss(extras["router_logits"], cfg.num_experts_per_tok,
+                                                        real_BxL.reshape(-1))
     return stats
 
 

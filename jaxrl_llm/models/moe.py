@@ -20,9 +20,9 @@ function of the same routing. On the learner's mesh the dispatch runs per device
 `shard_map` (`on_devices`), with the experts split over the `expert` axis (expert parallelism).
 
 The router runs in float32 whatever the compute dtype (its logits pick experts: a bf16 rounding
-flips near-ties). Each MoE layer sows its router logits (`intermediates/router_logits`) for the
-load-balancing loss (`load_balancing_loss`, the Switch Transformer loss as transformers computes
-it); nothing is kept unless the caller asks for that collection.
+flips near-ties). A layer returns its router logits beside its output: the decoder keeps them for
+the load-balancing loss (`load_balancing_loss`, the Switch Transformer loss as transformers
+computes it) when `ModelConfig.moe_aux_loss_coef` asks for it.
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ _init = nn.initializers.normal(stddev=0.02)
 # makes a random Qwen3-MoE-style model of the model section's sizes instead (no hf_path), each
 # expert `intermediate_size` wide (0: model.intermediate_size), the top `top_k` renormalised.
 # sampler_router_dtype: the samplers' router matmul (research: perturbed sampler numerics).
+# aux_loss_coef: the learner adds coef x `load_balancing_loss` to every objective's loss (0: off;
+# -1: the checkpoint's router_aux_loss_coef, which transformers applies only with output_router_logits).
 SECTION = V.Section(routing=("recompute", V.one_of("recompute", "replay")), dispatch=("auto", V.one_of(*DISPATCH)),
                     experts=(0, V.integer(0)), top_k=(2, V.integer(1)), intermediate_size=(0, V.integer(0)),
-                    sampler_router_dtype=("float32", V.one_of(*DTYPES)))
+                    sampler_router_dtype=("float32", V.one_of(*DTYPES)), aux_loss_coef=(0.0, V.at_least(-1.0)))
 
 
 def _part(axes):
@@ -203,8 +205,9 @@ class MoE(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxTxD, routing_BxTxK=None):
-        """`routing_BxTxK`: the experts the sampler used: replayed with `moe_routing=replay` (R3),
-        else only compared with the router's own top k (`routing_differs`); None: the router's."""
+        """-> (output, router logits [B T, E] float32). `routing_BxTxK`: the experts the sampler
+        used: replayed with `moe_routing=replay` (R3), else only compared with the router's own
+        top k (`routing_differs`); None: the router's."""
         c = self.cfg
         d, e, f = c.hidden_size, c.num_experts, c.moe_intermediate_size
         x = x_BxTxD.reshape(-1, d)
@@ -212,7 +215,6 @@ class MoE(nn.Module):
         router = self.param("router", _part(("embed", None)), (d, e), c.param_dtype)
         rd = jnp.dtype(c.router_dtype)  # float32 unless a sampler is perturbed on purpose (`for_sampling`)
         logits = jnp.dot(x.astype(rd), router.astype(rd)).astype(jnp.float32)
-        self.sow("intermediates", "router_logits", logits)
         weights, ids = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
         if routing_BxTxK is not None:
             given = routing_BxTxK.reshape(-1, c.num_experts_per_tok).astype(jnp.int32)
@@ -238,7 +240,7 @@ class MoE(nn.Module):
             scale = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), self.param(
                 "shared_scale", _part(("embed", None)), (d, 1), c.param_dtype).astype(jnp.float32)))
             y = y + shared * scale.astype(c.dtype)
-        return y.reshape(x_BxTxD.shape).astype(x_BxTxD.dtype)
+        return y.reshape(x_BxTxD.shape).astype(x_BxTxD.dtype), logits
 
 
 def load_balancing_loss(router_logits, k: int, mask_N=None):

@@ -153,12 +153,15 @@ def model_cfg(m, task) -> models.ModelConfig:
         if task.vocab_size > cfg.vocab_size:
             raise ValueError(f"the task's tokenizer has {task.vocab_size} tokens but {m.hf_path!r} embeds only "
                              f"{cfg.vocab_size}")
+        if moe is not None and moe.aux_loss_coef:
+            chosen["moe_aux_loss_coef"] = cfg.router_aux_loss_coef if moe.aux_loss_coef < 0 else moe.aux_loss_coef
         return cfg.replace(**chosen)
     if moe is not None and moe.experts:
         if moe.top_k > moe.experts:
             raise ValueError(f"model.moe.top_k={moe.top_k} exceeds model.moe.experts={moe.experts}")
         chosen.update(model_type="qwen3_moe", num_experts=moe.experts, num_experts_per_tok=moe.top_k,
-                      moe_intermediate_size=moe.intermediate_size or m.intermediate_size, norm_topk_prob=True)
+                      moe_intermediate_size=moe.intermediate_size or m.intermediate_size, norm_topk_prob=True,
+                      moe_aux_loss_coef=max(moe.aux_loss_coef, 0.0))
     return models.ModelConfig(vocab_size=task.vocab_size, eos_token_id=task.eos_id, **chosen,
                               **{f: m[f] for f in _MODEL_FIELDS})
 
