@@ -195,3 +195,18 @@ def test_an_agent_run_killed_with_sigkill_resumes_losing_and_repeating_no_sessio
     assert [s["step"] for s in steps] == list(range(1, end + 1))
     per_step = 2 * 4  # prompts_per_batch x num_samples
     assert [s["episode/count"] for s in steps] == [per_step * s["step"] for s in steps]
+
+
+def test_agent_sessions_of_a_mixture_of_experts_carry_their_routing_and_replay_it(tmp_path):
+    """The gateway's slots record each session's experts (prompt, drawn and tool-result
+    positions): a sync agent run of a random MoE policy replays them, its learner reproducing the
+    sampled log-probs and routing exactly as sampled."""
+    c = shrink(get_config(), steps=2, eval_every=2)
+    c.sampler.slots, c.task.max_turns, c.gateway.concurrency, c.runtime.mode = 3, 3, 4, "sync"
+    c.model.moe.update(experts=4, top_k=2, intermediate_size=32, routing="replay")
+    assert plan.resolve(c).sampler.record_routing
+    assert experiment.run(c, str(tmp_path), log=lambda *_: None)["version"] == 2
+    steps = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r]
+    assert max(r["mismatch/abs_logp_max"] for r in steps) < 1e-4
+    # the sampler's experts are the learner's own top k but where a minibatch update flipped a near-tie
+    assert all(r["moe/routing_differs_pairs"] < 0.02 for r in steps)

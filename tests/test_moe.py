@@ -350,12 +350,11 @@ def test_a_run_replays_the_samplers_routing(pair, tmp_path):
     assert max(s["mismatch/abs_logp_max"] for s in steps) < 1e-4
     assert all(s["moe/routing_differs_pairs"] <= s["moe/routing_differs_tokens"] <= 1 for s in steps)
     assert all(1 <= s["moe/expert_load_max_over_mean"] <= s["moe/expert_load_worst_layer"] <= 4 for s in steps)
-    c.sampler.batching = "continuous"
-    with pytest.raises(ValueError, match=r"moe.routing=replay needs .* \(here: sampler.batching=continuous\)"):
-        plan.resolve(c)
+    c.sampler.batching = "continuous"  # the decode slots record routing too
+    assert plan.resolve(c).sampler.record_routing
     c = _tiny("ppo")
     c.model.moe.routing = "replay"
-    with pytest.raises(ValueError, match=r"\(here: the model is dense\)"):
+    with pytest.raises(ValueError, match=r"routing=replay needs a mixture of experts \(here: the model is dense\)"):
         plan.resolve(c)
 
 
@@ -469,3 +468,43 @@ def test_a_random_mixture_of_experts_from_the_config_and_a_perturbed_sampler_rou
     c.model.hf_path, c.model.moe.top_k = "", 8
     with pytest.raises(ValueError, match="model.moe.top_k=8 exceeds model.moe.experts=4"):
         plan.resolve(c)
+
+
+def test_continuous_batching_and_multi_turn_episodes_record_each_positions_experts():
+    """Routing capture in the decode slots: a continuous batch (3 slots for 10 rows, refilled)
+    records the experts a static batch does, and multi-turn episodes (released slots, parked
+    caches, observations forced; the cache kept or recomputed) record at every real position
+    (prompt, drawn, observed) the learner's own top k at equal weights."""
+    from jaxrl_llm.models import decoder
+    from jaxrl_llm.rollout.turns import Turns
+    from tests.test_turns import EOS, PROMPTS, STOP, Echo
+
+    cfg = models.ModelConfig(vocab_size=24, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                             intermediate_size=64, head_dim=8, model_type="qwen3_moe", num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+    params = decoder.init_params(cfg, jax.random.key(0))
+    base = dict(max_new_tokens=24, temperature=1.0, capture_topk=0, num_samples=2, prompt_buckets=(8,),
+                decode_segment=4, eos_token_id=EOS, record_routing=True)
+
+    def own_topk(b):  # the learner's routers over the whole sequence, teacher-forced
+        _, var = decoder.Decoder(cfg).apply({"params": params}, b.tokens, decoder.padding_positions(b.input_mask),
+                                            decoder.causal_mask(b.input_mask), mutable=["intermediates"])
+        return np.sort(np.asarray(decoder.routing_of(var, cfg, *b.tokens.shape)), -1)
+
+    batches = {}
+    for batching, slots in (("static", 0), ("continuous", 3)):
+        s = Sampler(cfg, SamplerConfig(**base, batching=batching, slots=slots))
+        batches[batching] = jax.tree.map(np.asarray, s.generate(params, PROMPTS, jax.random.key(3)))
+    static, cont = batches["static"], batches["continuous"]
+    np.testing.assert_array_equal(cont.tokens, static.tokens)
+    real = static.input_mask > 0
+    np.testing.assert_array_equal(cont.routing[real], static.routing[real])
+    np.testing.assert_array_equal(np.sort(static.routing, -1)[real], own_topk(static)[real])
+    for cache in ("keep", "recompute"):
+        s = Sampler(cfg, SamplerConfig(**base, batching="continuous", slots=3, turn_stop_ids=(STOP,), turn_cache=cache))
+        env = Echo()
+        b = jax.tree.map(np.asarray, s.generate(params, PROMPTS, jax.random.key(5), turns=Turns(env)))
+        real = b.input_mask > 0
+        observed = real & (b.loss_mask == 0) & (np.arange(b.tokens.shape[1]) >= 8)
+        assert env.calls and observed.sum() > 0  # turns ended and observations were forced
+        np.testing.assert_array_equal(np.sort(b.routing, -1)[real], own_topk(b)[real])

@@ -76,8 +76,8 @@ def replayed(cfg: ModelConfig, batch: TrajectoryBatch):
     """The experts the sampler used (a mixture of experts): replayed under `model.moe.routing=replay`
     (which needs them), else compared with the learner's own (`routing_differs`)."""
     if cfg.moe_routing == "replay" and batch.routing is None:
-        raise ValueError("model.moe.routing=replay: this batch carries no routing (the sampler records it in "
-                         "static batching of single-turn tasks)")
+        raise ValueError("model.moe.routing=replay: this batch carries no routing (a sampler with "
+                         "SamplerConfig.record_routing records it)")
     return batch.routing if cfg.num_experts else None
 
 

@@ -41,10 +41,17 @@ OUTPUTS = ("tokens_BxN", "valid_BxN", "logp_BxN", "kept_BxN", "versions_BxN", "t
            "eos_B", "obs_BxN")
 
 
+def _outputs(st) -> tuple:
+    """The fields a finished row hands over: `OUTPUTS`, and its experts when recorded."""
+    return OUTPUTS + (("routing",) if st.routing is not None else ())
+
+
 def _empty(slots: int, p: int, mcfg: ModelConfig, scfg: SamplerConfig) -> decode.DecodeState:
     """S idle slots (done, budget 0) with a cache of P + N positions."""
     n, k = scfg.max_new_tokens, scfg.capture_topk
     zeros = lambda shape, dtype=jnp.float32: jnp.zeros(shape, dtype)
+    layers = sum(mcfg.sparse(i) for i in range(mcfg.num_layers))
+    routing = zeros((slots, p + n, layers, mcfg.num_experts_per_tok), jnp.int16) if scfg.record_routing else None
     return decode.DecodeState(
         step=zeros((slots,), jnp.int32), uniforms_NxB=zeros((n, slots)),
         cache=[{"k": zeros((slots, mcfg.num_kv_heads, mcfg.head_dim, p + n), scfg.cache_dtype),
@@ -57,7 +64,7 @@ def _empty(slots: int, p: int, mcfg: ModelConfig, scfg: SamplerConfig) -> decode
         logp_BxN=zeros((slots, n)), kept_BxN=zeros((slots, n), jnp.int32),
         versions_BxN=jnp.full((slots, n), -1, jnp.int32), topk_ids_BxNxK=zeros((slots, n, k), jnp.int32),
         topk_logp_BxNxK=zeros((slots, n, k)), forced_BxN=jnp.full((slots, n), -1, jnp.int32),
-        obs_BxN=zeros((slots, n), bool))
+        obs_BxN=zeros((slots, n), bool), routing=routing)
 
 
 def _insert(st, pool, pool_I, slot_I):
@@ -74,6 +81,9 @@ def _insert(st, pool, pool_I, slot_I):
         "logits_BxV", "positions_B", "limit_B", "done_B", "eos_B", "tokens_BxN", "valid_BxN", "logp_BxN", "kept_BxN",
         "versions_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK", "forced_BxN", "obs_BxN")}
     per_row = lambda x: jnp.broadcast_to(x, pool.done_B.shape)[pool_I]  # noqa: E731  (a parked row's own)
+    if st.routing is not None:  # a prefill's prompt columns, or a parked row's every column
+        wide = jnp.pad(pool.routing, [(0, 0), (0, st.routing.shape[1] - pool.routing.shape[1]), (0, 0), (0, 0)])
+        rows["routing"] = put(st.routing, wide)
     return st.replace(
         **rows, cache=cache, step=st.step.at[slot_I].set(per_row(pool.step), mode="drop"),
         logits_version=st.logits_version.at[slot_I].set(per_row(pool.logits_version), mode="drop"),
@@ -131,7 +141,8 @@ class SlotEngine:
         self.seg = min(scfg.decode_segment or scfg.max_new_tokens, scfg.max_new_tokens)
         self.occupancy = []  # per stream: generated tokens / (slots x decode steps run)
         rows = mesh and tuple(mesh.axis_names)
-        specs, pool_specs = (decode.DecodeState.specs(rows, per_row=True), decode.DecodeState.specs(rows))
+        specs, pool_specs = (decode.DecodeState.specs(rows, per_row=True, routing=scfg.record_routing),
+                             decode.DecodeState.specs(rows, routing=scfg.record_routing))
         r, rep = PartitionSpec(rows), PartitionSpec()
         local = functools.partial(decode.per_device, mesh)
         self._rows = None if mesh is None else NamedSharding(mesh, r)
@@ -266,7 +277,7 @@ class SlotEngine:
         finished = np.flatnonzero((s.row_of >= 0) & done & ~s.holding)
         if not finished.size:
             return st, np.empty(0, np.int64), {}
-        got = {f: x[finished] for f, x in jax.device_get({f: getattr(st, f) for f in OUTPUTS}).items()}
+        got = {f: x[finished] for f, x in jax.device_get({f: getattr(st, f) for f in _outputs(st)}).items()}
         ids = s.row_of[finished].copy()
         if turns is not None:  # a turn's end is not the row's: it waits for its reply
             paused = turns.ended_turns(ids, got, lambda i: s.rows[i][2])
@@ -308,7 +319,7 @@ class SlotEngine:
             step = int(jax.device_get(jnp.broadcast_to(state.step, state.done_B.shape)[at]))
             room = int(s.rows[i][2]) - step
             if reply.done or room <= 0 or not len(reply.obs_ids):
-                got = jax.device_get({f: getattr(state, f)[at:at + 1] for f in OUTPUTS})  # this row only
+                got = jax.device_get({f: getattr(state, f)[at:at + 1] for f in _outputs(state)})  # this row only
                 ended.append((np.asarray([i]), got))
                 if w.pool is None:
                     s.row_of[w.slot], s.holding[w.slot] = -1, False

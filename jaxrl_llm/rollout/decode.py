@@ -53,8 +53,8 @@ class DecodeState:
     # and which columns hold such tokens (loss 0, version -1, log-prob 0).
     forced_BxN: jax.Array  # i32
     obs_BxN: jax.Array  # bool
-    # A mixture of experts with `scfg.record_routing` (static batches): the experts each position
-    # (prompt, then new tokens) was routed to, per sparse layer: i16[B, P + N, M, R]. None: not recorded.
+    # A mixture of experts with `scfg.record_routing`: the experts each position (prompt, then new
+    # tokens and observations) was routed to, per sparse layer: i16[B, P + N, M, R]. None: not recorded.
     routing: Any = None
 
     @classmethod
@@ -200,7 +200,9 @@ def decode_step(params, unembed_DxV, st: DecodeState, version, p: int, mcfg: Mod
     # Cache slots past p + i are not yet valid, so the key mask alone is causal.
     (h, cache), routing = _apply(params, mcfg, scfg, tok[:, None], st.positions_B[:, None], key_valid[:, None, :],
                                  st.cache, p + i)
-    if routing is not None:  # static batches only (`record_routing`): every row at column p + i
+    if routing is not None and per_row:  # decode slots: each row at its own column
+        routing = st.routing.at[rows, p + i].set(routing[:, 0], mode="drop")
+    elif routing is not None:  # a static batch: every row at column p + i
         routing = jax.lax.dynamic_update_slice_in_dim(st.routing, routing, p + i, 1)
     taken = i + live if per_row else i + 1  # a finished slot keeps its column
     return st.replace(

@@ -61,7 +61,7 @@ class SamplerConfig:
     turn_stop_ids: tuple = ()  # multi-turn: drawn tokens that end a turn (the environment answers)
     backend: str = _DEFAULT["backend"]  # which rollout backend samples (`rollout.backend.make`)
     turn_cache: str = _DEFAULT["turn_cache"]  # multi-turn, continuous: keep | recompute a waiting row's cache
-    record_routing: bool = False  # a mixture of experts, static batches: record each position's experts
+    record_routing: bool = False  # a mixture of experts: record each position's experts (R3)
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.capture_topk < 0:
@@ -71,9 +71,6 @@ class SamplerConfig:
         if self.batching not in BATCHING or self.slots < 0:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)} and slots >= 0; got {self.batching!r}, "
                              f"{self.slots}")
-        if self.record_routing and (self.batching != "static" or self.turn_stop_ids):
-            raise ValueError("record_routing (a mixture of experts' routing replay) is recorded in static batches of "
-                             "single-turn tasks for now")
         if self.turn_cache not in TURN_CACHE:
             raise ValueError(f"unknown turn_cache {self.turn_cache!r}; valid: {', '.join(TURN_CACHE)}")
 

@@ -167,23 +167,16 @@ def model_cfg(m, task) -> models.ModelConfig:
 
 
 def check_replay(config, task, mcfg: models.ModelConfig) -> None:
-    """`model.moe.routing=replay` replays what the samplers record: a mixture of experts sampled in
-    static batches of a single-turn task (by the run's own samplers or its sampler nodes)."""
-    if mcfg.moe_routing != "replay":
-        return
-    why = ("the model is dense" if not mcfg.num_experts else
-           "sampler.batching=continuous" if config.sampler.batching != "static" else
-           f"task {config.task.name!r} is multi-turn" if config.task.name in tasks.MULTI_TURN + ("agent",) else "")
-    if why:
-        raise ValueError(f"model.moe.routing=replay needs a mixture of experts sampled in static batches of a "
-                         f"single-turn task (here: {why})")
+    """`model.moe.routing=replay` replays what the samplers record (`records_routing`): a mixture
+    of experts."""
+    if mcfg.moe_routing == "replay" and not mcfg.num_experts:
+        raise ValueError("model.moe.routing=replay needs a mixture of experts (here: the model is dense)")
 
 
 def records_routing(config, mcfg: models.ModelConfig) -> bool:
-    """Whether the samplers (the run's own, or its nodes) record each position's experts: a mixture
-    of experts sampled in static batches of a single-turn task (for replay, or the mismatch metrics)."""
-    return bool(mcfg.num_experts) and config.sampler.batching == "static" \
-        and config.task.name not in tasks.MULTI_TURN + ("agent",)
+    """Whether the samplers (the run's own, its nodes, the agent gateway's slots) record each
+    position's experts, for replay or the mismatch metrics: whenever the policy is a mixture of experts."""
+    return bool(mcfg.num_experts)
 
 
 def sampler_cfg(config, task, greedy: bool = False, record_routing: bool = False) -> SamplerConfig:
