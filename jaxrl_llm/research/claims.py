@@ -1,4 +1,5 @@
-"""The papers' headline claims in miniature, and the rules that judge them (`reproduce` runs them).
+"""The papers' headline claims in miniature (and the project's own, each citing the issue that set
+it), and the rules that judge them (`reproduce` runs them).
 
 Each claim names its paper, says what it claims in one sentence, lists its arms (a config file
 plus overrides; every arm runs for every seed) and a rule. Rules are fixed here, before any
@@ -41,6 +42,7 @@ M2PO = ("Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale 
 JACKPOT = ("Jackpot: Optimal Budgeted Rejection Sampling for Extreme Actor-Policy Mismatch Reinforcement Learning",
            "arXiv:2602.06107")
 R3 = ("Stabilizing MoE Reinforcement Learning by Aligning Training and Inference Routers", "arXiv:2510.11370")
+GATEWAY = ("Issue #52: agents written against an OpenAI-style client, trained through the gateway", "issue #52")
 # A random 4-expert, top-2 policy whose samplers route in bfloat16 while its learner routes in float32
 # (an inference engine's numerics against a trainer's); TIS on the behaviour weight in both arms.
 MOE = (("model.moe.experts", 4), ("model.moe.top_k", 2), ("model.moe.sampler_router_dtype", "bfloat16"),
@@ -174,6 +176,10 @@ def _r3_rule(r: Results) -> list:
             noninferior(r.final("r3_replay"), r.final("r3_recompute"), "final reward replay - recompute")]
 
 
+def _gateway_rule(r: Results) -> list:
+    return [noninferior(r.final("agent_gateway"), r.final("builtin_tool"), "final reward gateway agent - built-in")]
+
+
 def _drop(r: Results, objective: str) -> np.ndarray:
     return r.final(f"{objective}_s0") - r.final(f"{objective}_s{STALENESS[-1]}")
 
@@ -241,6 +247,14 @@ def all_claims() -> list[Claim]:
                   Arm("r3_replay", "configs/default.py", MOE + (("model.moe.routing", "replay"),)),
                   Arm("r3_recompute", "configs/default.py", MOE)), _r3_rule,
               f"greater(recompute mismatch, replay mismatch); noninferior(replay, recompute, {MARGIN})"),
+        Claim("agent_gateway", GATEWAY,
+              "The calculator task written as an ordinary OpenAI function-calling agent "
+              "(examples/calculator_agent.py, the stock client) and trained through the gateway reaches the "
+              "held-out reward of the built-in tool_arithmetic environment (within the margin).",
+              "final held-out reward", (
+                  Arm("agent_gateway", "configs/agent_calculator.py"),
+                  Arm("builtin_tool", "configs/tool_arithmetic.py")), _gateway_rule,
+              f"noninferior(gateway agent, built-in, {MARGIN})"),
     ]
 
 
