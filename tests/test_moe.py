@@ -440,8 +440,9 @@ def test_a_sampler_node_records_routing_and_the_learner_replays_it(tmp_path):
 
 def test_a_random_mixture_of_experts_from_the_config_and_a_perturbed_sampler_router(tmp_path):
     """`model.moe.experts` > 0 without a checkpoint: a random Qwen3-MoE-style policy of the model
-    section's sizes trains, its samplers' log-probs equal to the learner's; with the samplers'
-    router in bfloat16 (`model.moe.sampler_router_dtype`, the learner's stays float32) they differ."""
+    section's sizes trains (here with LoRA on the attention projections, packed rows and replay),
+    its samplers' log-probs equal to the learner's; with the samplers' router in bfloat16
+    (`model.moe.sampler_router_dtype`, the learner's stays float32) they differ."""
     import json
 
     from jaxrl_llm.run import experiment, plan
@@ -452,12 +453,17 @@ def test_a_random_mixture_of_experts_from_the_config_and_a_perturbed_sampler_rou
         c = _tiny("ppo", mode="sync")
         c.model.moe.update(experts=4, top_k=2, intermediate_size=32, sampler_router_dtype=dtype,
                            aux_loss_coef=0.01 if dtype == "bfloat16" else 0.0)
+        if dtype == "float32":
+            c.model.moe.routing, c.task.reward = "replay", "digits"  # partial credit: advantages, gradients
+            c.model.lora.update(rank=4, targets="q,k,v,o")
+            c.learner.update(packing="auto", packing_min_len=0)
         c.train.update(steps=2, eval_every=2, save_every=2)
         lines = []
         assert experiment.run(c, str(tmp_path / dtype), log=lines.append)["version"] == 2
         assert "mixture of experts: 4 experts, top 2" in "\n".join(lines)
         steps = [json.loads(x) for x in open(tmp_path / dtype / "metrics.jsonl") if '"loss"' in x]
         gaps[dtype] = max(s["mismatch/abs_logp_max"] for s in steps)
+        assert dtype == "bfloat16" or max(s["update_norm"] for s in steps) > 0  # the adapters train
         assert all("moe/expert_load_max_over_mean" in s for s in steps)
         # the load-balancing loss is logged when its coefficient is on (2, k, at an even load)
         assert all(1 < s["moe/aux_loss"] < 4 for s in steps) if dtype == "bfloat16" else "moe/aux_loss" not in steps[0]
