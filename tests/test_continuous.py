@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import decoder
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.rollout import Sampler, SamplerConfig, continuous
+from jaxrl_llm.rollout import Sampler, SamplerConfig, slot_state
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
                   head_dim=8)
@@ -113,9 +113,9 @@ def test_programs_are_bounded_whatever_the_mix_of_lengths(params):
     assert traces["segment"] <= 12 // 4  # one per attention width
     # Widths in powers of two of segments: 6 programs at N = 1,024 in 32-step segments (not 32),
     # each reading at most twice the positions the deepest slot needs.
-    widths = {continuous.attention_width(r, 32, 1024) for r in range(1, 1025)}
+    widths = {slot_state.attention_width(r, 32, 1024) for r in range(1, 1025)}
     assert sorted(widths) == [32, 64, 128, 256, 512, 1024]
-    assert all(r <= continuous.attention_width(r, 32, 1024) < 2 * max(r, 32) for r in range(1, 1025))
+    assert all(r <= slot_state.attention_width(r, 32, 1024) < 2 * max(r, 32) for r in range(1, 1025))
 
 
 def test_heavy_tail_keeps_slots_fuller_than_a_static_batch(params):

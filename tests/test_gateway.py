@@ -292,3 +292,30 @@ def test_text_completions_extend_a_session_too(served):
     row = b.tokens[0][b.input_mask[0] > 0].tolist()
     want = gw.format.encode(prompt) + turn + ids("five", "\n") + turn
     assert row[:len(want)] == want and done.branched.tolist() == [False]
+
+
+def test_a_streamed_turn_arrives_segment_by_segment_as_it_decodes(served, monkeypatch):
+    """`stream=true` sends a turn's text while the slots decode it (each segment's tokens, read
+    after the segment): a text turn of many segments arrives in several events, which together
+    are the turn the session recorded. (Each segment is held 0.2 s here: this tiny model decodes
+    a whole turn between two of the server's 10 ms looks.)"""
+    import time
+
+    gw, srv = served
+    progress = service.Gateway.__call__
+    monkeypatch.setattr(service.Gateway, "__call__", lambda self, parts: (progress(self, parts), time.sleep(0.2)))
+    prompt = "<|im_start|>user\nsay something<|im_end|>\n<|im_start|>assistant"  # no newline: no scripted call
+    long = False
+    for k in range(8):  # sessions until one's turn outlasts a segment (a row's draws follow its id)
+        name, pieces, finish = f"s-tokens-{k}", [], None
+        for c in _client(srv, name).completions.create(model="policy", prompt=prompt, stream=True):
+            pieces += [c.choices[0].text] if c.choices[0].text else []
+            finish = c.choices[0].finish_reason or finish
+        turn = gw.sessions.rows[gw.sessions.latest[name]].messages[len(prompt):]
+        assert "".join(pieces) == turn and finish in ("stop", "length")
+        _reward(srv, name, 0.0)
+        assert _closed(gw)[0].session == name
+        if len(tokenizer().encode(turn)) > sampler().cfg.decode_segment:
+            long = True
+            break
+    assert long and len(pieces) >= 2, pieces

@@ -18,6 +18,7 @@ import json
 import re
 from typing import Any, Optional, Sequence
 
+CALL_OPEN = "<tool_call>"  # Hermes / Qwen tool calls: <tool_call>{"name": ..., "arguments": ...}</tool_call>
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 

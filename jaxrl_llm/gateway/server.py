@@ -6,8 +6,9 @@ and refused by name. A session is named by the base URL (`/s/<session>/v1`, what
 takes as `base_url`) or by the `X-Session-Id` header. Loopback by default; any other host needs
 the run's token, sent as the bearer key (`api_key=` of the stock client).
 
-  POST /v1/chat/completions          one assistant turn (`stream=true`: server-sent events)
-  POST /v1/completions               one text turn (the session's text so far, then new text)
+  POST /v1/chat/completions          one assistant turn (`stream=true`: server-sent events, the text
+                                     as the slots decode it, segment by segment; tool calls once parsed)
+  POST /v1/completions               one text turn (the session's text so far, then new text; streams too)
   GET  /v1/models                    the one model served
   POST /rl/sessions/{id}/reward      {"reward": r} (null: the task's check): the session closes, is trained
   GET  /rl/prompts?max=n             gateway.external: up to n sessions to play ({session, problem, base_url})
@@ -131,21 +132,20 @@ async def _answer(gateway, request: Request, session: Optional[str], kind: str):
         future = (gateway.chat if kind == "chat" else gateway.complete)(session, body)
     except chat.ChatError as e:
         return _error(409 if "in flight" in str(e) else 400, str(e), _param(str(e)))
+    head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": gateway.model}
+    if body.get("stream"):
+        return StreamingResponse(_streamed(gateway, gateway.watch(session), future, head, kind, start),
+                                 media_type="text/event-stream")
     try:
         message, finish = await asyncio.wrap_future(future)
     except chat.ChatError as e:
         return _error(409, str(e))
     gateway.answered(1e3 * (time.perf_counter() - start))
-    out = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-           "model": gateway.model}
     if kind == "text":
         choice = {"index": 0, "text": message, "finish_reason": finish, "logprobs": None}
-        if body.get("stream"):
-            return StreamingResponse(_text_events(out, message, finish), media_type="text/event-stream")
-        return JSONResponse({**out, "object": "text_completion", "choices": [choice]})
-    if body.get("stream"):
-        return StreamingResponse(_events(out, message, finish), media_type="text/event-stream")
-    return JSONResponse({**out, "object": "chat.completion",
+        return JSONResponse({**head, "object": "text_completion", "choices": [choice]})
+    return JSONResponse({**head, "object": "chat.completion",
                          "choices": [{"index": 0, "message": message, "finish_reason": finish}]})
 
 
@@ -166,31 +166,59 @@ async def _reward(gateway, session: str, request: Request):
     return JSONResponse({"session": session, "reward": value})
 
 
-def _events(head: dict, message: dict, finish: str):
-    """The answer as chat.completion.chunk events: the role, the content, each tool call, the
-    finish reason, then [DONE]. The turn is decoded whole before it is sent (slots decode in
-    segments), so the events arrive together."""
-    def chunk(delta, reason=None):
+def _visible(text: str, kind: str) -> str:
+    """What of a turn's text so far can be sent: a chat turn's up to its first tool call (sent as
+    `tool_calls` once parsed) and never a marker's first characters; no character a later token
+    may complete (a replacement character)."""
+    if kind == "chat":
+        text = text.split(chat.CALL_OPEN, 1)[0]
+        mark = chat.CALL_OPEN
+        text = next((text[:-k] for k in range(len(mark) - 1, 0, -1) if text.endswith(mark[:k])), text)
+    return text.rstrip("\ufffd")
+
+
+def _event(head: dict, kind: str, delta, reason=None) -> str:
+    """One server-sent event: a chat.completion.chunk (`delta` a dict) or a text_completion
+    (`delta` the text)."""
+    if kind == "chat":
         c = {**head, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta,
                                                                       "finish_reason": reason}]}
-        return f"data: {json.dumps(c)}\n\n"
-
-    yield chunk({"role": "assistant", "content": ""})
-    if message.get("content"):
-        yield chunk({"content": message["content"]})
-    for i, call in enumerate(message.get("tool_calls", ())):
-        yield chunk({"tool_calls": [{"index": i, **call}]})
-    yield chunk({}, finish)
-    yield "data: [DONE]\n\n"
-
-
-def _text_events(head: dict, text: str, finish: str):
-    """A text completion as events: the text, the finish reason, then [DONE]."""
-    for piece, reason in ((text, None), ("", finish)):
-        c = {**head, "object": "text_completion", "choices": [{"index": 0, "text": piece, "finish_reason": reason,
+    else:
+        c = {**head, "object": "text_completion", "choices": [{"index": 0, "text": delta, "finish_reason": reason,
                                                                 "logprobs": None}]}
-        yield f"data: {json.dumps(c)}\n\n"
-    yield "data: [DONE]\n\n"
+    return f"data: {json.dumps(c)}\n\n"
+
+
+async def _streamed(gateway, row: int, future, head: dict, kind: str, start: float):
+    """A turn as server-sent events while the slots decode it: its text as it grows (each
+    segment's tokens), then the rest of its content, each tool call, the finish reason and
+    [DONE]. A client that leaves stops the events; its turn still ends in the slots."""
+    sent = ""
+    try:
+        if kind == "chat":
+            yield _event(head, kind, {"role": "assistant", "content": ""})
+        while not future.done():
+            text = _visible(gateway.so_far(row), kind)
+            if len(text) > len(sent) and text.startswith(sent):
+                yield _event(head, kind, {"content": text[len(sent):]} if kind == "chat" else text[len(sent):])
+                sent = text
+            await asyncio.sleep(0.01)
+        try:
+            message, finish = future.result()
+        except chat.ChatError as e:
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error'}})}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        gateway.answered(1e3 * (time.perf_counter() - start))
+        content = (message.get("content") or "") if kind == "chat" else message
+        if content.startswith(sent) and len(content) > len(sent) and not (kind == "chat" and message.get("tool_calls")):
+            yield _event(head, kind, {"content": content[len(sent):]} if kind == "chat" else content[len(sent):])
+        for i, call in enumerate(message.get("tool_calls", ()) if kind == "chat" else ()):
+            yield _event(head, kind, {"tool_calls": [{"index": i, **call}]})
+        yield _event(head, kind, {} if kind == "chat" else "", finish)
+        yield "data: [DONE]\n\n"
+    finally:
+        gateway.unwatch(row)
 
 
 class Server:

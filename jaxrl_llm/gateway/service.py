@@ -70,6 +70,7 @@ class Gateway:
         self._published = None
         self._latencies: list = []
         self._prompts: dict = {}  # row -> (its prompt ids, mask) as fed, until handed over
+        self._streamed: dict = {}  # row -> [its turns before the streamed one, that turn's ids so far]
         self._engine = sampler.slots(slots)
         self._thread = threading.Thread(target=self._run, args=(params, version, seed), daemon=True,
                                         name="gateway-slots")
@@ -100,6 +101,38 @@ class Gateway:
             if row is not None:
                 self._new.append(row)
         return answer
+
+    def watch(self, session: str) -> int:
+        """A client streams the turn `session` just asked for: from the next segment on, the turn's
+        ids so far are kept (`so_far`) until `unwatch`. Returns the row it decodes in."""
+        with self._lock:
+            row = self.sessions.latest[session]
+            self._streamed[row] = [self.sessions.rows[row].turns, []]
+            return row
+
+    def unwatch(self, row: int) -> None:
+        with self._lock:
+            self._streamed.pop(row, None)
+
+    def so_far(self, row: int) -> str:
+        """The text of the streamed turn of `row` decoded so far (empty before it starts)."""
+        with self._lock:
+            ids = list(self._streamed.get(row, (0, []))[1])
+        return self.format.decode([t for t in ids if t != self.format.stop_id])
+
+    def wanted(self) -> bool:  # the slots' `progress` hook: whether any turn is streamed
+        return bool(self._streamed)
+
+    def __call__(self, parts: dict) -> None:
+        """The slots' `progress`: each streamed row's tokens after its latest observation, once
+        that observation is its request's (its turns before it all observed)."""
+        with self._lock:
+            for row, entry in self._streamed.items():
+                if row in parts:
+                    toks, obs = parts[row]
+                    runs = int(np.sum(obs[1:] & ~obs[:-1]) + (len(obs) > 0 and obs[0]))
+                    if runs == entry[0]:
+                        entry[1] = toks[max((i + 1 for i, o in enumerate(obs) if o), default=0):].tolist()
 
     def reward(self, session: str, value: Optional[float]) -> None:
         """Close `session` with `value` (None: the task will score its transcript)."""
@@ -211,7 +244,7 @@ class Gateway:
             key = jax.random.key(seed)
             turns = Turns(self._respond, release=True, max_obs=self.max_obs)
             for ids, got in engine.stream(params, self.width, version, lambda: self._feed(engine, key),
-                                          refresh=self._refresh, stop=self._stop.is_set, turns=turns):
+                                          refresh=self._refresh, stop=self._stop.is_set, turns=turns, progress=self):
                 with self._lock:
                     for i, row in enumerate(ids.tolist()):
                         out = {f: x[i] for f, x in got.items()}

@@ -32,95 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.rollout import decode
 from jaxrl_llm.rollout import turns as turns_lib
-from jaxrl_llm.rollout.sampling import SamplerConfig
-
-OUTPUTS = ("tokens_BxN", "valid_BxN", "logp_BxN", "kept_BxN", "versions_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK",
-           "eos_B", "obs_BxN")
-
-
-def _outputs(st) -> tuple:
-    """The fields a finished row hands over: `OUTPUTS`, and its experts when recorded."""
-    return OUTPUTS + (("routing",) if st.routing is not None else ())
-
-
-def _empty(slots: int, p: int, mcfg: ModelConfig, scfg: SamplerConfig) -> decode.DecodeState:
-    """S idle slots (done, budget 0) with a cache of P + N positions."""
-    n, k = scfg.max_new_tokens, scfg.capture_topk
-    zeros = lambda shape, dtype=jnp.float32: jnp.zeros(shape, dtype)
-    layers = sum(mcfg.sparse(i) for i in range(mcfg.num_layers))
-    routing = zeros((slots, p + n, layers, mcfg.num_experts_per_tok), jnp.int16) if scfg.record_routing else None
-    return decode.DecodeState(
-        step=zeros((slots,), jnp.int32), uniforms_NxB=zeros((n, slots)),
-        cache=[{"k": zeros((slots, mcfg.num_kv_heads, mcfg.head_dim, p + n), scfg.cache_dtype),
-                "v": zeros((slots, mcfg.num_kv_heads, p + n, mcfg.head_dim), scfg.cache_dtype)}
-               for _ in range(mcfg.num_layers)],
-        logits_BxV=zeros((slots, mcfg.vocab_size)), logits_version=zeros((slots,), jnp.int32),
-        key_valid_BxW=zeros((slots, p + n), bool), positions_B=zeros((slots,), jnp.int32),
-        limit_B=zeros((slots,), jnp.int32), done_B=jnp.ones((slots,), bool), eos_B=zeros((slots,), bool),
-        tokens_BxN=jnp.full((slots, n), scfg.pad_token_id, jnp.int32), valid_BxN=zeros((slots, n), bool),
-        logp_BxN=zeros((slots, n)), kept_BxN=zeros((slots, n), jnp.int32),
-        versions_BxN=jnp.full((slots, n), -1, jnp.int32), topk_ids_BxNxK=zeros((slots, n, k), jnp.int32),
-        topk_logp_BxNxK=zeros((slots, n, k)), forced_BxN=jnp.full((slots, n), -1, jnp.int32),
-        obs_BxN=zeros((slots, n), bool), routing=routing)
-
-
-def _insert(st, pool, pool_I, slot_I):
-    """Copy prefilled rows `pool_I` of `pool` into slots `slot_I` (an index >= S is padding,
-    dropped). Only the pool's cache positions are written (a prefill's: the prompt's P; the old
-    occupant's later positions are masked out until the new row overwrites them); a parked
-    multi-turn row (`turns.park`) brings its whole cache and its own step."""
-    p = pool.key_valid_BxW.shape[1]
-    put = lambda old, x: old.at[slot_I].set(x[pool_I], mode="drop")
-    cache = [{"k": old["k"].at[slot_I, :, :, :p].set(c["k"][pool_I], mode="drop"),
-              "v": old["v"].at[slot_I, :, :p, :].set(c["v"][pool_I], mode="drop")}
-             for old, c in zip(st.cache, pool.cache)]
-    rows = {f: put(getattr(st, f), getattr(pool, f)) for f in (
-        "logits_BxV", "positions_B", "limit_B", "done_B", "eos_B", "tokens_BxN", "valid_BxN", "logp_BxN", "kept_BxN",
-        "versions_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK", "forced_BxN", "obs_BxN")}
-    per_row = lambda x: jnp.broadcast_to(x, pool.done_B.shape)[pool_I]  # noqa: E731  (a parked row's own)
-    if st.routing is not None:  # a prefill's prompt columns, or a parked row's every column
-        wide = jnp.pad(pool.routing, [(0, 0), (0, st.routing.shape[1] - pool.routing.shape[1]), (0, 0), (0, 0)])
-        rows["routing"] = put(st.routing, wide)
-    return st.replace(
-        **rows, cache=cache, step=st.step.at[slot_I].set(per_row(pool.step), mode="drop"),
-        logits_version=st.logits_version.at[slot_I].set(per_row(pool.logits_version), mode="drop"),
-        uniforms_NxB=st.uniforms_NxB.at[:, slot_I].set(pool.uniforms_NxB[:, pool_I], mode="drop"),
-        key_valid_BxW=put(st.key_valid_BxW, jnp.pad(pool.key_valid_BxW, [(0, 0), (0, st.key_valid_BxW.shape[1] - p)])))
-
-
-def _segment(params, st, version, p: int, width: int, steps: int, mcfg, scfg):
-    """Up to `steps` decode steps of every slot over cache positions [0, width), stopping early
-    once every slot is done."""
-    full = st.cache, st.key_valid_BxW
-    if width < st.key_valid_BxW.shape[1]:  # one copy in and out per segment, not per step
-        st = st.replace(cache=[{"k": c["k"][..., :width], "v": c["v"][:, :, :width]} for c in st.cache],
-                        key_valid_BxW=st.key_valid_BxW[:, :width])
-    body = functools.partial(decode.decode_step, params, decode.unembed_matrix(params, mcfg), version=version, p=p,
-                             mcfg=mcfg, scfg=scfg)
-    _, st = jax.lax.while_loop(lambda c: (c[0] < steps) & ~jnp.all(c[1].done_B), lambda c: (c[0] + 1, body(c[1])),
-                               (jnp.int32(0), st))
-    if width < full[1].shape[1]:
-        put = jax.lax.dynamic_update_slice
-        st = st.replace(cache=[{"k": put(f["k"], c["k"], (0, 0, 0, 0)), "v": put(f["v"], c["v"], (0, 0, 0, 0))}
-                               for f, c in zip(full[0], st.cache)],
-                        key_valid_BxW=put(full[1], st.key_valid_BxW, (0, 0)))
-    return st
-
-
-def attention_width(reach: int, seg: int, n: int) -> int:
-    """New-token positions a segment attends over when the deepest slot will reach `reach`: a
-    power-of-two number of segments (at most twice what it reads), capped at N, so one decode
-    program serves each of ~log2(N / seg) + 1 widths instead of one per segment (32 programs at
-    N = 1,024 and 32-step segments; 6 here)."""
-    return min(n, _pow2(-(-reach // seg)) * seg)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
+from jaxrl_llm.rollout import slot_state
+from jaxrl_llm.rollout.slot_state import attention_width, pow2
 
 class SlotEngine:
     """The continuous-batching generator behind `Sampler.generate` when
@@ -155,13 +70,14 @@ class SlotEngine:
             return local(f, (rep, r, r, r, r, rep), pool_specs)(params, prompt, mask, limit, keys, version)
 
         def insert(st, pool, pool_i, slot_i):
-            return local(_insert, (specs, pool_specs, r, r), specs)(st, pool, pool_i, slot_i)
+            return local(slot_state.insert, (specs, pool_specs, r, r), specs)(st, pool, pool_i, slot_i)
 
         def segment(params, st, version, p, width):
-            f = functools.partial(_segment, p=p, width=width, steps=self.seg, mcfg=mcfg, scfg=scfg)
+            f = functools.partial(slot_state.segment, p=p, width=width, steps=self.seg, mcfg=mcfg, scfg=scfg)
             return local(f, (rep, specs, rep), specs)(params, st, version)
 
-        self._empty = jax.jit(lambda p: _empty(self.slots, p, mcfg, scfg), static_argnums=0, out_shardings=shard)
+        self._empty = jax.jit(lambda p: slot_state.empty(self.slots, p, mcfg, scfg), static_argnums=0,
+                              out_shardings=shard)
         self._prefill = jax.jit(prefill)
         self._insert = jax.jit(insert, donate_argnums=0, out_shardings=shard)
         self._segment = jax.jit(segment, static_argnames=("p", "width"), donate_argnums=1, out_shardings=shard)
@@ -192,9 +108,9 @@ class SlotEngine:
         """`stream` outputs (DecodeState fields) -> the static sampler's output dict."""
         return decode.outputs(types.SimpleNamespace(**got), self.sampler.cfg)
 
-    def stream(self, params, p: int, version: int, feed, refresh=None, stop=None, turns=None):
+    def stream(self, params, p: int, version: int, feed, refresh=None, stop=None, turns=None, progress=None):
         """Decode rows through the slots, yielding `(ids, outputs)` for the rows that finished at
-        each segment boundary (outputs: `OUTPUTS` fields, one entry per id).
+        each segment boundary (outputs: `slot_state.OUTPUTS` fields, one entry per id).
 
         `feed()` -> `(ids, prompt_RxP, mask_RxP, limit_R, keys_Rx2)` of new rows (prompts
         left-padded to `p`, keys from `row_keys`), `()` for none now (asked again later), or
@@ -202,7 +118,10 @@ class SlotEngine:
         slots; while it holds rows back and no slot decodes, `(no ids, {})` is yielded every
         10 ms. `refresh` as in `Sampler.generate`, asked before every segment but the first. `stop()`: end at the
         next boundary (rows still decoding are dropped). `turns` (`turns.Turns`): multi-turn
-        rows; a row then finishes when its episode does. Ends when nothing waits or decodes."""
+        rows; a row then finishes when its episode does. `progress`: after every segment,
+        `progress({id: (tokens so far, observation flags)})` of the rows in the slots, whenever
+        `progress.wanted()` (token streaming; one more device read per segment then). Ends when
+        nothing waits or decodes."""
         params = self.sampler.place_params(params)
         st, s = self._empty(p), _Slots.idle(self.slots, self.groups)
         fed_all, first = False, True
@@ -230,9 +149,17 @@ class SlotEngine:
                 continue
             first = False
             st, ids, got = self._decode_segment(params, st, version, p, turns, s)
+            if progress is not None and progress.wanted():
+                progress(self._so_far(st, s))
             if ids.size:
                 yield ids, got
         self.occupancy.append(s.useful / max(1, self.slots * s.decoded))
+
+    def _so_far(self, st, s: "_Slots") -> dict:
+        """{id: (its tokens so far, their observation flags)} of the rows decoding in the slots."""
+        slots = np.flatnonzero((s.row_of >= 0) & ~s.holding)
+        toks, valid, obs = (np.asarray(x)[slots] for x in jax.device_get((st.tokens_BxN, st.valid_BxN, st.obs_BxN)))
+        return {int(s.row_of[j]): (t[v], o[v]) for j, t, v, o in zip(slots, toks, valid, obs)}
 
     def _refreshed(self, refresh, params, version: int, s: "_Slots"):
         """(params, version), newer if `refresh` has newer weights: the rows still waiting are
@@ -277,7 +204,7 @@ class SlotEngine:
         finished = np.flatnonzero((s.row_of >= 0) & done & ~s.holding)
         if not finished.size:
             return st, np.empty(0, np.int64), {}
-        got = {f: x[finished] for f, x in jax.device_get({f: getattr(st, f) for f in _outputs(st)}).items()}
+        got = {f: x[finished] for f, x in jax.device_get({f: getattr(st, f) for f in slot_state.handed_over(st)}).items()}
         ids = s.row_of[finished].copy()
         if turns is not None:  # a turn's end is not the row's: it waits for its reply
             paused = turns.ended_turns(ids, got, lambda i: s.rows[i][2])
@@ -319,7 +246,7 @@ class SlotEngine:
             step = int(jax.device_get(jnp.broadcast_to(state.step, state.done_B.shape)[at]))
             room = int(s.rows[i][2]) - step
             if reply.done or room <= 0 or not len(reply.obs_ids):
-                got = jax.device_get({f: getattr(state, f)[at:at + 1] for f in _outputs(state)})  # this row only
+                got = jax.device_get({f: getattr(state, f)[at:at + 1] for f in slot_state.handed_over(state)})  # this row only
                 ended.append((np.asarray([i]), got))
                 if w.pool is None:
                     s.row_of[w.slot], s.holding[w.slot] = -1, False
@@ -358,7 +285,7 @@ class SlotEngine:
     def _pool(self, params, per_device, rows, version):
         """Prefill the rows `per_device[d]` (ids) into device d's block of a pool, each block
         padded to a power of two with copies (bounded programs) -> [pool, {id: index}]."""
-        n = _pow2(max(len(q) for q in per_device))
+        n = pow2(max(len(q) for q in per_device))
         order = [np.resize(np.asarray(q or [next(iter(rows))]), n) for q in per_device]
         prompt, mask, limit, keys = (np.stack([rows[int(i)][k] for q in order for i in q]) for k in range(4))
         pool = self._prefill(params, self._put(prompt), self._put(mask), self._put(limit.astype(np.int32)),
@@ -378,7 +305,7 @@ class SlotEngine:
             mine = [[(where[i], f) for i, f in zip(t, fr) if i in where] for t, fr in zip(take, free)]
             if not any(mine):
                 continue
-            k = _pow2(max(map(len, mine)))
+            k = pow2(max(map(len, mine)))
             pad = lambda pairs, col, fill: [x[col] for x in pairs] + [fill] * (k - len(pairs))
             st = self._insert(st, pool, self._put(np.concatenate([pad(m, 0, 0) for m in mine]).astype(np.int32)),
                               self._put(np.concatenate([pad(m, 1, local) for m in mine]).astype(np.int32)))
