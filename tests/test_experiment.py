@@ -70,7 +70,7 @@ def test_resume_continues_from_the_workdir(tmp_path):
     (dict(runtime=dict(sampler_devices=8)), "sampler_devices=8 leaves no device for the learner: 8 available"),
     # Layouts that used to fail at the first step, after every compile (#51 item 7):
     (dict(mesh=dict(data=1, tensor=8)), r"mesh.tensor=8 does not divide the model's heads \[2\], vocab \[17\].*one of \[1\]"),
-    (dict(runtime=dict(sampler_devices=1)), "8 rows do not split over the learner's data x fsdp = 7 devices"),
+    (dict(runtime=dict(sampler_devices=1)), "8 rows do not split over the learner's data x fsdp x expert = 7 devices"),
     (dict(model=dict(matmul_precision="tf32")), "model.matmul_precision='tf32': expected one of 'default'"),
 ])
 def test_bad_config_fails_at_startup(over, match, tmp_path):

@@ -228,7 +228,8 @@ def _layer_on(mesh_sizes, dispatch, rows=8, length=16):
     layer = moe.MoE(cfg)
     x = jax.random.normal(jax.random.key(1), (rows, length, 32))
     params = layer.init(jax.random.key(0), x)
-    step = jax.jit(lambda p, x: (layer.apply(p, x), jax.grad(lambda p: jnp.sum(layer.apply(p, x) ** 2))(p)))
+    out = lambda p, x: layer.apply(p, x)[0]  # noqa: E731  (the layer's output; [1]: its router logits)
+    step = jax.jit(lambda p, x: (out(p, x), jax.grad(lambda p: jnp.sum(out(p, x) ** 2))(p)))
     if mesh_sizes is None:
         return step(params, x), step.lower(params, x).compile(), params
     c = sharding.default_config()
