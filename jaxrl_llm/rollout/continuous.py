@@ -204,7 +204,8 @@ class SlotEngine:
         finished = np.flatnonzero((s.row_of >= 0) & done & ~s.holding)
         if not finished.size:
             return st, np.empty(0, np.int64), {}
-        got = {f: x[finished] for f, x in jax.device_get({f: getattr(st, f) for f in slot_state.handed_over(st)}).items()}
+        fields = jax.device_get({f: getattr(st, f) for f in slot_state.handed_over(st)})
+        got = {f: x[finished] for f, x in fields.items()}
         ids = s.row_of[finished].copy()
         if turns is not None:  # a turn's end is not the row's: it waits for its reply
             paused = turns.ended_turns(ids, got, lambda i: s.rows[i][2])
@@ -246,7 +247,8 @@ class SlotEngine:
             step = int(jax.device_get(jnp.broadcast_to(state.step, state.done_B.shape)[at]))
             room = int(s.rows[i][2]) - step
             if reply.done or room <= 0 or not len(reply.obs_ids):
-                got = jax.device_get({f: getattr(state, f)[at:at + 1] for f in slot_state.handed_over(state)})  # this row only
+                got = jax.device_get({f: getattr(state, f)[at:at + 1]  # this row only
+                                      for f in slot_state.handed_over(state)})
                 ended.append((np.asarray([i]), got))
                 if w.pool is None:
                     s.row_of[w.slot], s.holding[w.slot] = -1, False
