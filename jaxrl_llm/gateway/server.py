@@ -210,8 +210,10 @@ async def _streamed(gateway, row: int, future, head: dict, kind: str, start: flo
             yield "data: [DONE]\n\n"
             return
         gateway.answered(1e3 * (time.perf_counter() - start))
+        # the rest of the content (a turn with tool calls strips its text: what was sent may then
+        # end in whitespace its content lacks, and nothing more is sent)
         content = (message.get("content") or "") if kind == "chat" else message
-        if content.startswith(sent) and len(content) > len(sent) and not (kind == "chat" and message.get("tool_calls")):
+        if content.startswith(sent) and len(content) > len(sent):
             yield _event(head, kind, {"content": content[len(sent):]} if kind == "chat" else content[len(sent):])
         for i, call in enumerate(message.get("tool_calls", ()) if kind == "chat" else ()):
             yield _event(head, kind, {"tool_calls": [{"index": i, **call}]})
