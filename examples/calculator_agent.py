@@ -36,8 +36,8 @@ async def agent(client, problem, max_turns: int = 4):
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
-            return None  # an answer: the task checks it
+        if not message.tool_calls or reply.choices[0].finish_reason == "length":
+            return None  # an answer, or the session's token budget is spent: the task checks it
         for call in message.tool_calls:
             args = json.loads(call.function.arguments or "{}")
             messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(args.get("expression"))})

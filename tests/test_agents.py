@@ -210,3 +210,25 @@ def test_agent_sessions_of_a_mixture_of_experts_carry_their_routing_and_replay_i
     assert max(r["mismatch/abs_logp_max"] for r in steps) < 1e-4
     # the sampler's experts are the learner's own top k but where a minibatch update flipped a near-tie
     assert all(r["moe/routing_differs_pairs"] < 0.02 for r in steps)
+
+
+async def fails_after_one_turn(client, problem):
+    """An agent with a bug: it raises after its first answer."""
+    from examples.calculator_agent import CALCULATOR
+
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": problem["prompt"]}],
+                                         tools=[CALCULATOR])
+    raise RuntimeError("the agent's own bug")
+
+
+def test_an_agent_that_fails_at_its_last_attempt_does_not_stop_the_run(tmp_path):
+    """Every session's agent raises after a turn, and no attempt is left (max_attempts=1): each
+    session is scored by the task's check of what it sampled and trained, counted; the run goes on."""
+    c = shrink(get_config(), steps=1, eval_every=1)
+    c.runtime.mode, c.gateway.max_attempts = "sync", 1
+    c.task.agent = "tests.test_agents:fails_after_one_turn"
+    assert experiment.run(c, str(tmp_path), log=lambda *_: None)["version"] == 1
+    (step,) = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r]
+    sessions = c.runtime.prompts_per_batch * c.sampler.num_samples
+    assert step["gateway/scored_after_failure"] == step["gateway/agent_errors"] == sessions
+    assert step["episode/count"] == sessions and np.isfinite(step["loss"])

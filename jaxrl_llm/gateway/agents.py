@@ -7,8 +7,10 @@ problem's text}); None leaves the reward to the task (`task.source`'s own check 
 transcript, as its built-in environment scores an episode). A prompt draw of P problems opens
 P x G sessions, `gateway.concurrency` at a time; a session whose agent fails or times out is
 dropped, counted, and played again (up to `gateway.max_attempts` times), so every group keeps its
-G rows. A session that branched trains its last row (the conversation its reward is for); the
-earlier ones are counted.
+G rows; at the last attempt a failed session that sampled anything is scored by the task's check
+of its transcript instead (an episode the agent did not finish), so an agent's error never stops
+the run; only a session with no row at all after every attempt does. A session that branched
+trains its last row (the conversation its reward is for); the earlier ones are counted.
 
 With `gateway.external=True` the agents run elsewhere: a draw's sessions wait until agents take
 them (`GET /rl/prompts`, each with its problem and base URL), are played there and closed by
@@ -104,7 +106,7 @@ class AgentTask:
         self._handed: dict = {}  # session -> its `Closed` (or its name: dropped), until its draw takes it
         self._ids = itertools.count()
         self._waiting: collections.OrderedDict = collections.OrderedDict()  # external: session -> problem
-        self.counts = {"dropped": 0, "branch_rows": 0, "agent_errors": 0}
+        self.counts = {"dropped": 0, "branch_rows": 0, "agent_errors": 0, "scored_after_failure": 0}
 
     def __getattr__(self, name):
         if name == "source":
@@ -153,7 +155,7 @@ class AgentTask:
                 plays = {}
             else:
                 plays = {s: self.runner.start(s, self.problem(prompts[i])) for s, (i, _) in names.items()}
-            got.update(self._collect(names, plays))
+            got.update(self._collect(names, plays, last=attempt == self.cfg.max_attempts - 1))
             with self._lock:  # not taken in time: played again under a new name
                 for s in names:
                     self._waiting.pop(s, None)
@@ -163,8 +165,9 @@ class AgentTask:
                                f"(gateway.max_attempts); last agent error: {list(self.runner.errors)[-1:]}")
         return self._batch([got[w] for w in want], prompts, g)
 
-    def _collect(self, names: dict, plays: dict) -> dict:
-        """Wait for the sessions `names`: each is handed over (its `Closed`) or dropped."""
+    def _collect(self, names: dict, plays: dict, last: bool = False) -> dict:
+        """Wait for the sessions `names`: each is handed over (its `Closed`) or dropped; `last`:
+        a failed session with a row is handed over too, for the task to score."""
         out, open_, settled = {}, set(names), set()
         deadline = time.monotonic() + 2 * self.cfg.session_timeout_s + 60
         while open_ and time.monotonic() < deadline:
@@ -176,6 +179,8 @@ class AgentTask:
                 except Exception as e:  # the agent failed, gave a bad reward, or never asked anything
                     self.runner.errors.append((s, repr(e)))
                     self.counts["agent_errors"] += 1
+                    if last and self._task_scores(s):
+                        continue
                     if not self.gateway.abandon(s):  # no row of it exists: nothing will be handed over
                         open_.discard(s)
                         self.counts["dropped"] += 1
@@ -192,6 +197,16 @@ class AgentTask:
                         out[names[name]] = c
             time.sleep(0.005)
         return out
+
+    def _task_scores(self, session: str) -> bool:
+        """Close a failed session for the task's check (its transcript as it stands); False when
+        it cannot be (no row, or already closed)."""
+        try:
+            self.gateway.reward(session, None)
+        except (KeyError, ValueError):
+            return False
+        self.counts["scored_after_failure"] += 1
+        return True
 
     def _batch(self, closed: list, prompts, g: int):
         """The sessions' last rows in draw order, each scored by its agent or by the task."""
@@ -225,6 +240,7 @@ class AgentTask:
         out = {f"gateway/sessions_{k}": float(c[k]) for k in ("opened", "closed", "timed_out", "abandoned", "branched")}
         out.update({"gateway/refused": float(c["refused"]), "gateway/agent_errors": float(self.counts["agent_errors"]),
                     "gateway/branch_rows_dropped": float(self.counts["branch_rows"]),
+                    "gateway/scored_after_failure": float(self.counts["scored_after_failure"]),
                     "gateway/sessions_dropped": float(self.counts["dropped"])})
         ms = self.gateway.latencies()
         if ms.size:
