@@ -221,6 +221,26 @@ def killed_mid_run(base: list, run: str) -> int:
     return restored
 
 
+def resumes_like_uninterrupted(base: list, tmp_path, keys) -> list:
+    """`base` (as for `killed_mid_run`) killed with SIGKILL mid-run, resumed for two more steps,
+    and run uninterrupted as long in another workdir: every step's `keys` equal, to the bit.
+    Returns the uninterrupted run's step records."""
+    from tests.test_distributed import ENV, ROOT
+
+    run, ref = str(tmp_path / "run"), str(tmp_path / "ref")
+    end = killed_mid_run(base, run) + 2
+    for workdir in (run, ref):
+        r = subprocess.run([*base, f"--workdir={workdir}", f"--config.train.steps={end}"], cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+    got, want = ([json.loads(x) for x in open(os.path.join(w, "metrics.jsonl")) if '"loss"' in x] for w in (run, ref))
+    assert [x["step"] for x in got] == [x["step"] for x in want] == list(range(1, end + 1))
+    for g, w in zip(got, want):
+        for k in keys:
+            assert g[k] == w[k], (g["step"], k)
+    return want
+
+
 def test_async_run_killed_with_sigkill_resumes_its_prompt_stream_where_the_checkpoint_left_it(tmp_path):
     """kill -9 mid-run in async mode: the restored version's runtime state says every draw up
     to it was trained once (one draw per step here) and the resumed process goes on from there;

@@ -382,13 +382,10 @@ def test_expert_load_by_hand():
 def test_a_replay_run_on_an_expert_mesh_killed_with_sigkill_resumes_bit_identically(tmp_path):
     """kill -9 of a sync R3 run whose experts are split over `expert` = 2: the resumed run trains
     what an uninterrupted one does, to the bit (loss, weights' norm, rewards, routing mismatch)."""
-    import json
-    import os
-    import subprocess
     import sys
 
-    from tests.test_distributed import ENV, ROOT, TINY
-    from tests.test_faults import killed_mid_run
+    from tests.test_distributed import TINY
+    from tests.test_faults import resumes_like_uninterrupted
 
     path = F.save(_hf_model("qwen3_moe"), str(tmp_path / "qwen3_moe"))
     base = [sys.executable, "-m", "jaxrl_llm.main", *TINY, f"--config.model.hf_path={path}",
@@ -396,19 +393,8 @@ def test_a_replay_run_on_an_expert_mesh_killed_with_sigkill_resumes_bit_identica
             "--config.mesh.expert=2",
             "--config.runtime.mode=sync", "--config.train.save_every=2", "--config.train.eval_every=1000",
             "--config.train.keep=100"]
-    run = str(tmp_path / "run")
-    end = killed_mid_run(base, run) + 2
-    for workdir in (run, str(tmp_path / "ref")):
-        r = subprocess.run([*base, f"--workdir={workdir}", f"--config.train.steps={end}"], cwd=ROOT, env=ENV,
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
-    steps = [[json.loads(x) for x in open(os.path.join(w, "metrics.jsonl")) if '"loss"' in x]
-             for w in (run, tmp_path / "ref")]
-    got, want = steps
-    assert [x["step"] for x in got] == [x["step"] for x in want] == list(range(1, end + 1))
-    for g, w in zip(got, want):
-        for k in ("loss", "param_norm", "reward/mean", "moe/routing_differs_pairs", "moe/expert_load_max_over_mean"):
-            assert g[k] == w[k], (g["step"], k)
+    resumes_like_uninterrupted(base, tmp_path, ("loss", "param_norm", "reward/mean", "moe/routing_differs_pairs",
+                                                "moe/expert_load_max_over_mean"))
 
 
 @pytest.mark.serial

@@ -204,18 +204,16 @@ def _block_out(mdl, x, sin, cos, mask, routing=None):
     return mdl(x, sin, cos, mask, routing=routing)[0]
 
 
-def _block_fwd(mdl, x, sin, cos, mask, routing=None):
-    return _block_out(mdl, x, sin, cos, mask, routing), (mdl.variables["params"], x, sin, cos, mask, routing)
-
-
 def _block_with_logits(mdl, x, sin, cos, mask, routing=None):
     out, _, logits = mdl(x, sin, cos, mask, routing=routing)
     return out, logits
 
 
-def _block_with_logits_fwd(mdl, x, sin, cos, mask, routing=None):
-    return (_block_with_logits(mdl, x, sin, cos, mask, routing),
-            (mdl.variables["params"], x, sin, cos, mask, routing))
+def _saving_inputs(out):
+    """The forward of `recomputed_block`'s custom VJP: `out`'s result, and the layer's inputs."""
+    def fwd(mdl, x, sin, cos, mask, routing=None):
+        return out(mdl, x, sin, cos, mask, routing), (mdl.variables["params"], x, sin, cos, mask, routing)
+    return fwd
 
 
 @functools.lru_cache(maxsize=None)
@@ -253,9 +251,8 @@ def recomputed_block(cfg: ModelConfig, sparse: bool = False, logits: bool = Fals
         done = sum(jnp.sum(d) for d in jax.tree_util.tree_leaves(trained))
         return {"params": dparams}, dx + 0 * done.astype(dx.dtype), dsin, dcos, None, None
 
-    if logits:
-        return nn.custom_vjp(_block_with_logits, forward_fn=_block_with_logits_fwd, backward_fn=bwd)
-    return nn.custom_vjp(_block_out, forward_fn=_block_fwd, backward_fn=bwd)
+    out = _block_with_logits if logits else _block_out
+    return nn.custom_vjp(out, forward_fn=_saving_inputs(out), backward_fn=bwd)
 
 
 class Decoder(nn.Module):

@@ -74,7 +74,7 @@ def resolve(config) -> RunPlan:
     memory.check_run(config, task, mcfg, acfg, parts, layout)
     return RunPlan(config=ml_collections.FrozenConfigDict(config), task=task, model=mcfg, aux_model=acfg,
                    objective=objective, passes=frozenset(objectives.required_passes(objective)),
-                   sampler=sampler_cfg(config, task, record_routing=records_routing(config, mcfg)),
+                   sampler=sampler_cfg(config, task, record_routing=bool(mcfg.num_experts)),
                    greedy=sampler_cfg(config, task, greedy=True),
                    learner_devices=tuple(learner_devices), sampler_devices=tuple(sampler_devices),
                    memory=types.MappingProxyType(parts), memory_layout=layout, warnings=warnings)
@@ -167,16 +167,11 @@ def model_cfg(m, task) -> models.ModelConfig:
 
 
 def check_replay(config, task, mcfg: models.ModelConfig) -> None:
-    """`model.moe.routing=replay` replays what the samplers record (`records_routing`): a mixture
-    of experts."""
+    """`model.moe.routing=replay` replays what the samplers record: every sampler of a mixture of
+    experts does (the run's own, its nodes, the agent gateway's slots), for replay or the mismatch
+    metrics."""
     if mcfg.moe_routing == "replay" and not mcfg.num_experts:
         raise ValueError("model.moe.routing=replay needs a mixture of experts (here: the model is dense)")
-
-
-def records_routing(config, mcfg: models.ModelConfig) -> bool:
-    """Whether the samplers (the run's own, its nodes, the agent gateway's slots) record each
-    position's experts, for replay or the mismatch metrics: whenever the policy is a mixture of experts."""
-    return bool(mcfg.num_experts)
 
 
 def sampler_cfg(config, task, greedy: bool = False, record_routing: bool = False) -> SamplerConfig:
