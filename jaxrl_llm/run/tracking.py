@@ -29,7 +29,6 @@ import time
 from typing import Callable, Optional
 
 from jaxrl_llm import validation as V
-from jaxrl_llm.store import workdir as workdir_lib
 
 BACKENDS = ("tensorboard", "wandb", "mlflow", "jsonl")
 IDS = "tracking.json"
@@ -126,7 +125,7 @@ class Mlflow:
     def _params(self, config: dict) -> None:
         from mlflow.entities import Param
 
-        flat = list(workdir_lib.flat_dict(config).items())
+        flat = list(V.flatten(config).items())
         for i in range(0, len(flat), 100):  # MLflow takes at most 100 parameters per call
             self.client.log_batch(self.run_id, params=[Param(k, json.dumps(v)[:500]) for k, v in flat[i:i + 100]])
 

@@ -110,18 +110,7 @@ def public(config) -> dict:
 
 def flat(config) -> dict:
     """A config as {dotted key: JSON value}, secrets redacted."""
-    return flat_dict(public(config))
-
-
-def flat_dict(d: dict, prefix: str = "") -> dict:
-    """Nested dicts as {dotted key: value}."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flat_dict(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
+    return validation.flatten(public(config))
 
 
 def last_run(workdir: str) -> Optional[dict]:
