@@ -70,20 +70,23 @@ MOE_MACHINES = {"8xH100 fsdp=8": (59.7, memory.Layout(fsdp=8, samplers=8, platfo
 
 
 def moe_table(a) -> list[str]:
-    """Qwen3-30B-A3B, full weights and LoRA on the attention projections (LoRA on experts is
-    refused), per device as learner + sampler = total."""
+    """Qwen3-30B-A3B, full weights and LoRA (on attention; on attention and every expert), per
+    device as learner + sampler = total."""
     attention_lora = QWEN3_30B_A3B.replace(lora_rank=LORA_RANK, lora_alpha=2.0 * LORA_RANK,
                                            lora_targets=("q", "k", "v", "o"))
+    expert_lora = attention_lora.replace(lora_targets=tuple(lora.TARGETS))
     lines = ["## A mixture of experts: Qwen3-30B-A3B", "",
              f"{QWEN3_30B_A3B.num_params / 1e9:.1f}B parameters, {QWEN3_30B_A3B.active_params / 1e9:.2f}B active "
              "per token. Each cell: learner + sampler = GiB per device (8xH200: 75% of its HBM, assumed). "
-             "The learner's stacked experts split over fsdp x expert; each sampler device holds a whole bf16 "
+             "The learner's stacked experts split over fsdp x expert; LoRA's adapters are replicated, those on "
+             "the experts split as the experts; each sampler device holds a whole bf16 "
              "copy of the weights, which no H100 has room for beside anything else.", ""]
     for n in LENGTHS[:2]:
         lines += [f"### {n} tokens", "", "| model | " + " | ".join(MOE_MACHINES) + " |",
                   "|---|" + "---|" * len(MOE_MACHINES)]
-        for label, cfg in (("Qwen3-30B-A3B", QWEN3_30B_A3B), (f"Qwen3-30B-A3B, LoRA r={LORA_RANK} (q,k,v,o)",
-                                                               attention_lora)):
+        for label, cfg in (("Qwen3-30B-A3B", QWEN3_30B_A3B),
+                           (f"Qwen3-30B-A3B, LoRA r={LORA_RANK} (q,k,v,o)", attention_lora),
+                           (f"Qwen3-30B-A3B, LoRA r={LORA_RANK} (q,k,v,o + experts)", expert_lora)):
             cells = []
             for cap, layout in MOE_MACHINES.values():
                 learner, sampler = parts_gb(cfg, a.rows, n, a.minibatches, a.sample_rows, layout)

@@ -86,6 +86,34 @@ def test_peft_loads_our_export_with_the_same_logits(tmp_path):
         peft_dir.load(str(tmp_path / "adapter"), cfg.replace(lora_rank=8))
 
 
+@pytest.mark.parametrize("arch,targets", [("qwen3_moe", ALL), ("qwen2_moe", ("v", "down"))])
+def test_peft_loads_our_expert_adapters_with_the_same_logits(arch, targets, tmp_path):
+    """Adapters on stacked experts export as PEFT `target_parameters` on transformers' fused
+    experts (qwen3_moe: gate_up_proj and down_proj, nested, beside a dense layer PEFT leaves
+    frozen; qwen2_moe: down_proj alone, beside a frozen shared expert)."""
+    peft = pytest.importorskip("peft")
+    from tests.test_moe import _hf_model
+
+    model = _hf_model(arch)
+    path = F.save(model, str(tmp_path / "base"))
+    params, cfg = models.load_params(path)
+    cfg = cfg.replace(lora_rank=3, lora_alpha=6.0, lora_targets=targets)
+    ad = _random_adapters(cfg, seed=3, scale=0.2)
+    assert "mlp" not in ad.get("layers_1", {})  # qwen3_moe's dense layer 1 has no adapters
+    peft_dir.save(str(tmp_path / "adapter"), ad, cfg, base_model=path)
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 20))
+    ours = np.asarray(models.full_logits(lora.combine(params, ad), cfg, jnp.asarray(tokens)))
+    plain = F.hf_logits(model, tokens)
+    theirs = F.hf_logits(peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval(), tokens)
+    assert np.abs(theirs - plain).max() > 1.0
+    np.testing.assert_allclose(ours, theirs, atol=5e-5, rtol=0)
+    back = peft_dir.load(str(tmp_path / "adapter"), cfg)
+    jax.tree_util.tree_map(lambda x, y: np.testing.assert_array_equal(np.asarray(x, np.float32), y), ad, back)
+    other = ("v", "gate", "up") if arch == "qwen2_moe" else ("q", "k", "v", "o", "down")
+    with pytest.raises(ValueError, match=r"target_parameters \(model.lora.targets\)"):
+        peft_dir.load(str(tmp_path / "adapter"), cfg.replace(lora_targets=other))
+
+
 def _learner(objective="ppo", cfg=CFG, **lc):
     c = L.default_config()
     c.update(dict(lr=3e-3, num_minibatches=2, packing="off"), **lc)

@@ -179,6 +179,24 @@ def test_a_mixture_of_experts_plan_holds_what_its_sharded_tree_holds():
             assert memory.held_params(cfg, layout) == held
             assert memory.learner(cfg, 16, 256, 2, layout=layout)["optimizer"] == 8 * held
     assert held < memory.held_params(cfg, memory.Layout(fsdp=2, tensor=2)) < cfg.num_params
+    # LoRA's adapters as the learner places them: replicated, those on the experts split as the experts
+    from jaxrl_llm import objectives
+    from jaxrl_llm.learner import learner as L
+    from jaxrl_llm.models import lora
+    from jaxrl_llm.models.policy_dist import PolicyDist
+
+    lcfg = cfg.replace(lora_rank=4, lora_alpha=8.0, lora_targets=tuple(lora.TARGETS))
+    adapters = jax.eval_shape(lambda: lora.split(decoder.init_params(lcfg, jax.random.key(0)))[1])
+    for sizes in (dict(data=8), dict(fsdp=2, expert=2, tensor=2)):
+        c = sharding.default_config()
+        c.update(**{**dict(data=1, fsdp=1, expert=1, tensor=1), **sizes})
+        mesh = sharding.make_mesh(c)
+        _, layout = L._resolve(lcfg, L.default_config(), objectives.make_config({"name": "ppo"}), mesh, c, None,
+                               PolicyDist(1.0))
+        held = sum(int(np.prod(s.shard_shape(x.shape)))
+                   for x, s in zip(jax.tree.leaves(adapters), jax.tree.leaves(layout.param_sh)))
+        assert memory.held_adapters(lcfg, memory.Layout(**sizes)) == held, sizes
+    assert memory.held_adapters(lcfg, memory.Layout(fsdp=2, expert=2, tensor=2)) < lora.num_params(lcfg) / 2
     acts = [memory.activations(cfg, 2, 256, expert=x) for x in (1, 2, 4)]
     assert acts[0] < acts[1] < acts[2]
     assert memory.activations(cfg.replace(num_experts_per_tok=2), 2, 256) < acts[0]

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from jaxrl_llm import models
-from jaxrl_llm.models import moe
+from jaxrl_llm.models import experts, moe
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 from tests import hf_fixtures as F
 
@@ -104,8 +104,8 @@ def test_dispatches_agree_in_values_and_gradients_and_the_router_learns():
 
     def out(dispatch, router, gate, up, down):
         weights, ids = moe.route(x @ router, k, True)
-        experts = {"dense": moe.dense_experts, "grouped": moe.grouped_experts, "blocked": moe.blocked_experts}
-        return experts[dispatch](x, gate, up, down, weights, ids, jnp.float32)
+        run = {"dense": experts.dense_experts, "grouped": experts.grouped_experts, "blocked": experts.blocked_experts}
+        return run[dispatch](x, gate, up, down, weights, ids, jnp.float32)
 
     dense = out("dense", *w)
     loss = lambda dispatch: lambda *p: jnp.sum(out(dispatch, *p) ** 2)  # noqa: E731
@@ -167,7 +167,8 @@ def test_the_forwards_load_balancing_loss_is_transformers_aux_loss_and_reaches_t
 def test_a_run_trains_a_mixture_of_experts_on_a_sharded_mesh(pair, tmp_path):
     """An MoE checkpoint as the policy of a run (embedded task, its ids inside the vocabulary):
     its weights checked, sharded over fsdp x expert x tensor (each device holds half the experts),
-    its steps run with the sampler's log-probs (one device, every expert) equal to the learner's."""
+    its steps run with the sampler's log-probs (one device, every expert) equal to the learner's;
+    for qwen2_moe with LoRA on its experts too (their adapters split over expert)."""
     from jaxrl_llm.run import experiment
     from tests.test_experiment import _tiny
 
@@ -176,6 +177,8 @@ def test_a_run_trains_a_mixture_of_experts_on_a_sharded_mesh(pair, tmp_path):
     c = _tiny("ppo")
     c.model.hf_path = path
     c.mesh.update(data=1, fsdp=2, expert=2, tensor=2)
+    if arch == "qwen2_moe":  # LoRA on its attention and experts (the shared expert stays frozen)
+        c.model.lora.update(rank=4, targets="q,v,gate,up,down")
     c.train.update(steps=2, eval_every=2, save_every=2)
     lines = []
     summary = experiment.run(c, str(tmp_path), log=lines.append)
@@ -214,8 +217,9 @@ def test_auto_dispatch_by_platform_and_expert_count():
     assert moe.dispatch(cfg.replace(moe_dispatch="grouped"), "cpu") == "grouped"
 
 
-def _layer_on(mesh_sizes, dispatch, rows=8, length=16):
-    """A 16-expert top-4 layer's output and gradients, on one device or on a mesh of 8."""
+def _layer_on(mesh_sizes, dispatch, rows=8, length=16, lora_rank=0):
+    """A 16-expert top-4 layer's output and gradients, on one device or on a mesh of 8 (with
+    `lora_rank`, random adapters on its experts)."""
     import flax.linen as nn
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jaxrl_llm.models import attention
@@ -224,10 +228,15 @@ def _layer_on(mesh_sizes, dispatch, rows=8, length=16):
     cfg = models.ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=8, num_layers=1, num_heads=2,
                              num_kv_heads=2, head_dim=16, model_type="qwen3_moe", num_experts=16,
                              num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True,
-                             moe_dispatch=dispatch)
+                             moe_dispatch=dispatch, lora_rank=lora_rank, lora_alpha=2.0 * lora_rank,
+                             lora_targets=("gate", "up", "down") if lora_rank else ())
     layer = moe.MoE(cfg)
     x = jax.random.normal(jax.random.key(1), (rows, length, 32))
     params = layer.init(jax.random.key(0), x)
+    keys = iter(jax.random.split(jax.random.key(2), 8))
+    params = jax.tree_util.tree_map_with_path(  # B != 0: the adapters act and A gets a gradient
+        lambda p, v: v + 0.2 * jax.random.normal(next(keys), v.shape) if "lora_b" in jax.tree_util.keystr(p) else v,
+        params)
     out = lambda p, x: layer.apply(p, x)[0]  # noqa: E731  (the layer's output; [1]: its router logits)
     step = jax.jit(lambda p, x: (out(p, x), jax.grad(lambda p: jnp.sum(out(p, x) ** 2))(p)))
     if mesh_sizes is None:
@@ -265,6 +274,21 @@ def test_expert_parallel_on_8_devices_equals_one_device(dispatch):
     np.testing.assert_allclose(y8, y1, atol=1e-5 * float(jnp.abs(y1).max()))
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g8)):
         np.testing.assert_allclose(b, a, atol=1e-5 * float(jnp.abs(a).max()))
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "blocked", "grouped"])
+def test_expert_adapters_on_8_devices_equal_one_device(dispatch):
+    """LoRA on the experts under expert parallelism: each device holds its experts' adapters,
+    their B split over tensor with the MLP; values and every gradient equal one device's."""
+    (y1, g1), _, _ = _layer_on(None, dispatch, lora_rank=2)
+    for sizes in (dict(data=2, expert=4), dict(fsdp=2, expert=2, tensor=2)):
+        (y8, g8), _, params = _layer_on(sizes, dispatch, lora_rank=2)
+        np.testing.assert_allclose(y8, y1, atol=1e-5 * float(jnp.abs(y1).max()))
+        for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g8)):
+            np.testing.assert_allclose(b, a, atol=1e-5 * float(jnp.abs(a).max()))
+        assert float(jnp.abs(g1["params"]["down_lora_a"].unbox()).max()) > 1e-4
+        held = params["params"]["gate_up_lora_a"].unbox().addressable_shards[0].data.shape[0]
+        assert held == 16 // sizes["expert"]
 
 
 def test_the_expert_axis_must_divide_the_experts(pair):
@@ -427,7 +451,7 @@ def test_a_sampler_node_records_routing_and_the_learner_replays_it(tmp_path):
 
 def test_a_random_mixture_of_experts_from_the_config_and_a_perturbed_sampler_router(tmp_path):
     """`model.moe.experts` > 0 without a checkpoint: a random Qwen3-MoE-style policy of the model
-    section's sizes trains (here with LoRA on the attention projections, packed rows and replay),
+    section's sizes trains (here with LoRA on attention and experts, packed rows and replay),
     its samplers' log-probs equal to the learner's; with the samplers' router in bfloat16
     (`model.moe.sampler_router_dtype`, the learner's stays float32) they differ."""
     import json
@@ -442,7 +466,7 @@ def test_a_random_mixture_of_experts_from_the_config_and_a_perturbed_sampler_rou
                            aux_loss_coef=0.01 if dtype == "bfloat16" else 0.0)
         if dtype == "float32":
             c.model.moe.routing, c.task.reward = "replay", "digits"  # partial credit: advantages, gradients
-            c.model.lora.update(rank=4, targets="q,k,v,o")
+            c.model.lora.rank = 4  # every target: attention and the experts
             c.learner.update(packing="auto", packing_min_len=0)
         c.train.update(steps=2, eval_every=2, save_every=2)
         lines = []

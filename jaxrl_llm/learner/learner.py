@@ -211,9 +211,11 @@ def _resolve(model_cfg, cfg, objective_cfg, mesh, mesh_cfg, aux_model_cfg, dist)
     if model_cfg.lora_rank:
         # Adapters are replicated: r (in + out) per target is ~1-2% of the base at rank 16, so
         # a copy per device costs little and no layer all-gathers them; their gradients are one
-        # small all-reduce. The base keeps its logical-axis shardings.
-        init_params, base_sh, param_sh = functools.partial(_init_adapters, model_cfg), param_sh, \
-            sharding.replicated(mesh)
+        # small all-reduce. Stacked experts' adapters (E times as many) split as their experts do
+        # (`lora.expert_side`). The base keeps its logical-axis shardings.
+        adapter_axes = lora.split(decoder.logical_axes(model_cfg))[1]
+        init_params, base_sh = functools.partial(_init_adapters, model_cfg), param_sh
+        param_sh = sharding.param_shardings(adapter_axes, mesh, mesh_cfg)
     aux_sh = None
     if aux is not None:
         axes = aux.logical_axes and aux.logical_axes(aux_ctx)

@@ -64,7 +64,8 @@ class ModelConfig:
     matmul_precision: str = "default"  # PRECISIONS; the run applies it process-wide (sampler and learner alike)
     attention_chunk: int = 512  # chunked: queries per attention block (0: one block)
     # LoRA (`lora.py`): rank > 0 adds a low-rank side path, scaled by alpha / rank, to each
-    # projection named in `lora_targets` (q, k, v, o, gate, up, down).
+    # projection named in `lora_targets` (q, k, v, o, gate, up, down; on a mixture of experts
+    # gate, up and down adapt its stacked experts only).
     lora_rank: int = 0
     lora_alpha: float = 0.0
     lora_targets: tuple = ()
@@ -107,9 +108,9 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.moe_routing={self.moe_routing!r}; valid: recompute, replay")
         if self.moe_dispatch not in DISPATCH:
             raise ValueError(f"ModelConfig.moe_dispatch={self.moe_dispatch!r}; valid: {', '.join(DISPATCH)}")
-        if self.num_experts and self.lora_rank and set(self.lora_targets) & {"gate", "up", "down"}:
-            raise ValueError("LoRA on a mixture of experts' MLPs is not supported yet: target the attention "
-                             "projections (model.lora.targets=q,k,v,o)")
+        if self.num_experts and self.lora_rank and ("gate" in self.lora_targets) != ("up" in self.lora_targets):
+            raise ValueError("model.lora.targets: a mixture of experts' gate and up projections are one weight "
+                             "(transformers' experts.gate_up_proj, one PEFT adapter): target both or neither")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"

@@ -107,19 +107,6 @@ class RMSNorm(nn.Module):
         return (xf.astype(x.dtype) * scale).astype(x.dtype)
 
 
-def lora_side(mdl: nn.Module, name: str, x_NxI, out_shape, in_axes: int = 1):
-    """LoRA's side path of projection `name` (`lora.py`): scale * (x A) B, shaped like the
-    projection's output; 0 (nothing traced) when `name` is not adapted. `in_axes`: how many
-    of A's leading dims `x` contracts (2 for o's [H, hd])."""
-    c = mdl.cfg
-    if not c.adapts(name):
-        return 0
-    a = mdl.param(f"{name}_lora_a", lora.uniform_a, (*x_NxI.shape[-in_axes:], c.lora_rank), jnp.float32)
-    b = mdl.param(f"{name}_lora_b", nn.initializers.zeros, (c.lora_rank, *out_shape), jnp.float32)
-    low = jnp.tensordot(x_NxI.astype(c.dtype), a.astype(c.dtype), axes=in_axes)
-    return (jnp.tensordot(low, b.astype(c.dtype), axes=1) * jnp.asarray(c.lora_scale, c.dtype)).astype(c.dtype)
-
-
 class Attention(nn.Module):
     cfg: ModelConfig
 
@@ -136,7 +123,7 @@ class Attention(nn.Module):
                 kernel_init=_part(_init, ("embed", axis, "kv")),
                 bias_init=_part(nn.initializers.zeros, (axis, "kv")),
             )(x_NxD)
-            return (y + lora_side(self, name, x_NxD, (heads, c.head_dim))).reshape(b, t, heads, c.head_dim)
+            return (y + lora.side(self, name, x_NxD, (heads, c.head_dim))).reshape(b, t, heads, c.head_dim)
 
         q, k, v = proj("q", c.num_heads), proj("k", c.num_kv_heads), proj("v", c.num_kv_heads)
         if c.qk_norm:
@@ -160,7 +147,7 @@ class Attention(nn.Module):
             c.hidden_size, axis=(-2, -1), use_bias=c.o_bias, name="o", dtype=c.dtype, param_dtype=c.param_dtype,
             kernel_init=_part(_init, ("heads", "kv", "embed")), bias_init=_part(nn.initializers.zeros, ("embed",)),
         )(out)
-        o = o + lora_side(self, "o", out, (c.hidden_size,), in_axes=2)
+        o = o + lora.side(self, "o", out, (c.hidden_size,), in_axes=2)
         return o.reshape(b, t, -1), new_cache
 
 
@@ -177,7 +164,8 @@ class MLP(nn.Module):
         def dense(name, feats, axes, x):
             y = nn.Dense(feats, use_bias=c.mlp_bias, name=name, dtype=c.dtype, param_dtype=c.param_dtype,
                          kernel_init=_part(_init, axes), bias_init=_part(nn.initializers.zeros, axes[1:]))(x)
-            return y + lora_side(self, name, x, (feats,))
+            # a mixture of experts' dense layers stay frozen, as in PEFT (`lora.py`)
+            return y + (0 if c.num_experts else lora.side(self, name, x, (feats,)))
 
         h = nn.silu(dense("gate", c.intermediate_size, ("embed", "mlp"), x)) * dense(
             "up", c.intermediate_size, ("embed", "mlp"), x)

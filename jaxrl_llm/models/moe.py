@@ -3,21 +3,14 @@ a softmax router over `num_experts`, the top `num_experts_per_tok` experts of ea
 (their probabilities renormalised to sum to 1 with `norm_topk_prob`), SwiGLU experts held as
 stacked weights [E, ...], and for Qwen2-MoE a shared expert scaled by a sigmoid gate.
 
-Dispatch (`ModelConfig.moe_dispatch`):
-  dense    every expert computes every token and the router's weights (zero off the top k)
-           combine them: E / k times the expert FLOPs, no gather or scatter; exact, and the
-           cheapest for a handful of experts.
-  grouped  dropless: the (token, expert) pairs sorted by expert and run as one grouped matmul
-           per projection (`jax.lax.ragged_dot`), then scattered back weighted: the FLOPs of
-           the k chosen experts only.
-  blocked  dropless: the sorted pairs padded to whole blocks per expert, one small SwiGLU per
-           block in a loop: the chosen experts' FLOPs plus padding, from plain matmuls.
-`auto` picks grouped above `DENSE_UP_TO` experts on GPU and TPU (their grouped GEMMs), and on
-CPU blocked above `DENSE_UP_TO_CPU`, where XLA's ragged_dot ran at half dense's speed
-(experiments/results/bench_moe_cpu.md has all three against PyTorch eager).
+Dispatch (`ModelConfig.moe_dispatch`; the three dispatches live in `experts.py`): dense, or the
+dropless grouped / blocked ones. `auto` picks grouped above `DENSE_UP_TO` experts on GPU and TPU
+(their grouped GEMMs), and on CPU blocked above `DENSE_UP_TO_CPU`, where XLA's ragged_dot ran at
+half dense's speed (experiments/results/bench_moe_cpu.md has all three against PyTorch eager).
 No capacity factor: no token is ever dropped, so the sampler and the learner compute the same
 function of the same routing. On the learner's mesh the dispatch runs per device under
-`shard_map` (`on_devices`), with the experts split over the `expert` axis (expert parallelism).
+`shard_map` (`experts.on_devices`), with the experts split over the `expert` axis (expert
+parallelism). LoRA's `gate` / `up` / `down` targets adapt the stacked experts (`lora.expert_side`).
 
 The router runs in float32 whatever the compute dtype (its logits pick experts: a bf16 rounding
 flips near-ties). A layer returns its router logits beside its output: the decoder keeps them for
@@ -27,17 +20,13 @@ computes it) when `ModelConfig.moe_aux_loss_coef` asks for it.
 
 from __future__ import annotations
 
-import functools
-import math
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import validation as V
+from jaxrl_llm.models import experts as X, lora
 from jaxrl_llm.models.config import DISPATCH, DTYPES, ModelConfig
-from jaxrl_llm.parallel.sharding import BATCH_AXES
 
 DENSE_UP_TO = 8  # moe_dispatch=auto on GPU / TPU: dense-masked dispatch up to this many experts
 DENSE_UP_TO_CPU = 4  # on CPU: the blocked loop's overhead outweighs E / k for fewer experts
@@ -75,114 +64,6 @@ def replay(logits_NxE, ids_NxK, normalise: bool):
     if normalise:
         top = top / jnp.sum(top, -1, keepdims=True)
     return top, ids
-
-
-def _swiglu(x, gate, up, down, dtype):
-    return jnp.dot(nn.silu(jnp.dot(x, gate.astype(dtype))) * jnp.dot(x, up.astype(dtype)), down.astype(dtype))
-
-
-def dense_experts(x_NxD, gate_ExDxI, up_ExDxI, down_ExIxD, weights_NxK, ids_NxK, dtype):
-    """Every expert on every token, combined by the router's (top-k) weights."""
-    combine_NxE = jnp.sum(jax.nn.one_hot(ids_NxK, gate_ExDxI.shape[0], dtype=jnp.float32) * weights_NxK[..., None], 1)
-    h = nn.silu(jnp.einsum("nd,edi->eni", x_NxD, gate_ExDxI.astype(dtype))) * jnp.einsum(
-        "nd,edi->eni", x_NxD, up_ExDxI.astype(dtype))
-    y_ExNxD = jnp.einsum("eni,eid->end", h, down_ExIxD.astype(dtype))
-    return jnp.einsum("end,ne->nd", y_ExNxD, combine_NxE.astype(dtype))
-
-
-def grouped_experts(x_NxD, gate_ExDxI, up_ExDxI, down_ExIxD, weights_NxK, ids_NxK, dtype):
-    """The chosen (token, expert) pairs sorted by expert, one grouped matmul per projection.
-    An id of E (another device's expert, `on_devices`) sorts last and is left out."""
-    n, k = ids_NxK.shape
-    e = gate_ExDxI.shape[0]
-    flat = ids_NxK.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    xs = x_NxD[token]
-    h = nn.silu(jax.lax.ragged_dot(xs, gate_ExDxI.astype(dtype), sizes)) * jax.lax.ragged_dot(
-        xs, up_ExDxI.astype(dtype), sizes)
-    y = jax.lax.ragged_dot(h, down_ExIxD.astype(dtype), sizes) * weights_NxK.reshape(-1)[order][:, None].astype(dtype)
-    y = jnp.where((flat[order] < e)[:, None], y, 0)  # rows past the groups: unspecified on some backends
-    return jnp.zeros_like(x_NxD).at[token].add(y)
-
-
-def blocked_experts(x_NxD, gate_ExDxI, up_ExDxI, down_ExIxD, weights_NxK, ids_NxK, dtype, block: int = 0,
-                    gathered: int = 1):
-    """The chosen (token, expert) pairs sorted by expert, each expert's run padded to whole blocks
-    of `block` rows, and one small SwiGLU per block with its expert's weights (a loop over at most
-    (N k + E (block - 1)) / block blocks): the chosen experts' FLOPs plus the padding.
-    `gathered` > 1 (`on_devices`): the tokens of that many devices, about 1 / gathered of whose
-    pairs have an expert here (the others have id E and are left out); the blocks past the last
-    used one are skipped at run time, so the loop costs what this device's pairs need."""
-    n, k = ids_NxK.shape
-    e, m = gate_ExDxI.shape[0], n * k
-    block = block or int(min(64, max(8, 1 << max(m // (gathered * e) - 1, 1).bit_length())))
-    flat = ids_NxK.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    expert = flat[order]
-    sizes = jnp.bincount(flat, length=e)
-    padded = (sizes + block - 1) // block * block
-    ends = jnp.cumsum(padded)
-    blocks = -(-(m + e * (block - 1)) // block)
-    # id E: past the last row, dropped on the way in and read as zeros on the way out
-    start = jnp.append(ends - padded, blocks * block)
-    dest = start[expert] + jnp.arange(m) - jnp.append(jnp.cumsum(sizes) - sizes, jnp.sum(sizes))[expert]
-    rows = jnp.zeros((blocks * block, x_NxD.shape[1]), dtype).at[dest].set(x_NxD[order // k].astype(dtype),
-                                                                          mode="drop")
-    owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * block, side="right"), e - 1)
-
-    def one(b):
-        xb, w = jax.lax.dynamic_slice_in_dim(rows, b * block, block), owner[b]
-        return _swiglu(xb, gate_ExDxI[w], up_ExDxI[w], down_ExIxD[w], dtype)
-
-    def used(b):  # the rows past the last used block were never written: zeros, as the output
-        unused = lambda b: jax.lax.dynamic_slice_in_dim(rows, b * block, block)  # noqa: E731
-        return jax.lax.cond(b * block < ends[-1], one, unused, b)
-
-    y = jax.lax.map(one if gathered == 1 else used, jnp.arange(blocks)).reshape(blocks * block, -1)
-    y = y.at[dest].get(mode="fill", fill_value=0) * weights_NxK.reshape(-1)[order][:, None].astype(dtype)
-    return jnp.zeros_like(x_NxD, dtype=dtype).at[order // k].add(y)
-
-
-def on_devices(experts, mesh, x_NxD, gate_ExDxI, up_ExDxI, down_ExIxD, weights_NxK, ids_NxK, dtype):
-    """`experts` run by every device of `mesh` (an abstract mesh with the parallel.sharding axes)
-    on its own tokens, under `shard_map`: XLA cannot split the sort-based dispatches, and left to
-    itself gathers every token onto every device of the batch axes. Each device's weights come
-    gathered over fsdp (the ZeRO-3 gather), its experts' MLP split over `tensor` (partial sums,
-    then a psum) and with `expert` > 1 only its E / expert experts: the tokens of its expert
-    group are all-gathered, run through the experts held here and reduce-scattered back
-    (expert parallelism by all-gather; exact, dropless, no capacity factor)."""
-    e, f = gate_ExDxI.shape[0], gate_ExDxI.shape[2]
-    batch = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
-    size = lambda a: mesh.shape.get(a, 1)  # noqa: E731
-    ex = "expert" if size("expert") > 1 and e % size("expert") == 0 else None
-    tp = "tensor" if size("tensor") > 1 and f % size("tensor") == 0 else None
-    if ex:
-        experts = functools.partial(experts, gathered=size(ex)) if experts is blocked_experts else experts
-
-    def vary(a):  # over every axis the result varies over: no gradient psum inside the blocked loop's cond
-        rest = tuple(n for n in (*batch, tp) if n and n not in jax.typeof(a).manual_axis_type.varying)
-        return jax.lax.pcast(a, rest, to="varying") if rest else a
-
-    def local(x, weights, ids, gate, up, down):
-        if ex:
-            x, weights, ids = (jax.lax.all_gather(a, ex, axis=0, tiled=True) for a in (x, weights, ids))
-            ids = ids - jax.lax.axis_index(ex) * gate.shape[0]
-            mine = (ids >= 0) & (ids < gate.shape[0])
-            weights, ids = jnp.where(mine, weights, 0), jnp.where(mine, ids, gate.shape[0])
-        y = experts(*map(vary, (x, gate, up, down, weights, ids)), dtype)
-        y = jax.lax.psum(y, tp) if tp else y
-        return jax.lax.psum_scatter(y, ex, scatter_dimension=0, tiled=True) if ex else y
-
-    rows, stacked = P(batch), P(ex, None, tp)
-    run = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, stacked, stacked, P(ex, tp, None)),
-                        out_specs=rows)
-    n, pad = x_NxD.shape[0], -x_NxD.shape[0] % math.prod(size(a) for a in batch)
-    if pad:  # (a batch the mesh does not divide: padding tokens with no expert, id E)
-        x_NxD, weights_NxK = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x_NxD, weights_NxK))
-        ids_NxK = jnp.pad(ids_NxK, ((0, pad), (0, 0)), constant_values=e)
-    return run(x_NxD, weights_NxK, ids_NxK, gate_ExDxI, up_ExDxI, down_ExIxD)[:n]
 
 
 def meshed() -> object:
@@ -226,21 +107,30 @@ class MoE(nn.Module):
         gate = self.param("gate", _part(("expert", "embed", "mlp")), (e, d, f), c.param_dtype)
         up = self.param("up", _part(("expert", "embed", "mlp")), (e, d, f), c.param_dtype)
         down = self.param("down", _part(("expert", "mlp", "embed")), (e, f, d), c.param_dtype)
-        experts = {"dense": dense_experts, "grouped": grouped_experts, "blocked": blocked_experts}[dispatch(c)]
+        gate, up, down = lora.expert_side(self, gate, up, down)
+        experts = {"dense": X.dense_experts, "grouped": X.grouped_experts, "blocked": X.blocked_experts}[dispatch(c)]
         mesh = meshed()
         if mesh is None:
             y = experts(x.astype(c.dtype), gate, up, down, weights, ids, c.dtype)
         else:
-            y = on_devices(experts, mesh, x.astype(c.dtype), gate, up, down, weights, ids, c.dtype)
+            y = X.on_devices(experts, mesh, x.astype(c.dtype), gate, up, down, weights, ids, c.dtype)
         if c.shared_expert_intermediate_size:
-            s = c.shared_expert_intermediate_size
-            shared = _swiglu(x.astype(c.dtype), self.param("shared_gate", _part(("embed", "mlp")), (d, s), c.param_dtype),
-                             self.param("shared_up", _part(("embed", "mlp")), (d, s), c.param_dtype),
-                             self.param("shared_down", _part(("mlp", "embed")), (s, d), c.param_dtype), c.dtype)
-            scale = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), self.param(
-                "shared_scale", _part(("embed", None)), (d, 1), c.param_dtype).astype(jnp.float32)))
-            y = y + shared * scale.astype(c.dtype)
+            y = y + self.shared_expert(x)
         return y.reshape(x_BxTxD.shape).astype(x_BxTxD.dtype), logits
+
+    def shared_expert(self, x_NxD):
+        """Qwen2-MoE's shared expert, scaled by its sigmoid gate."""
+        c = self.cfg
+        d, s, xs = c.hidden_size, c.shared_expert_intermediate_size, x_NxD.astype(c.dtype)
+
+        def proj(t, x, shape, axes):
+            return jnp.dot(x, self.param(f"shared_{t}", _part(axes), shape, c.param_dtype).astype(c.dtype))
+
+        h = nn.silu(proj("gate", xs, (d, s), ("embed", "mlp"))) * proj("up", xs, (d, s), ("embed", "mlp"))
+        shared = proj("down", h, (s, d), ("mlp", "embed"))
+        scale = jax.nn.sigmoid(jnp.dot(x_NxD.astype(jnp.float32), self.param(
+            "shared_scale", _part(("embed", None)), (d, 1), c.param_dtype).astype(jnp.float32)))
+        return shared * scale.astype(c.dtype)
 
 
 def load_balancing_loss(router_logits, k: int, mask_N=None):

@@ -18,8 +18,9 @@ Learner (one step, `num_minibatches` updates over `rows` sequences of `seq_len` 
   each device runs the tokens of its X-device group (`moe.on_devices`), in buffers sized for
   the case where all of them pick its experts (dropless, static shapes): X times those.
   With LoRA (`models/lora.py`) the float32 master, gradient, moments and update are the
-  adapters' alone, the frozen base is held once in the compute dtype, and the activations add
-  each adapted projection's low-rank intermediate (rows x tokens x rank).
+  adapters' alone (replicated; stacked experts' split as the experts' dims), the frozen base is held once
+  in the compute dtype, and the activations add each adapted projection's low-rank intermediate
+  (rows x tokens x rank, k times on a mixture of experts' experts).
 Sampler (one call over `rows` rows): its weight copy in its compute dtype, the float32
   unembedding the decode loop forms once (a copy when tied or not float32), the KV cache
   (2 x layers x rows x kv heads x head_dim x positions) twice (continuous batching copies a
@@ -133,6 +134,25 @@ def activations(cfg: ModelConfig, rows: int, length: int, tensor: int = 1, exper
     return sum(each)
 
 
+def held_adapters(cfg: ModelConfig, layout: Layout) -> int:
+    """How many LoRA adapter parameters one learner device holds (`learner.make_plan`): the
+    replicated ones, and those on stacked experts split as the experts' dims they follow
+    (`lora.expert_side`: over expert, and fsdp on D or tensor on the MLP width)."""
+    r, e, d, f = cfg.lora_rank, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    sparse = sum(cfg.sparse(i) for i in range(cfg.num_layers))
+    gate, down = "gate" in cfg.lora_targets, "down" in cfg.lora_targets
+    embed, mlp = sparse * e * r * d * (gate + down), sparse * e * r * f * (2 * gate + down)
+    return lora.num_params(cfg) - lora.expert_params(cfg) + -(-embed // (layout.expert * layout.fsdp)) + \
+        -(-mlp // (layout.expert * layout.tensor))
+
+
+def _low_rank(cfg: ModelConfig, tokens: int) -> int:
+    """Elements of the adapted projections' low-rank intermediates over `tokens` tokens."""
+    def per(i, t):  # a mixture of experts adapts its experts' MLPs only, k per token
+        return 1 if t not in lora.EXPERT_MLP or not cfg.num_experts else cfg.num_experts_per_tok * cfg.sparse(i)
+    return sum(per(i, t) for i in range(cfg.num_layers) for t in cfg.lora_targets) * tokens * cfg.lora_rank
+
+
 def held_params(cfg: ModelConfig, layout: Layout) -> int:
     """How many of the model's parameters one learner device holds: all of them split over
     fsdp x tensor, a mixture of experts' stacked experts also over expert."""
@@ -144,12 +164,12 @@ def learner(cfg: ModelConfig, rows: int, seq_len: int, minibatches: int = 1, chu
             layout: Layout = Layout()) -> dict:
     """Bytes of one learner step on one of its devices, by part (`base`: LoRA's frozen weights,
     0 without LoRA)."""
-    shards, batch = layout.fsdp * layout.tensor, layout.rows
+    batch = layout.rows
     mb = -(-max(1, rows // minibatches) // batch)  # one minibatch's rows on this device
     n, base, low_rank = held_params(cfg, layout), 0, 0
     if cfg.lora_rank:
-        n, base = -(-lora.num_params(cfg) // shards), n * nbytes(cfg.dtype)
-        low_rank = cfg.num_layers * len(cfg.lora_targets) * mb * seq_len * cfg.lora_rank * nbytes(cfg.dtype)
+        n, base = held_adapters(cfg, layout), n * nbytes(cfg.dtype)
+        low_rank = _low_rank(cfg, mb * seq_len) * nbytes(cfg.dtype)
     return {"base": base, "params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "update": 4 * n,
             "activations": activations(cfg, mb, seq_len, layout.tensor, layout.expert)
             + mb * seq_len * 4 + low_rank,  # + the mask
@@ -238,8 +258,7 @@ def estimate(config, task, mcfg, acfg=None, obj=None, layout: Layout = Layout())
         plan.update({f"aux_{k}": v for k, v in learner(acfg, rows, prompt + new, mb, chunk, layout).items()})
     obj = obj if obj is not None else objectives.make_config(config.objective)
     if "ref_logp" in objectives.required_passes(obj):  # LoRA: the adapters, disabled
-        shards = layout.fsdp * layout.tensor
-        plan["reference"] = 4 * (-(-lora.num_params(mcfg) // shards) if mcfg.lora_rank else held_params(mcfg, layout))
+        plan["reference"] = 4 * (held_adapters(mcfg, layout) if mcfg.lora_rank else held_params(mcfg, layout))
     aux = objectives.get(obj.name).aux
     rollout = acfg if acfg is not None and aux is not None and aux.samples else mcfg.without_lora()
     # Sampler weight copies: simulated keeps a window of versions; async samples from one while

@@ -1,0 +1,179 @@
+"""Stacked SwiGLU experts run on the tokens routed to them: the three dispatches of a mixture of
+experts' MLP (`moe.py` routes; `ModelConfig.moe_dispatch` picks), on one device or per device of
+the learner's mesh (`on_devices`).
+
+  dense    every expert computes every token and the router's weights (zero off the top k)
+           combine them: E / k times the expert FLOPs, no gather or scatter; exact, and the
+           cheapest for a handful of experts.
+  grouped  dropless: the (token, expert) pairs sorted by expert and run as one grouped matmul
+           per projection (`jax.lax.ragged_dot`), then scattered back weighted: the FLOPs of
+           the k chosen experts only.
+  blocked  dropless: the sorted pairs padded to whole blocks per expert, one small SwiGLU per
+           block in a loop: the chosen experts' FLOPs plus padding, from plain matmuls.
+
+A projection (`gate`, `up` [E, D, F], `down` [E, F, D]) is its stacked weight, or with LoRA on
+the experts (`lora.expert_side`) a tuple (W, A [E, in, r], B [E, r, out] scaled by alpha / r):
+each expert's x W + (x A) B, the low-rank path taken on the rows each expert runs, as PEFT's
+`target_parameters` adapts transformers' stacked experts, never a merged [E, in, out] copy (which
+the backward pass would keep per layer: the size of the experts themselves).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_llm.parallel.sharding import BATCH_AXES
+
+
+def weight(p):
+    """A projection's stacked weight (without its adapters)."""
+    return p[0] if isinstance(p, tuple) else p
+
+
+def _dot(x, p, dtype):
+    """x [N, in] through one expert's projection (W, or W and its adapters)."""
+    if isinstance(p, tuple):
+        w, a, b = p
+        return jnp.dot(x, w.astype(dtype)) + jnp.dot(jnp.dot(x, a.astype(dtype)), b.astype(dtype))
+    return jnp.dot(x, p.astype(dtype))
+
+
+def _every(x, p, dtype):
+    """x ([N, in], shared, or [E, N, in], per expert) through every expert's projection -> [E, N, out]."""
+    lhs = "ni" if x.ndim == 2 else "eni"
+    w, a, b = p if isinstance(p, tuple) else (p, None, None)
+    y = jnp.einsum(f"{lhs},eio->eno", x, w.astype(dtype))
+    if a is not None:
+        y = y + jnp.einsum("enr,ero->eno", jnp.einsum(f"{lhs},eir->enr", x, a.astype(dtype)), b.astype(dtype))
+    return y
+
+
+def _ragged(x, p, sizes, dtype):
+    """Rows grouped by expert (`sizes` rows each, in expert order) through their expert's projection."""
+    w, a, b = p if isinstance(p, tuple) else (p, None, None)
+    y = jax.lax.ragged_dot(x, w.astype(dtype), sizes)
+    if a is not None:
+        y = y + jax.lax.ragged_dot(jax.lax.ragged_dot(x, a.astype(dtype), sizes), b.astype(dtype), sizes)
+    return y
+
+
+def swiglu(x, gate, up, down, dtype):
+    """One expert (or a dense MLP): down(silu(x gate) * x up)."""
+    return _dot(nn.silu(_dot(x, gate, dtype)) * _dot(x, up, dtype), down, dtype)
+
+
+def dense_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):
+    """Every expert on every token, combined by the router's (top-k) weights."""
+    combine_NxE = jnp.sum(jax.nn.one_hot(ids_NxK, weight(gate).shape[0], dtype=jnp.float32) * weights_NxK[..., None], 1)
+    h = nn.silu(_every(x_NxD, gate, dtype)) * _every(x_NxD, up, dtype)
+    return jnp.einsum("end,ne->nd", _every(h, down, dtype), combine_NxE.astype(dtype))
+
+
+def grouped_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):
+    """The chosen (token, expert) pairs sorted by expert, one grouped matmul per projection.
+    An id of E (another device's expert, `on_devices`) sorts last and is left out."""
+    n, k = ids_NxK.shape
+    e = weight(gate).shape[0]
+    flat = ids_NxK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = x_NxD[token]
+    h = nn.silu(_ragged(xs, gate, sizes, dtype)) * _ragged(xs, up, sizes, dtype)
+    y = _ragged(h, down, sizes, dtype) * weights_NxK.reshape(-1)[order][:, None].astype(dtype)
+    y = jnp.where((flat[order] < e)[:, None], y, 0)  # rows past the groups: unspecified on some backends
+    return jnp.zeros_like(x_NxD).at[token].add(y)
+
+
+def blocked_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype, block: int = 0, gathered: int = 1):
+    """The chosen (token, expert) pairs sorted by expert, each expert's run padded to whole blocks
+    of `block` rows, and one small SwiGLU per block with its expert's weights (a loop over at most
+    (N k + E (block - 1)) / block blocks): the chosen experts' FLOPs plus the padding.
+    `gathered` > 1 (`on_devices`): the tokens of that many devices, about 1 / gathered of whose
+    pairs have an expert here (the others have id E and are left out); the blocks past the last
+    used one are skipped at run time, so the loop costs what this device's pairs need."""
+    n, k = ids_NxK.shape
+    e, m = weight(gate).shape[0], n * k
+    block = block or int(min(64, max(8, 1 << max(m // (gathered * e) - 1, 1).bit_length())))
+    flat = ids_NxK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]
+    sizes = jnp.bincount(flat, length=e)
+    padded = (sizes + block - 1) // block * block
+    ends = jnp.cumsum(padded)
+    blocks = -(-(m + e * (block - 1)) // block)
+    # id E: past the last row, dropped on the way in and read as zeros on the way out
+    start = jnp.append(ends - padded, blocks * block)
+    dest = start[expert] + jnp.arange(m) - jnp.append(jnp.cumsum(sizes) - sizes, jnp.sum(sizes))[expert]
+    rows = jnp.zeros((blocks * block, x_NxD.shape[1]), dtype).at[dest].set(x_NxD[order // k].astype(dtype),
+                                                                          mode="drop")
+    owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * block, side="right"), e - 1)
+    pick = lambda p, w: jax.tree.map(lambda t: t[w], p)  # noqa: E731  (one expert's slice of W, A, B)
+
+    def one(b):
+        xb, w = jax.lax.dynamic_slice_in_dim(rows, b * block, block), owner[b]
+        return swiglu(xb, pick(gate, w), pick(up, w), pick(down, w), dtype)
+
+    def used(b):  # the rows past the last used block were never written: zeros, as the output
+        unused = lambda b: jax.lax.dynamic_slice_in_dim(rows, b * block, block)  # noqa: E731
+        return jax.lax.cond(b * block < ends[-1], one, unused, b)
+
+    y = jax.lax.map(one if gathered == 1 else used, jnp.arange(blocks)).reshape(blocks * block, -1)
+    y = y.at[dest].get(mode="fill", fill_value=0) * weights_NxK.reshape(-1)[order][:, None].astype(dtype)
+    return jnp.zeros_like(x_NxD, dtype=dtype).at[order // k].add(y)
+
+
+def _specs(p, ex, tp, into: bool):
+    """A projection's shard_map specs: experts over `ex`, the MLP width over `tp` (the output of
+    gate / up, the input of down: `into`); A and B split as the W they adapt."""
+    w = P(ex, tp, None) if into else P(ex, None, tp)
+    if not isinstance(p, tuple):
+        return w
+    return (w, P(ex, tp, None), P(ex, None, None)) if into else (w, P(ex, None, None), P(ex, None, tp))
+
+
+def on_devices(experts, mesh, x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):
+    """`experts` run by every device of `mesh` (an abstract mesh with the parallel.sharding axes)
+    on its own tokens, under `shard_map`: XLA cannot split the sort-based dispatches, and left to
+    itself gathers every token onto every device of the batch axes. Each device's weights come
+    gathered over fsdp (the ZeRO-3 gather), its experts' MLP split over `tensor` (partial sums,
+    then a psum) and with `expert` > 1 only its E / expert experts: the tokens of its expert
+    group are all-gathered, run through the experts held here and reduce-scattered back
+    (expert parallelism by all-gather; exact, dropless, no capacity factor)."""
+    e, f = weight(gate).shape[0], weight(gate).shape[2]
+    batch = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    size = lambda a: mesh.shape.get(a, 1)  # noqa: E731
+    ex = "expert" if size("expert") > 1 and e % size("expert") == 0 else None
+    tp = "tensor" if size("tensor") > 1 and f % size("tensor") == 0 else None
+    if ex:
+        experts = functools.partial(experts, gathered=size(ex)) if experts is blocked_experts else experts
+
+    def vary(a):  # over every axis the result varies over: no gradient psum inside the blocked loop's cond
+        rest = tuple(n for n in (*batch, tp) if n and n not in jax.typeof(a).manual_axis_type.varying)
+        return jax.lax.pcast(a, rest, to="varying") if rest else a
+
+    def local(x, weights, ids, gate, up, down):
+        if ex:
+            x, weights, ids = (jax.lax.all_gather(a, ex, axis=0, tiled=True) for a in (x, weights, ids))
+            held = weight(gate).shape[0]
+            ids = ids - jax.lax.axis_index(ex) * held
+            mine = (ids >= 0) & (ids < held)
+            weights, ids = jnp.where(mine, weights, 0), jnp.where(mine, ids, held)
+        y = experts(*jax.tree.map(vary, (x, gate, up, down, weights, ids)), dtype)
+        y = jax.lax.psum(y, tp) if tp else y
+        return jax.lax.psum_scatter(y, ex, scatter_dimension=0, tiled=True) if ex else y
+
+    rows = P(batch)
+    specs = (_specs(gate, ex, tp, False), _specs(up, ex, tp, False), _specs(down, ex, tp, True))
+    run = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, *specs), out_specs=rows)
+    n, pad = x_NxD.shape[0], -x_NxD.shape[0] % math.prod(size(a) for a in batch)
+    if pad:  # (a batch the mesh does not divide: padding tokens with no expert, id E)
+        x_NxD, weights_NxK = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x_NxD, weights_NxK))
+        ids_NxK = jnp.pad(ids_NxK, ((0, pad), (0, 0)), constant_values=e)
+    return run(x_NxD, weights_NxK, ids_NxK, gate, up, down)[:n]

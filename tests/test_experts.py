@@ -1,0 +1,88 @@
+"""`models/experts.py` with LoRA on the stacked experts (`lora.expert_side`): in every dispatch the
+side path equals the merged weights and its gradients are the chain rule of the merged experts'
+gradient, contracted in NumPy; fresh adapters leave the model unchanged bit for bit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import models
+from jaxrl_llm.models import decoder, lora
+from jaxrl_llm.models.config import ModelConfig
+
+MOE = ModelConfig(vocab_size=48, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2, num_kv_heads=1,
+                  head_dim=8, model_type="qwen3_moe", num_experts=5, num_experts_per_tok=2, moe_intermediate_size=12,
+                  norm_topk_prob=True, lora_rank=3, lora_alpha=6.0, lora_targets=tuple(lora.TARGETS))
+
+
+def _random(adapters, seed):
+    keys = iter(jax.random.split(jax.random.key(seed), 64))
+    return jax.tree_util.tree_map(lambda x: 0.3 * jax.random.normal(next(keys), x.shape), adapters)
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "grouped", "blocked"])
+def test_expert_adapters_are_the_merged_experts_and_their_gradients_the_chain_rule(dispatch):
+    cfg = MOE.replace(moe_dispatch=dispatch)
+    plain = cfg.without_lora()
+    full = decoder.init_params(cfg, jax.random.key(0))
+    base, fresh = lora.split(full)
+    moe = fresh["layers_0"]["moe"]
+    assert sorted(moe) == ["down_lora_a", "down_lora_b", "gate_lora_b", "gate_up_lora_a", "up_lora_b"]
+    assert sum(x.size for x in jax.tree.leaves(fresh)) == lora.num_params(cfg)
+    assert sum(x.size for x in jax.tree.leaves({k: v["moe"] for k, v in fresh.items()})) == lora.expert_params(cfg)
+    # PEFT's kaiming-uniform bound over each expert's input (its lora_A [r E, in]), not E x in
+    assert 0.5 / np.sqrt(16) < float(jnp.abs(moe["gate_up_lora_a"]).max()) <= 1 / np.sqrt(16)
+    assert 0.5 / np.sqrt(12) < float(jnp.abs(moe["down_lora_a"]).max()) <= 1 / np.sqrt(12)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 48, (3, 11)))
+    np.testing.assert_array_equal(models.full_logits(full, cfg, tokens), models.full_logits(base, plain, tokens))
+
+    ad, s = _random(fresh, 1), cfg.lora_scale
+    tuned = models.full_logits(lora.combine(base, ad), cfg, tokens)
+    merged = lora.merge(base, ad, s)
+    assert float(jnp.abs(tuned - models.full_logits(base, plain, tokens)).max()) > 0.1
+    np.testing.assert_allclose(tuned, models.full_logits(merged, plain, tokens), atol=2e-5, rtol=0)
+    m, b0 = {k: np.asarray(v) for k, v in ad["layers_1"]["moe"].items()}, base["layers_1"]["moe"]
+    np.testing.assert_allclose(merged["layers_1"]["moe"]["up"][3], np.asarray(b0["up"][3]) + s * m["gate_up_lora_a"][3]
+                               @ m["up_lora_b"][3], atol=1e-6)
+
+    def loss(logits):
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 5])
+
+    g_ad = jax.grad(lambda a: loss(models.full_logits(lora.combine(base, a), cfg, tokens)))(ad)
+    g_w = jax.grad(lambda p: loss(models.full_logits(p, plain, tokens)))(merged)
+    for layer in ("layers_0", "layers_1"):
+        a, g = {k: np.asarray(v) for k, v in ad[layer]["moe"].items()}, g_w[layer]["moe"]
+        got = {k: np.asarray(v) for k, v in g_ad[layer]["moe"].items()}
+        gg, gu, gd = (np.asarray(g[t]) for t in ("gate", "up", "down"))  # [E, in, out]
+        t = lambda x: x.transpose(0, 2, 1)  # noqa: E731
+        # gate and up share A: its gradient sums both projections' chain rules
+        want_a = s * (gg @ t(a["gate_lora_b"]) + gu @ t(a["up_lora_b"]))
+        for name, want in (("gate_up_lora_a", want_a), ("gate_lora_b", s * t(a["gate_up_lora_a"]) @ gg),
+                           ("up_lora_b", s * t(a["gate_up_lora_a"]) @ gu),
+                           ("down_lora_a", s * gd @ t(a["down_lora_b"])),
+                           ("down_lora_b", s * t(a["down_lora_a"]) @ gd)):
+            np.testing.assert_allclose(got[name], want, atol=1e-6, rtol=1e-4, err_msg=f"{layer} {name}")
+        assert float(np.abs(got["down_lora_a"]).max()) > 1e-5
+
+
+def test_gate_and_up_are_adapted_together_on_a_mixture_of_experts():
+    with pytest.raises(ValueError, match="gate and up projections are one weight.*target both or neither"):
+        MOE.replace(lora_targets=("q", "gate", "down"))
+    dense = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                        head_dim=8, lora_rank=2, lora_alpha=2.0, lora_targets=("gate",))
+    assert dense.adapts("gate")  # a dense MLP's gate alone is fine
+
+
+def test_remat_gives_the_same_expert_adapter_gradients():
+    base, fresh = lora.split(decoder.init_params(MOE, jax.random.key(0)))
+    ad = _random(fresh, 2)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 48, (2, 9)))
+
+    def f(a, cfg):
+        return jnp.sum(jnp.square(models.full_logits(lora.combine(base, a), cfg, tokens)))
+
+    g0 = jax.grad(f)(ad, MOE)
+    for remat in ("full", "dots"):
+        g1 = jax.grad(f)(ad, MOE.replace(remat=remat))
+        jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5), g0, g1)
