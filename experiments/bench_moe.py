@@ -8,13 +8,15 @@ experts of width 256 with the top 4 renormalised (Qwen3-30B-A3B's expert width /
 quarter of its experts active instead of 8 of 128, so the tiny model keeps several experts per
 token). Learner: bench_learner's GRPO step (B = 32 x L = 128, 4 minibatch updates, AdamW, clipping)
 on both sides. Decode: bench_sampler's workload (64 prompts of 32 tokens, 96 new tokens, T = 1).
-Each side of a comparison takes turns within every repeat (best of `--repeats`).
+Each side of a comparison takes turns within every repeat (best of `--repeats`). Our learner runs
+with its rows over every device (data parallel) and, for dense and blocked, on one device of the
+same process (`*_one_device`), whose matmuls use every core: the faster layout on this CPU.
 
 `moe_dispatch=dense` runs every expert on every token (E / k = 4x the expert FLOPs, no gather or
 scatter); `grouped` sorts the (token, expert) pairs and runs one `jax.lax.ragged_dot` per
 projection; `blocked` pads each expert's sorted pairs to whole blocks and loops over the blocks.
 All three are reported with their ratios to dense; `auto` (what runs unless set) picks blocked on
-CPU for this model. `moe_learner_vs_torch` and `moe_decode_vs_hf` take the fastest dispatch. `routing_capture_cost`: the
+CPU for this model. `moe_learner_vs_torch` and `moe_decode_vs_hf` take the fastest dispatch and layout. `routing_capture_cost`: the
 decode time routing capture (R3, `record_routing`) adds, blocked dispatch; `routing_bytes_per_token`:
 what it records (int16 expert ids, top-k per sparse layer).
 """
@@ -55,19 +57,28 @@ def hf_moe(path: str):
 
 
 def learner_steps(cfg, params, batch, repeats: int) -> dict:
-    """Best step time of each dispatch, the steps interleaved."""
+    """Best step time of each dispatch with the rows over every device (data parallel), and of
+    the two fastest on one device (a single-device mesh of the same process: XLA's intra-op
+    threads use every core), the steps interleaved."""
+    from jaxrl_llm.learner import learner as L
+    from jaxrl_llm.parallel import sharding
+
     runs = {}
-    for dispatch in DISPATCHES:
-        lrn = BL._learner(cfg.replace(moe_dispatch=dispatch), "ppo")
+    for name, dispatch, devices in [(d, d, None) for d in DISPATCHES] + [
+            (f"{d}_one_device", d, jax.devices()[:1]) for d in ("dense", "blocked")]:
+        c = L.default_config()
+        c.lr, c.num_minibatches, c.packing = 1e-5, BL.MINIBATCHES, "off"
+        mesh = sharding.make_mesh(None, devices) if devices else None
+        lrn = L.Learner(cfg.replace(moe_dispatch=dispatch), {"name": "ppo"}, c, mesh=mesh)
         state = lrn.init(jax.random.key(0), params=params)
         state, _ = lrn.train_step(state, batch)  # compile
-        runs[dispatch] = [lrn, state, float("inf")]
+        runs[name] = [lrn, state, float("inf")]
     for _ in range(repeats):
-        for dispatch, (lrn, state, best) in runs.items():
+        for name, (lrn, state, best) in runs.items():
             t = time.perf_counter()
             state, _ = lrn.train_step(state, batch)
             jax.block_until_ready(state.params)
-            runs[dispatch] = [lrn, state, min(best, time.perf_counter() - t)]
+            runs[name] = [lrn, state, min(best, time.perf_counter() - t)]
     return {d: r[2] for d, r in runs.items()}
 
 
@@ -101,7 +112,7 @@ def main():
     tokens = BL.B * BL.LEN
     steps = learner_steps(cfg, params, batch, args.repeats)
     t_torch = BL.time_torch(hf, batch, args.repeats)
-    res.update({f"moe_learner_tokens_per_s_{d}": tokens / steps[d] for d in DISPATCHES},
+    res.update({f"moe_learner_tokens_per_s_{d}": tokens / t for d, t in steps.items()},
                torch_learner_tokens_per_s=tokens / t_torch, moe_learner_vs_torch=t_torch / min(steps.values()),
                **{f"moe_learner_{d}_vs_dense": steps["dense"] / steps[d] for d in DISPATCHES[1:]})
     hf.eval()

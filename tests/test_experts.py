@@ -86,3 +86,35 @@ def test_remat_gives_the_same_expert_adapter_gradients():
     for remat in ("full", "dots"):
         g1 = jax.grad(f)(ad, MOE.replace(remat=remat))
         jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5), g0, g1)
+
+
+def test_blocked_dispatch_batched_and_looped_equal_dense_with_adapters():
+    """Enough pairs per expert (a learner's batch) run the blocks as one batched matmul, fewer
+    (decode) as a loop: both equal the dense dispatch in values and every gradient, adapters too."""
+    from jaxrl_llm.models import experts, moe
+
+    rng = np.random.default_rng(4)
+    n, d, f, e, k, r = 300, 8, 6, 4, 2, 2  # 600 pairs: 150 an expert, past BATCHED_BLOCK / 2
+    assert 2 * n * k >= experts.BATCHED_BLOCK * e
+    arr = lambda *s: jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)  # noqa: E731
+    x, router = arr(n, d), arr(d, e)
+    proj = [(arr(e, d, f), arr(e, d, r), arr(e, r, f)), (arr(e, d, f), arr(e, d, r), arr(e, r, f)),
+            (arr(e, f, d), arr(e, f, r), arr(e, r, d))]
+
+    def loss(run):
+        def f(router, proj, x):
+            weights, ids = moe.route(x @ router, k, True)
+            return jnp.sum(run(x, *proj, weights, ids, jnp.float32) ** 2)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+    want = loss(experts.dense_experts)(router, proj, x)
+    for run in (experts.blocked_experts, lambda *a: experts.blocked_experts(*a, block=16)):
+        got = loss(run)(router, proj, x)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * float(jnp.abs(a).max()))
+    def hlo(**kw):
+        return jax.jit(lambda *a: experts.blocked_experts(*a, jnp.float32, **kw)).lower(
+            x, *proj, *moe.route(x @ router, k, True)).as_text()
+
+    assert "batching_dims = [0] x [0]" in hlo()  # the blocks as one batched matmul ...
+    assert "batching_dims" not in hlo(block=16)  # ... or a loop of plain ones

@@ -91,16 +91,27 @@ def grouped_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):
     return jnp.zeros_like(x_NxD).at[token].add(y)
 
 
+BATCHED_BLOCK = 128  # rows per block when the blocks run as one batched matmul
+BATCHED_BYTES = 256 << 20  # ... and at most this much of per-block weight copies
+
+
 def blocked_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype, block: int = 0, gathered: int = 1):
     """The chosen (token, expert) pairs sorted by expert, each expert's run padded to whole blocks
-    of `block` rows, and one small SwiGLU per block with its expert's weights (a loop over at most
-    (N k + E (block - 1)) / block blocks): the chosen experts' FLOPs plus the padding.
+    of `block` rows, and one small SwiGLU per block with its expert's weights: the chosen experts'
+    FLOPs plus the padding. With at least `BATCHED_BLOCK` / 2 pairs per expert (a learner's or a
+    prefill's tokens) the blocks run as one batched matmul over per-block copies of their experts'
+    weights (up to `BATCHED_BYTES`): its backward pass is a batched matmul too, where a loop's
+    transposes into a scan, about half the speed on CPU (experiments/results/bench_moe_cpu.md).
+    Otherwise (decode) a loop over at most (N k + E (block - 1)) / block blocks.
     `gathered` > 1 (`on_devices`): the tokens of that many devices, about 1 / gathered of whose
-    pairs have an expert here (the others have id E and are left out); the blocks past the last
-    used one are skipped at run time, so the loop costs what this device's pairs need."""
+    pairs have an expert here (the others have id E and are left out); the loop skips the blocks
+    past the last used one at run time, so it costs what this device's pairs need."""
     n, k = ids_NxK.shape
     e, m = weight(gate).shape[0], n * k
-    block = block or int(min(64, max(8, 1 << max(m // (gathered * e) - 1, 1).bit_length())))
+    w_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((gate, up, down))) // e
+    batched = not block and gathered == 1 and 2 * m >= BATCHED_BLOCK * e and \
+        -(-(m + e * (BATCHED_BLOCK - 1)) // BATCHED_BLOCK) * w_bytes <= BATCHED_BYTES
+    block = BATCHED_BLOCK if batched else block or int(min(64, max(8, 1 << max(m // (gathered * e) - 1, 1).bit_length())))
     flat = ids_NxK.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     expert = flat[order]
@@ -114,7 +125,7 @@ def blocked_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype, block: i
     rows = jnp.zeros((blocks * block, x_NxD.shape[1]), dtype).at[dest].set(x_NxD[order // k].astype(dtype),
                                                                           mode="drop")
     owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * block, side="right"), e - 1)
-    pick = lambda p, w: jax.tree.map(lambda t: t[w], p)  # noqa: E731  (one expert's slice of W, A, B)
+    pick = lambda p, w: jax.tree.map(lambda t: t[w], p)  # noqa: E731  (expert w's slice of W, A, B)
 
     def one(b):
         xb, w = jax.lax.dynamic_slice_in_dim(rows, b * block, block), owner[b]
@@ -124,8 +135,13 @@ def blocked_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype, block: i
         unused = lambda b: jax.lax.dynamic_slice_in_dim(rows, b * block, block)  # noqa: E731
         return jax.lax.cond(b * block < ends[-1], one, unused, b)
 
-    y = jax.lax.map(one if gathered == 1 else used, jnp.arange(blocks)).reshape(blocks * block, -1)
-    y = y.at[dest].get(mode="fill", fill_value=0) * weights_NxK.reshape(-1)[order][:, None].astype(dtype)
+    if batched:
+        y = jax.vmap(swiglu, (0, 0, 0, 0, None))(rows.reshape(blocks, block, -1), pick(gate, owner), pick(up, owner),
+                                                 pick(down, owner), dtype)
+    else:
+        y = jax.lax.map(one if gathered == 1 else used, jnp.arange(blocks))
+    y = y.reshape(blocks * block, -1).at[dest].get(mode="fill", fill_value=0)
+    y = y * weights_NxK.reshape(-1)[order][:, None].astype(dtype)
     return jnp.zeros_like(x_NxD, dtype=dtype).at[order // k].add(y)
 
 
