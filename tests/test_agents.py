@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from configs.agent_calculator import get_config
-from jaxrl_llm.gateway import agents, embedded, chat
+from jaxrl_llm.gateway import agents, embedded, chat, runners
 from jaxrl_llm.run import experiment, plan
 from jaxrl_llm.tasks import arithmetic, tool_arithmetic as ta
 from tests.test_experiment import shrink
@@ -15,10 +15,12 @@ from tests.test_experiment import shrink
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_run_trains_the_calculator_agents_sessions(mode, tmp_path):
-    """Sync: each draw's sessions, then a step. Async with two sampler threads: two draws'
-    sessions share one gateway's slots at once, each thread getting its own sessions back."""
+    """Sync: each draw's sessions, then a step, the agents on a thread of the run's process.
+    Async with two sampler threads: two draws' sessions share one gateway's slots at once, each
+    thread getting its own sessions back, the agents in a worker process (the default)."""
     c = shrink(get_config(), steps=2, eval_every=2)
     c.sampler.slots, c.task.max_turns, c.gateway.concurrency = 3, 3, 4
+    c.gateway.agent_processes = 0 if mode == "sync" else 1
     c.runtime.mode, c.runtime.num_samplers = mode, 2 if mode == "async" else 1
     summary = experiment.run(c, str(tmp_path), log=lambda *_: None)
     assert summary["version"] == 2 and summary["reward_failures"] == 0
@@ -55,7 +57,7 @@ def test_the_agent_spec_and_mode_are_checked_at_start_up():
         plan.resolve(c)
     c.task.agent = "examples.calculator_agent"
     with pytest.raises(ValueError, match="module:function"):
-        agents.load(c.task.agent)
+        runners.load(c.task.agent)
     c = shrink(get_config())
     c.task.agent = ""
     with pytest.raises(ValueError, match="task.name=agent plays an agent: set --config.task.agent"):
@@ -111,6 +113,34 @@ def _settings():
 
     return types.SimpleNamespace(host="127.0.0.1", port=0, concurrency=2, session_timeout_s=300.0, max_attempts=1,
                                  seed=0, max_obs_tokens=8)
+
+
+def test_agent_worker_processes_leave_with_a_run_killed_with_sigkill():
+    """`gateway.agent_processes`: a worker process whose run dies by kill -9 (no clean-up
+    runs) stops on its own within seconds instead of lingering."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_distributed import ENV, ROOT
+
+    script = ("from jaxrl_llm.gateway import runners\n"
+              "r = runners.ProcessRunner('examples.calculator_agent:agent', lambda s: 'http://127.0.0.1:9/v1', 't', "
+              "2, 30.0, 1)\n"
+              "print(r._workers[0].pid, flush=True)\n"
+              "import time; time.sleep(120)\n")
+    run = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+    worker = int(run.stdout.readline())
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{worker}") and \
+            open(f"/proc/{worker}/stat").read().split(")")[-1].split()[0] != "Z":
+        time.sleep(0.2)
+    gone = not os.path.exists(f"/proc/{worker}") or open(f"/proc/{worker}/stat").read().split(")")[-1].split()[0] == "Z"
+    assert gone, f"agent worker {worker} outlived its run"
 
 
 def test_external_agents_take_their_sessions_from_rl_prompts(tmp_path):

@@ -252,6 +252,12 @@ def test_many_concurrent_sessions_share_the_slots_none_lost_none_twice(served):
         drawn = b.tokens[0][b.loss_mask[0] > 0].tolist()
         assert drawn[:8] == 2 * ids("<tool_call>", CALL, "</tool_call>", "<|im_end|>")
     assert gw.closed() == []
+    # Parked pools, fed rows and handed-over rows take power-of-two sizes or a traced index:
+    # the programs on them compile once per size class (1, 2, 4 of 4 slots), never once per
+    # count (a compile per step in a long run, most of its time on this CPU).
+    engine = gw._engine
+    for fn in (engine._park, engine._resume, engine._keys, engine._row):
+        assert fn._cache_size() <= 3, (fn, fn._cache_size())
 
 
 def test_a_client_that_goes_away_is_timed_out_and_dropped(served):

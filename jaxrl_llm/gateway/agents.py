@@ -20,69 +20,17 @@ closed in time is dropped and played again under a new name, as above.
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import importlib
 import itertools
 import secrets
 import threading
 import time
-from concurrent.futures import Future
-from typing import Callable
 
 import jax
 import numpy as np
 
-from jaxrl_llm.gateway import server as server_lib, service
+from jaxrl_llm.gateway import runners, server as server_lib, service
 from jaxrl_llm.tasks import arithmetic, envs, multiturn
-
-
-def load(spec: str) -> Callable:
-    """`module:function` -> the agent coroutine function."""
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise ValueError(f"task.agent={spec!r}: name it as module:function (e.g. examples.calculator_agent:agent)")
-    fn = getattr(importlib.import_module(module), name, None)
-    if not asyncio.iscoroutinefunction(fn):
-        raise ValueError(f"task.agent={spec!r} is not an async function (async def agent(client, problem))")
-    return fn
-
-
-class Runner:
-    """Agents' sessions on an event loop of their own, at most `concurrency` at a time."""
-
-    def __init__(self, agent: Callable, url: Callable[[str], str], token: str, concurrency: int, timeout_s: float):
-        self.agent, self.url, self.token, self.timeout_s = agent, url, token, timeout_s
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="gateway-agents")
-        self.thread.start()
-        self._slots, self._http = asyncio.run_coroutine_threadsafe(self._shared(concurrency), self.loop).result()
-        self.errors = collections.deque(maxlen=100)  # (session, repr of the exception), newest last
-
-    @staticmethod
-    async def _shared(n):
-        """The loop's semaphore and one HTTP connection pool for every session's client (a client
-        of its own would build an SSL context per session: most of the agents' CPU time)."""
-        import openai
-
-        return asyncio.Semaphore(n), openai.DefaultAsyncHttpxClient()
-
-    def start(self, session: str, problem: dict) -> Future:
-        """Future[reward | None] of one session played by the agent."""
-        return asyncio.run_coroutine_threadsafe(self._play(session, problem), self.loop)
-
-    async def _play(self, session: str, problem: dict):
-        import openai
-
-        async with self._slots:
-            client = openai.AsyncOpenAI(base_url=self.url(session), api_key=self.token, max_retries=0,
-                                        timeout=self.timeout_s, http_client=self._http)
-            return await asyncio.wait_for(self.agent(client, dict(problem)), self.timeout_s)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._http.aclose(), self.loop).result(timeout=10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
 
 
 class AgentTask:
@@ -92,7 +40,8 @@ class AgentTask:
     def __init__(self, source, agent: str, cfg, format=None):
         self.source, self.agent_spec, self.cfg = source, agent, cfg
         self.external = bool(getattr(cfg, "external", False))  # the gateway section's fields, or a test's
-        self.agent = None if self.external else load(agent)
+        if not self.external:
+            runners.load(agent)  # refused at start-up, named
         if format is None:
             from jaxrl_llm.gateway.embedded import ArithmeticChat
 
@@ -124,8 +73,7 @@ class AgentTask:
         token = getattr(c, "token", "") or secrets.token_urlsafe(24)
         self.server = server_lib.Server(self.gateway, c.host, c.port, token=token,
                                         prompts=self.take if self.external else None)
-        self.runner = None if self.external else Runner(self.agent, self.server.url, token, c.concurrency,
-                                                     c.session_timeout_s)
+        self.runner = None if self.external else runners.make(self.agent_spec, self.server.url, token, c)
 
     def take(self, n: int) -> list:
         """External agents' next `n` sessions (`GET /rl/prompts`), oldest first."""

@@ -9,6 +9,7 @@ SECTION = V.Section(
     host=("127.0.0.1", V.text()),  # loopback; any other host needs the run's bearer token (always set)
     port=(0, V.integer(0)),  # 0: a free port, logged at start-up
     concurrency=(64, V.integer(1)),  # agent sessions in flight at once
+    agent_processes=(1, V.integer(0)),  # agents in N worker processes (0: on a thread of the run's process)
     session_timeout_s=(300.0, V.positive()),  # an idle session without a reward is dropped after this
     max_attempts=(3, V.integer(1)),  # a problem's dropped session is played again up to this many times
     # agents run elsewhere (other processes or machines): they take sessions from GET /rl/prompts and

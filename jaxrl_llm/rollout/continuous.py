@@ -85,11 +85,14 @@ class SlotEngine:
         self._park = jax.jit(turns_lib.park)  # multi-turn (one sampler device): a waiting row's state
         self._park_bare = jax.jit(lambda st, slots: turns_lib.park(st.replace(cache=None), slots))
         self._resume = jax.jit(turns_lib.resume)
+        self._row = jax.jit(slot_state.row)
         self._reprefill = jax.jit(functools.partial(turns_lib.reprefill, mcfg=mcfg, scfg=scfg))
 
     def row_keys(self, key, ids) -> np.ndarray:
-        """u32 key data of each row's own key (`decode.row_keys`), for `stream` feeds."""
-        return np.asarray(self._keys(key, np.asarray(ids, np.int32)))
+        """u32 key data of each row's own key (`decode.row_keys`), for `stream` feeds; ids padded
+        to a power of two (one program per size class, not per count)."""
+        ids = np.asarray(ids, np.int32)
+        return np.asarray(self._keys(key, np.resize(ids, pow2(len(ids))) if len(ids) else ids))[:len(ids)]
 
     def generate(self, params, prompt_RxP, mask_RxP, limit_R, key, version: int, refresh=None, turns=None) -> dict:
         """Every row of `prompt_RxP` through the slots -> the static sampler's output dict
@@ -229,7 +232,10 @@ class SlotEngine:
             s.holding[slots] = True
             return st
         park = self._park_bare if self.sampler.cfg.turn_cache == "recompute" else self._park
-        pool = [park(st, self._put(slots.astype(np.int32))), {i: j for j, i in enumerate(ids.tolist())}]
+        # a power-of-two pool (copies of the last row pad it): every later program on the pool
+        # (insert, resume, row) compiles once per size class, not once per count of rows parked
+        padded = np.resize(slots.astype(np.int32), pow2(len(slots)))
+        pool = [park(st, self._put(padded)), {i: j for j, i in enumerate(ids.tolist())}]
         for i in ids.tolist():
             turns.waiting[i].pool, turns.waiting[i].slot = pool, -1
         s.row_of[slots] = -1
@@ -244,11 +250,10 @@ class SlotEngine:
         for i, reply in turns.ready():
             w = turns.waiting.pop(i)
             state, at = (st, w.slot) if w.pool is None else (w.pool[0], w.pool[1][i])
-            step = int(jax.device_get(jnp.broadcast_to(state.step, state.done_B.shape)[at]))
+            got = jax.device_get(self._row(state, np.int32(at)))  # this row only
+            step = int(got.pop("step"))
             room = int(s.rows[i][2]) - step
             if reply.done or room <= 0 or not len(reply.obs_ids):
-                got = jax.device_get({f: getattr(state, f)[at:at + 1]  # this row only
-                                      for f in slot_state.handed_over(state)})
                 ended.append((np.asarray([i]), got))
                 if w.pool is None:
                     s.row_of[w.slot], s.holding[w.slot] = -1, False

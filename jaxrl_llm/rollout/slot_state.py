@@ -23,6 +23,14 @@ def handed_over(st) -> tuple:
     return OUTPUTS + (("routing",) if st.routing is not None else ())
 
 
+def row(st, at):
+    """Row `at` (traced: one program per state shape) of a slots' state or pool: its handed-over
+    fields (leading dim 1) and, under "step", its decode step."""
+    one = {f: jax.lax.dynamic_slice_in_dim(getattr(st, f), at, 1) for f in handed_over(st)}
+    one["step"] = jnp.broadcast_to(st.step, st.done_B.shape)[at]
+    return one
+
+
 def empty(slots: int, p: int, mcfg: ModelConfig, scfg: SamplerConfig) -> decode.DecodeState:
     """S idle slots (done, budget 0) with a cache of P + N positions."""
     n, k = scfg.max_new_tokens, scfg.capture_topk
