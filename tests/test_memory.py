@@ -153,7 +153,7 @@ def test_qwen7b_on_8_h100s_is_refused_only_without_fsdp_which_the_message_names(
 def test_a_mixture_of_experts_plan_holds_what_its_sharded_tree_holds():
     """Per device: the stacked experts split over fsdp x tensor x expert, every other weight over
     fsdp x tensor, counted against the shards of the real parameter tree on 8 devices; the
-    activations grow with the expert group each device runs tokens for (`moe.on_devices`)."""
+    activations grow with the expert group each device runs tokens for (`experts.on_devices`)."""
     import pytest
 
     from jaxrl_llm import models

@@ -255,7 +255,7 @@ def _layer_on(mesh_sizes, dispatch, rows=8, length=16, lora_rank=0):
 def test_expert_parallel_on_8_devices_equals_one_device(dispatch):
     """Experts split over `expert` (each device holds 16 / expert of them and runs its group's
     tokens through them), with fsdp and tensor splits beside it: values and every gradient equal
-    one device's. And each device sorts only its own tokens: before `moe.on_devices`, XLA gathered
+    one device's. And each device sorts only its own tokens: before `experts.on_devices`, XLA gathered
     every token of a data-parallel batch onto every device for the sort-based dispatches (each
     device's FLOPs 0.74x (blocked) and 1.0x (grouped) of the whole batch's on one device)."""
     (y1, g1), one, _ = _layer_on(None, dispatch)

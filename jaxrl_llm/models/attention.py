@@ -60,7 +60,7 @@ def self_mask(cfg: ModelConfig, ids_BxL, dense_BxLxL):
 
 def on_mesh(cfg: ModelConfig, mesh):
     """Context for tracing a forward whose batch is sharded over `mesh`: splash (a Pallas call)
-    and a mixture of experts' dispatch (`moe.on_devices`) are what XLA cannot partition, so they
+    and a mixture of experts' dispatch (`experts.on_devices`) are what XLA cannot partition, so they
     run under `shard_map` over the mesh this makes visible."""
     if (kernel(cfg) != "splash" and not cfg.num_experts) or mesh is None or mesh.size == 1:
         return contextlib.nullcontext()

@@ -145,8 +145,8 @@ def _delta(a, b):
 
 
 def _pair(ad, name):
-    """The (A, B) adapting a module's raw weight `name` (a shared expert's [in, out], stacked
-    experts' [E, in, out]), or None."""
+    """The (A, B) adapting a module's raw (not `kernel`) weight `name`, such as stacked experts'
+    [E, in, out], or None."""
     b = ad.get(f"{name}{MARK}b")
     a = ad.get(f"{name}{MARK}a", ad.get(f"{SHARED_A.get(name, name)}{MARK}a"))
     return None if a is None or b is None else (a, b)
@@ -191,7 +191,7 @@ def num_params(cfg) -> int:
 
 
 def expert_params(cfg) -> int:
-    """Those of `num_params` on stacked experts (split over the `expert` mesh axis)."""
+    """Those of `num_params` on stacked experts (split as the experts are, `expert_side`)."""
     return sum(_layer_params(cfg, layer)[1] for layer in range(cfg.num_layers))
 
 

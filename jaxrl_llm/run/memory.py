@@ -15,12 +15,12 @@ Learner (one step, `num_minibatches` updates over `rows` sequences of `seq_len` 
   The log-prob head works in `logprob_chunk`-token chunks: never a [B, L, V] array.
   A mixture of experts' layer holds, per token, its k experts' four intermediates, the router's
   float32 logits and probabilities, and the dispatched rows in and out; with `expert` = X > 1
-  each device runs the tokens of its X-device group (`moe.on_devices`), in buffers sized for
+  each device runs the tokens of its X-device group (`experts.on_devices`), in buffers sized for
   the case where all of them pick its experts (dropless, static shapes): X times those.
   With LoRA (`models/lora.py`) the float32 master, gradient, moments and update are the
-  adapters' alone (replicated; stacked experts' split as the experts' dims), the frozen base is held once
-  in the compute dtype, and the activations add each adapted projection's low-rank intermediate
-  (rows x tokens x rank, k times on a mixture of experts' experts).
+  adapters' alone (replicated; stacked experts' split as the experts' dims), the frozen base is
+  held once in the compute dtype, and the activations add each adapted projection's low-rank
+  intermediate (rows x tokens x rank, k times on a mixture of experts' experts).
 Sampler (one call over `rows` rows): its weight copy in its compute dtype, the float32
   unembedding the decode loop forms once (a copy when tied or not float32), the KV cache
   (2 x layers x rows x kv heads x head_dim x positions) twice (continuous batching copies a
@@ -135,7 +135,7 @@ def activations(cfg: ModelConfig, rows: int, length: int, tensor: int = 1, exper
 
 
 def held_adapters(cfg: ModelConfig, layout: Layout) -> int:
-    """How many LoRA adapter parameters one learner device holds (`learner.make_plan`): the
+    """How many LoRA adapter parameters one learner device holds (`learner._resolve`): the
     replicated ones, and those on stacked experts split as the experts' dims they follow
     (`lora.expert_side`: over expert, and fsdp on D or tensor on the MLP width)."""
     r, e, d, f = cfg.lora_rank, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
