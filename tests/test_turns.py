@@ -162,3 +162,37 @@ def test_a_recomputed_cache_gives_the_same_episodes_and_logs_its_log_prob_gap(pa
     b, _ = _episodes(params[0], "continuous", 2, turn_cache="recompute", env=env, refresh=refresh)
     assert set(np.unique(b.versions[b.loss_mask > 0])) == {0, 1}
     assert engine.reprefill["abs_max"] > 0.01  # its tokens drawn under the old weights score differently
+
+
+def test_rows_parked_together_make_a_power_of_two_pool():
+    """Three rows ending a turn in one segment are parked as a pool of four (the last row's copy
+    pads it), each at its index: the programs on pools compile once per power-of-two size, not
+    once per count of rows parked (which a long multi-turn run hits every step)."""
+    from jaxrl_llm.rollout import continuous, slot_state
+
+    sampler = _sampler("continuous", 6)
+    engine = sampler.slots(6)
+    n = sampler.cfg.max_new_tokens
+    st = slot_state.empty(6, 8, CFG, sampler.cfg)
+    st = st.replace(step=jnp.arange(6, dtype=jnp.int32) + 10)  # each slot's own, to tell the rows apart
+    got = {"valid_BxN": np.ones((3, n), bool), "tokens_BxN": np.full((3, n), STOP, np.int32),
+           "obs_BxN": np.zeros((3, n), bool)}
+    turns = Turns(Echo())
+    s = continuous._Slots.idle(6, 1)
+    s.row_of[[1, 3, 4]] = [7, 8, 9]
+    engine._wait(st, turns, np.asarray([7, 8, 9]), np.asarray([1, 3, 4]), got, np.ones(3, bool), s)
+    pool, where = turns.waiting[7].pool
+    assert pool.done_B.shape == (4,) and where == {7: 0, 8: 1, 9: 2}
+    assert np.asarray(pool.step).tolist() == [11, 13, 14, 14]
+    assert (s.row_of[[1, 3, 4]] == -1).all() and all(turns.waiting[i].slot == -1 for i in (7, 8, 9))
+    # fed rows' keys likewise: three ids computed as four, the same keys as the three alone
+    from jaxrl_llm.rollout import decode
+
+    seen, keys = [], engine._keys
+    engine._keys = lambda key, ids: (seen.append(len(ids)), keys(key, ids))[1]
+    try:
+        got = engine.row_keys(jax.random.key(3), [5, 6, 7])
+    finally:
+        engine._keys = keys
+    want = jax.random.key_data(decode.row_keys(jax.random.key(3), jnp.asarray([5, 6, 7], jnp.int32)))
+    assert seen == [4] and np.array_equal(got, np.asarray(want))

@@ -234,7 +234,7 @@ class SlotEngine:
         park = self._park_bare if self.sampler.cfg.turn_cache == "recompute" else self._park
         # a power-of-two pool (copies of the last row pad it): every later program on the pool
         # (insert, resume, row) compiles once per size class, not once per count of rows parked
-        padded = np.resize(slots.astype(np.int32), pow2(len(slots)))
+        padded = np.pad(slots.astype(np.int32), (0, pow2(len(slots)) - len(slots) if len(slots) else 0), mode="edge")
         pool = [park(st, self._put(padded)), {i: j for j, i in enumerate(ids.tolist())}]
         for i in ids.tolist():
             turns.waiting[i].pool, turns.waiting[i].slot = pool, -1
