@@ -32,10 +32,10 @@ from common import across_isas, cpu_kind, flops_per_token, hf_model, matmul_peak
 B, LEN, PROMPT, MINIBATCHES = 32, 128, 32, 4
 
 
-def _learner(cfg, name, packing="off"):
+def _learner(cfg, name, packing="off", mesh=None):
     c = L.default_config()
     c.lr, c.num_minibatches, c.packing = 1e-5, MINIBATCHES, packing
-    return L.Learner(cfg, {"name": name}, c)
+    return L.Learner(cfg, {"name": name}, c, mesh=mesh)
 
 
 def heavy_tail_batch(params, cfg, seed=0, new_max=512, prompt=PROMPT):

@@ -60,16 +60,13 @@ def learner_steps(cfg, params, batch, repeats: int) -> dict:
     """Best step time of each dispatch with the rows over every device (data parallel), and of
     the two fastest on one device (a single-device mesh of the same process: XLA's intra-op
     threads use every core), the steps interleaved."""
-    from jaxrl_llm.learner import learner as L
     from jaxrl_llm.parallel import sharding
 
     runs = {}
     for name, dispatch, devices in [(d, d, None) for d in DISPATCHES] + [
             (f"{d}_one_device", d, jax.devices()[:1]) for d in ("dense", "blocked")]:
-        c = L.default_config()
-        c.lr, c.num_minibatches, c.packing = 1e-5, BL.MINIBATCHES, "off"
         mesh = sharding.make_mesh(None, devices) if devices else None
-        lrn = L.Learner(cfg.replace(moe_dispatch=dispatch), {"name": "ppo"}, c, mesh=mesh)
+        lrn = BL._learner(cfg.replace(moe_dispatch=dispatch), "ppo", mesh=mesh)
         state = lrn.init(jax.random.key(0), params=params)
         state, _ = lrn.train_step(state, batch)  # compile
         runs[name] = [lrn, state, float("inf")]

@@ -1,6 +1,7 @@
 """`models/experts.py` with LoRA on the stacked experts (`lora.expert_side`): in every dispatch the
 side path equals the merged weights and its gradients are the chain rule of the merged experts'
-gradient, contracted in NumPy; fresh adapters leave the model unchanged bit for bit."""
+gradient, contracted in NumPy; fresh adapters leave the model unchanged bit for bit (remat:
+`tests/test_lora.py`)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,15 +11,11 @@ import pytest
 from jaxrl_llm import models
 from jaxrl_llm.models import decoder, lora
 from jaxrl_llm.models.config import ModelConfig
+from tests.test_lora import _random_adapters
 
 MOE = ModelConfig(vocab_size=48, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2, num_kv_heads=1,
                   head_dim=8, model_type="qwen3_moe", num_experts=5, num_experts_per_tok=2, moe_intermediate_size=12,
                   norm_topk_prob=True, lora_rank=3, lora_alpha=6.0, lora_targets=tuple(lora.TARGETS))
-
-
-def _random(adapters, seed):
-    keys = iter(jax.random.split(jax.random.key(seed), 64))
-    return jax.tree_util.tree_map(lambda x: 0.3 * jax.random.normal(next(keys), x.shape), adapters)
 
 
 @pytest.mark.parametrize("dispatch", ["dense", "grouped", "blocked"])
@@ -37,7 +34,7 @@ def test_expert_adapters_are_the_merged_experts_and_their_gradients_the_chain_ru
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 48, (3, 11)))
     np.testing.assert_array_equal(models.full_logits(full, cfg, tokens), models.full_logits(base, plain, tokens))
 
-    ad, s = _random(fresh, 1), cfg.lora_scale
+    ad, s = _random_adapters(cfg, seed=1, scale=0.3), cfg.lora_scale
     tuned = models.full_logits(lora.combine(base, ad), cfg, tokens)
     merged = lora.merge(base, ad, s)
     assert float(jnp.abs(tuned - models.full_logits(base, plain, tokens)).max()) > 0.1
@@ -72,20 +69,6 @@ def test_gate_and_up_are_adapted_together_on_a_mixture_of_experts():
     dense = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
                         head_dim=8, lora_rank=2, lora_alpha=2.0, lora_targets=("gate",))
     assert dense.adapts("gate")  # a dense MLP's gate alone is fine
-
-
-def test_remat_gives_the_same_expert_adapter_gradients():
-    base, fresh = lora.split(decoder.init_params(MOE, jax.random.key(0)))
-    ad = _random(fresh, 2)
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 48, (2, 9)))
-
-    def f(a, cfg):
-        return jnp.sum(jnp.square(models.full_logits(lora.combine(base, a), cfg, tokens)))
-
-    g0 = jax.grad(f)(ad, MOE)
-    for remat in ("full", "dots"):
-        g1 = jax.grad(f)(ad, MOE.replace(remat=remat))
-        jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5), g0, g1)
 
 
 def test_blocked_dispatch_batched_and_looped_equal_dense_with_adapters():

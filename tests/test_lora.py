@@ -50,17 +50,23 @@ def test_side_path_equals_merged_weights_and_init_equals_base():
     np.testing.assert_allclose(lora.merge(base, ad, 2.0)["layers_1"]["attn"]["o"]["kernel"], o, atol=1e-6)
 
 
-def test_remat_gives_the_same_adapter_gradients():
-    base, _ = lora.split(decoder.init_params(CFG, jax.random.key(0)))
-    ad = _random_adapters(CFG)
+# adapters on attention and on every expert of a mixture of experts (`lora.expert_side`)
+MOE = CFG.replace(model_type="qwen3_moe", num_experts=5, num_experts_per_tok=2, moe_intermediate_size=12,
+                  norm_topk_prob=True)
+
+
+@pytest.mark.parametrize("cfg", [CFG, MOE], ids=["dense", "experts"])
+def test_remat_gives_the_same_adapter_gradients(cfg):
+    base, _ = lora.split(decoder.init_params(cfg, jax.random.key(0)))
+    ad = _random_adapters(cfg)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 9)))
 
     def f(a, cfg):
         return jnp.sum(jnp.square(models.full_logits(lora.combine(base, a), cfg, tokens)))
 
-    g0 = jax.grad(f)(ad, CFG)
+    g0 = jax.grad(f)(ad, cfg)
     for remat in ("full", "dots"):
-        g1 = jax.grad(f)(ad, CFG.replace(remat=remat))
+        g1 = jax.grad(f)(ad, cfg.replace(remat=remat))
         jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5), g0, g1)
 
 
