@@ -9,7 +9,8 @@ the learner's mesh (`on_devices`).
            per projection (`jax.lax.ragged_dot`), then scattered back weighted: the FLOPs of
            the k chosen experts only.
   blocked  dropless: the sorted pairs padded to whole blocks per expert, one small SwiGLU per
-           block in a loop: the chosen experts' FLOPs plus padding, from plain matmuls.
+           block (one batched matmul for a learner's batch, a loop in decode): the chosen
+           experts' FLOPs plus padding, from plain matmuls.
 
 A projection (`gate`, `up` [E, D, F], `down` [E, F, D]) is its stacked weight, or with LoRA on
 the experts (`lora.expert_side`) a tuple (W, A [E, in, r], B [E, r, out] scaled by alpha / r):
