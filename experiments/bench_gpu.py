@@ -39,7 +39,10 @@ from bench_scale import QWEN25_05B, TINY, compiled_peak  # noqa: E402  (the shap
 # Dense bf16 FLOP/s and HBM bytes/s by device kind (vendor data sheets; SXM parts).
 DEVICES = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.04e12),
            "L4": (121e12, 0.3e12), "TPU v5 lite": (197e12, 0.82e12), "TPU v5p": (459e12, 2.76e12)}
-NEEDS = {"ml_collections": "ml-collections", "absl": "absl-py"}
+# What the project imports that the lent GPUs' image lacked (2026-11; docs/accelerators.md lists
+# the wheels, their dependencies included).
+NEEDS = {"ml_collections": "ml-collections", "absl": "absl-py", "crc32c": "crc32c", "fastapi": "fastapi",
+         "uvicorn": "uvicorn", "openai": "openai", "tensorboardX": "tensorboardX"}
 
 
 def install_missing(wheels: str) -> list:
@@ -115,6 +118,15 @@ def _reference(q, k, v, mask):
     return jnp.einsum("bnts,bnsd->btnd", jnp.nan_to_num(probs), v)
 
 
+def learner_config():
+    """The measured learner's settings: one minibatch, no packing."""
+    from jaxrl_llm.learner import learner as L
+
+    c = L.default_config()
+    c.lr, c.num_minibatches, c.packing = 1e-5, 1, "off"
+    return c
+
+
 def learner_step(cfg, rows: int, seq_len: int, repeats: int) -> tuple:
     import jax
 
@@ -122,8 +134,7 @@ def learner_step(cfg, rows: int, seq_len: int, repeats: int) -> tuple:
     from jaxrl_llm import testing
     from jaxrl_llm.parallel import sharding
 
-    c = L.default_config()
-    c.lr, c.num_minibatches, c.packing = 1e-5, 1, "off"
+    c = learner_config()
     lrn = L.Learner(cfg, {"name": "ppo"}, c, mesh=sharding.make_mesh(None, jax.devices()[:1]))
     state = lrn.init(jax.random.key(0))
     batch = jax.block_until_ready(testing.model_batch(state.params, cfg, num_prompts=max(1, rows // 2), group_size=2,

@@ -7,6 +7,8 @@ Stages run in order and each writes the JSON as it finishes (a crash or a timeou
 earlier ones; a stage that raises records its error and the next one runs):
 
   backend      device kind, count, `bytes_limit`, JAX version
+  init         seconds to compile the 0.5B-shaped `init_params` (a minute on an H200 while each
+               layer was drawn on its own) and to run it
   vocab        ms per call at a 152k vocabulary, 64 rows: a full sort (what top-p cost before),
                top-p 0.9 by bisection, top-k 50 + top-p 0.9, the blockwise top-k
   attention    each kernel `model.attention` offers here (xla, cudnn on GPU, chunked, einsum):
@@ -18,6 +20,8 @@ earlier ones; a stage that raises records its error and the next one runs):
   logp_gap     sampler vs learner log-probs of the same tokens at unchanged weights, bf16 and fp32
   learner      0.5B-shaped bf16 learner step: tokens/s, MFU, compiled peak vs the memory plan,
                whether two identical steps from one state give bitwise-equal weights
+  determinism  the same two steps in a child process with `--xla_gpu_deterministic_ops`
+               (`train.deterministic=True`), which must start before the backend does
   prox_pass    the prox pass's compiled temporaries vs the plan's step temporaries (V = 152k)
   end_to_end   the default config (embedded task, no downloads), 20 steps, static and continuous
                batching: wall seconds, trained tokens/s, last reward
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +58,18 @@ def backend(s) -> dict:
     dev = jax.devices()[0]
     return {"device": dev.device_kind, "platform": dev.platform, "devices": jax.device_count(), "jax": jax.__version__,
             "bytes_limit_gib": ((dev.memory_stats() or {}).get("bytes_limit") or 0) / 2**30}
+
+
+def init(s) -> dict:
+    import jax
+
+    from jaxrl_llm.models import decoder
+
+    f = jax.jit(lambda k: decoder.init_params(s.cfg, k))
+    t = time.perf_counter()
+    compiled = f.lower(jax.random.key(0)).compile()
+    compile_s = time.perf_counter() - t
+    return {"compile_s": compile_s, "run_ms": _timed(lambda: compiled(jax.random.key(0)), 1) * 1e3}
 
 
 def vocab(s) -> dict:
@@ -163,12 +180,6 @@ def logp_gap(s) -> dict:
 
 
 def learner(s) -> dict:
-    import jax
-    import numpy as np
-
-    from jaxrl_llm.learner import learner as L
-    from jaxrl_llm import testing
-    from jaxrl_llm.parallel import sharding
     from jaxrl_llm.run import memory
 
     cfg = s.cfg
@@ -180,14 +191,41 @@ def learner(s) -> dict:
 
         flops = 3 * flops_per_token(cfg, s.seq_len / 2)
         out["mfu"] = out["learner_tokens_per_s"] * flops / bench_gpu.DEVICES[s.kind][0]
-    lrn = L.Learner(cfg, {"name": "ppo"}, lc, mesh=sharding.make_mesh(None, jax.devices()[:1]))
+    out["two_steps_bitwise_equal"] = two_steps_equal(s, lc)
+    return out
+
+
+def two_steps_equal(s, lc=None) -> bool:
+    """Two PPO steps from one state on one batch: bitwise-equal weights?"""
+    import jax
+    import numpy as np
+
+    from jaxrl_llm import testing
+    from jaxrl_llm.learner import learner as L
+    from jaxrl_llm.parallel import sharding
+
+    lc = lc or bench_gpu.learner_config()
+    lrn = L.Learner(s.cfg, {"name": "ppo"}, lc, mesh=sharding.make_mesh(None, jax.devices()[:1]))
     state = lrn.init(jax.random.key(0))
-    batch = testing.model_batch(state.params, cfg, num_prompts=max(1, s.rows // 2), group_size=2, length=s.seq_len,
-                                prompt=s.seq_len // 4, topk=0, version=1, max_staleness=0)
+    batch = testing.model_batch(state.params, s.cfg, num_prompts=max(1, s.rows // 2), group_size=2,
+                                length=s.seq_len, prompt=s.seq_len // 4, topk=0, version=1, max_staleness=0)
     fresh = lambda: jax.tree.map(lambda x: x.copy(), state)  # noqa: E731  (a step donates its state)
     a, b = (jax.device_get(lrn.train_step(fresh(), batch)[0].params) for _ in range(2))
-    out["two_steps_bitwise_equal"] = all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    return out
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def determinism(s) -> dict:
+    """`two_steps_equal` in a child process whose XLA starts with deterministic GPU ops."""
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "child.json")
+        argv = [sys.executable, os.path.abspath(__file__), "--only", "two_steps", "--out", out]
+        proc = subprocess.run(argv + ([] if s.accelerator else ["--dry"]), env=dict(os.environ, XLA_FLAGS=flags),
+                              capture_output=True, text=True, timeout=600)
+        child = json.load(open(out)) if os.path.exists(out) else {}
+    if "two_steps" not in child or "error" in child["two_steps"]:
+        raise RuntimeError(f"the child failed (rc {proc.returncode}): {proc.stderr[-400:]}")
+    return {"two_steps_bitwise_equal": child["two_steps"]["bitwise_equal"], "xla_flags": flags}
 
 
 def prox_pass(s) -> dict:
@@ -221,7 +259,12 @@ def end_to_end(s) -> dict:
     return out
 
 
-STAGES = [backend, vocab, attention, head, decode, logp_gap, learner, prox_pass, end_to_end]
+def two_steps(s) -> dict:
+    return {"bitwise_equal": two_steps_equal(s)}
+
+
+STAGES = [backend, init, vocab, attention, head, decode, logp_gap, learner, determinism, prox_pass, end_to_end]
+CHILD_STAGES = [two_steps]  # run by `determinism` in its child process, never by default
 
 
 def settings(a):
@@ -260,11 +303,13 @@ def main():
     path = a.out or os.path.join(HERE, "results", f"gpu_check_{kind}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     res = {"dry": not s.accelerator, "installed_from_wheels": ",".join(installed)}
-    if not s.accelerator:
+    if s.accelerator:
+        res["device"] = f"{jax.devices()[0].device_kind} · jax {jax.__version__}"
+    else:
         import common
 
         res.update(common.cpu_kind())
-    chosen = [f for f in STAGES if not a.only or f.__name__ in a.only.split(",")]
+    chosen = [f for f in STAGES + CHILD_STAGES if f.__name__ in a.only.split(",")] if a.only else STAGES
     for stage in chosen:
         t = time.perf_counter()
         try:

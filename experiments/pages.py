@@ -69,7 +69,8 @@ def write_index(directory: str = RESULTS) -> str:
     for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
         name = os.path.splitext(os.path.basename(path))[0]
         flat = _flat(json.load(open(path)))
-        where = " · ".join(str(flat[k]) for k in ("cpu", "isa") if k in flat) or "not recorded"
+        where = " · ".join(str(flat[k]) for k in (("cpu", "isa") if "cpu" in flat else ("device",)) if k in flat) \
+            or "not recorded"
         head = [f"`{k}` {_fmt(v)}" for k, v in flat.items()
                 if isinstance(v, float) and any(h in k for h in HEADLINE) and "range" not in k][:4]
         rows.append(f"| [{name}]({name}.md) | {where} | {'; '.join(head)} |")

@@ -26,6 +26,65 @@ def test_logical_axes_cover_every_parameter():
     assert axes["layers_0"]["mlp"]["down"]["kernel"] == jax.sharding.PartitionSpec("mlp", "embed")
 
 
+INIT_CASES = {
+    "dense, tied, biases": dict(tie_word_embeddings=True, qkv_bias=True, qk_norm=True),
+    "experts, a dense layer, a shared expert, LoRA": dict(
+        model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, mlp_only_layers=(1,),
+        shared_expert_intermediate_size=8, lora_rank=2, lora_alpha=4.0, lora_targets=("q", "v", "gate", "up", "down")),
+}
+
+
+@pytest.mark.parametrize("case", INIT_CASES)
+def test_init_params_is_the_decoders_init_tree_with_every_layer_drawn_on_its_own(case):
+    """`init_params` maps one layer's init over each kind of layer (dense, sparse): the tree,
+    shapes and dtypes are `Decoder.init`'s; every random leaf is N(0, 0.02) (LoRA's A uniform
+    within 1/sqrt(in), B zero) and no two layers share a draw."""
+    from flax import linen as nn
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=8, **INIT_CASES[case])
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    want = jax.eval_shape(lambda: nn.meta.unbox(decoder.Decoder(cfg).init(jax.random.key(0), tokens, tokens,
+                                                                        jnp.ones((1, 2, 2), bool)))["params"])
+    got = models.init_params(cfg, jax.random.key(0))
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    assert jax.tree_util.tree_map(lambda a, b: (a.shape, a.dtype), got, want) == \
+        jax.tree_util.tree_map(lambda b: (b.shape, b.dtype), want)
+    seen = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(got):
+        name, x = jax.tree_util.keystr(path), np.asarray(leaf)
+        norm = name.endswith("['scale']")
+        if "lora_b" in name or norm or name.endswith("['bias']"):
+            assert np.all(x == (1.0 if norm else 0.0)), name
+        elif "lora_a" in name:
+            assert 0 < np.abs(x).max() <= x.shape[-2] ** -0.5, name
+        else:
+            assert abs(x.std() - 0.02) < 0.35 * 0.02 and abs(x.mean()) < 0.01, (name, x.std())
+        if x.std() > 0:
+            assert x.tobytes() not in seen, (name, seen.get(x.tobytes()))
+            seen[x.tobytes()] = name
+    assert models.init_params(cfg, jax.random.key(0))["layers_2"]["attn"]["q"]["kernel"].tobytes() == \
+        np.asarray(got["layers_2"]["attn"]["q"]["kernel"]).tobytes()  # a key gives one draw
+
+
+def test_the_init_programs_random_draws_do_not_grow_with_depth():
+    """Random draws in `init_params`'s program: one per parameter kind, not per layer (the
+    per-layer form is what XLA:GPU took a minute to compile at 24 layers)."""
+
+    def draws(layers):
+        cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=layers, num_heads=2,
+                          num_kv_heads=1, head_dim=8)
+        jaxpr = jax.make_jaxpr(lambda k: models.init_params(cfg, k))(jax.random.key(0)).jaxpr
+
+        def count(j):
+            return sum((e.primitive.name == "random_bits") + sum(count(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+                                                                 for sub in jax.core.jaxprs_in_params(e.params))
+                       for e in j.eqns)
+        return count(jaxpr)
+
+    assert draws(2) == draws(8) > 0
+
+
 def test_rope_scaling_changes_long_positions():
     """The scaled RoPE variants differ from plain RoPE (the parity tests above would notice a
     scaling that was read but not applied)."""

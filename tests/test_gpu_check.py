@@ -20,6 +20,8 @@ def test_every_stage_runs_dry_and_writes_its_json(tmp_path):
     assert r["vocab"]["top_k50_top_p09_ms"] > 0 and r["attention"]["auto"] == "chunked"
     assert r["attention"]["xla_max_abs_diff"] < 0.05 and r["attention"]["chunked_max_abs_diff"] < 0.05  # bf16
     assert r["logp_gap"]["float32_max_abs"] < 1e-4 and r["learner"]["two_steps_bitwise_equal"]
+    assert r["determinism"]["two_steps_bitwise_equal"] and "deterministic_ops=true" in r["determinism"]["xla_flags"]
+    assert r["init"]["compile_s"] > 0 and r["init"]["run_ms"] > 0
     assert r["prox_pass"]["prox_pass_temp_vs_plan"] <= 1.3
     assert [r["end_to_end"][b]["steps"] for b in ("static", "continuous")] == [2, 2]
     assert "mfu" not in r["learner"] and "fraction_of_roofline" not in r["decode"]  # no peak figures on a CPU

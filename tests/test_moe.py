@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from jaxrl_llm import models
-from jaxrl_llm.models import experts, moe
+from jaxrl_llm.models import decoder, experts, moe
 from jaxrl_llm.rollout import Sampler, SamplerConfig
 from tests import hf_fixtures as F
 
@@ -478,7 +478,18 @@ def test_a_random_mixture_of_experts_from_the_config_and_a_perturbed_sampler_rou
         assert all("moe/expert_load_max_over_mean" in s for s in steps)
         # the load-balancing loss is logged when its coefficient is on (2, k, at an even load)
         assert all(1 < s["moe/aux_loss"] < 4 for s in steps) if dtype == "bfloat16" else "moe/aux_loss" not in steps[0]
-    assert gaps["float32"] < 1e-4 < gaps["bfloat16"], gaps
+    assert gaps["float32"] < 1e-4, gaps
+    # Whether bf16 rounding flips a top-2 choice among a 1-layer, 16-wide model's few tokens is
+    # chance (no flip in 2 of 6 seeds at 8x the rows), so the bf16 run's gap is not asserted: its
+    # samplers' routers are, and those round the router logits as bf16 does.
+    p = plan.resolve(c)
+    sampler_cfg, learner_cfg = p.model.for_sampling(), p.model
+    assert (sampler_cfg.router_dtype, learner_cfg.router_dtype) == ("bfloat16", "float32")
+    params = models.init_params(learner_cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, learner_cfg.vocab_size)
+    logits = [np.asarray(decoder.forward(params, cfg, tokens, jnp.ones_like(tokens), router_logits=True)[1]
+                         ["router_logits"][0], np.float32) for cfg in (learner_cfg, sampler_cfg)]
+    assert 0 < np.abs(logits[0] - logits[1]).max() <= 2**-7 * np.abs(logits[0]).max()
     c.model.hf_path = "/nonexistent"
     with pytest.raises(ValueError, match="model.moe.experts sizes a random mixture of experts"):
         plan.model_cfg(c.model, __import__("jaxrl_llm.tasks", fromlist=["make"]).make(c.task, ""))
