@@ -299,11 +299,13 @@ def init_params(cfg: ModelConfig, key):
     keys = jax.random.split(layers_key, cfg.num_layers)
     x = jnp.zeros((1, 2, cfg.hidden_size), cfg.dtype)
     sin, cos = rope_tables(tokens, cfg)
+    # The init's forward runs under vmap: kernels with a batching rule (the parameters are the same)
+    plain = cfg.replace(attention="einsum", moe_dispatch="dense")
     for sparse in (False, True):
         index = [i for i in range(cfg.num_layers) if cfg.sparse(i) == sparse]
         if not index:
             continue
-        one = lambda k, s=sparse: nn.meta.unbox(Block(cfg, s).init(k, x, sin, cos, mask))["params"]  # noqa: E731
+        one = lambda k, s=sparse: nn.meta.unbox(Block(plain, s).init(k, x, sin, cos, mask))["params"]  # noqa: E731
         stacked = jax.vmap(one)(keys[np.asarray(index)])
         params.update({f"layers_{i}": jax.tree_util.tree_map(lambda a, j=j: a[j], stacked)
                        for j, i in enumerate(index)})
