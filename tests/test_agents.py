@@ -11,6 +11,7 @@ from jaxrl_llm.gateway import agents, embedded, chat, runners
 from jaxrl_llm.run import experiment, plan
 from jaxrl_llm.tasks import arithmetic, tool_arithmetic as ta
 from tests.test_experiment import shrink
+from tests.test_math_dataset import tokenizer_dir  # noqa: F401  (a fixture: a tiny chat model and its tokenizer)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -69,6 +70,16 @@ def test_the_agent_spec_and_mode_are_checked_at_start_up():
     c.runtime.mode = "remote"
     with pytest.raises(ValueError, match="task.name=agent runs in runtime.mode=sync or async"):
         plan.resolve(c)
+
+
+@pytest.mark.parametrize("source", ["arithmetic", "tool_arithmetic"])
+def test_the_samplers_stop_each_turn_at_the_formats_closing_token(source):
+    """What `service.Gateway` requires of its sampler, from the plan (task.source=arithmetic had
+    no turn stop and was refused at its first draw)."""
+    c = shrink(get_config())
+    c.task.source = source
+    p = plan.resolve(c)
+    assert p.sampler.turn_stop_ids == (p.task.format.stop_id,) != (p.sampler.eos_token_id,)
 
 
 class _Gateway:
@@ -262,3 +273,73 @@ def test_an_agent_that_fails_at_its_last_attempt_does_not_stop_the_run(tmp_path)
     sessions = c.runtime.prompts_per_batch * c.sampler.num_samples
     assert step["gateway/scored_after_failure"] == step["gateway/agent_errors"] == sessions
     assert step["episode/count"] == sessions and np.isfinite(step["loss"])
+
+
+async def answers_once(client, problem):
+    """A one-message agent: the problem as its user message; the task scores the answer."""
+    reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": problem["prompt"]}])
+    assert reply.choices[0].message.role == "assistant"
+    return None
+
+
+def test_agents_play_a_local_dataset_through_its_chat_template(tokenizer_dir, tmp_path):
+    """task.source=math: sessions are rendered by the tokenizer's chat template. A turn closes at
+    <|im_end|> (the sampler's turn stop) and a row ends at <|endoftext|>, while evaluation samples
+    the dataset as `task.name=math` does and the policy keeps <|im_end|> as its end; the agent's one
+    user message renders exactly the task's prompt ids; a run trains each session, the task
+    scoring it against the problem's gold answer."""
+    from tests.test_experiment import _tiny
+    from tests.test_math_dataset import TRAIN, _write_jsonl
+
+    c = _tiny("ppo")
+    c.task.update(dict(name="agent", source="math", agent="tests.test_agents:answers_once", eval_size=2,
+                       path=str(_write_jsonl(tmp_path / "train.jsonl", TRAIN)), max_answer_len=8, eval_holdout=0.5))
+    c.model.hf_path, c.gateway.agent_processes = str(tokenizer_dir), 0
+    p = plan.resolve(c)
+    tok = p.task.tokenizer
+    end, turn = (tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>"))
+    assert chat.turn_stop_id(tok) == turn and isinstance(p.task.format, chat.ChatFormat)
+    assert (p.sampler.turn_stop_ids, p.sampler.eos_token_id) == ((turn,), end)
+    assert (p.greedy.turn_stop_ids, p.greedy.eos_token_id) == ((), turn)
+    assert p.task.max_turns == c.task.max_turns  # an agent may bring tools of its own: turns per session
+    prompt = p.task.prompts(np.random.default_rng(0), 1)[0]
+    user = chat.normal({"role": "user", "content": p.task.problem(prompt)["prompt"]})
+    assert p.task.format.prompt([user]) == prompt
+    # The task's check scores the model's turns against the problem's gold answer (a symbolic one
+    # through the run's checker processes): an answer in a tool's output is not the model's.
+    from types import SimpleNamespace
+
+    from jaxrl_llm import tasks
+
+    (half,) = [ids for ids, g in p.task.source.train if "frac" in g]
+    said, told = (tok.encode(t, add_special_tokens=False) for t in ("so \\boxed{0.5}", "\\boxed{\\frac{1}{2}}"))
+    vague = tok.encode("so that is it", add_special_tokens=False)
+    rows = [half + said, half + told + vague]
+    width = max(map(len, rows))
+    batch = SimpleNamespace(tokens=np.asarray([r + [0] * (width - len(r)) for r in rows]),
+                            loss_mask=np.asarray([[0] * len(half) + [1] * len(said) + [0] * (width - len(rows[0])),
+                                                  [0] * (len(half) + len(told)) + [1] * len(vague)]))
+    assert p.task._checked([half, half], batch, [0, 1]).tolist() == [1.0, 0.0]
+    p.task.scorer = tasks.scorer(p.task, c.task)
+    try:
+        assert p.task._checked([half, half], batch, [0, 1]).tolist() == [1.0, 0.0] and p.task.scorer.in_workers
+    finally:
+        p.task.scorer.close()
+
+    c.gateway.max_prompt_tokens = 2 * p.task.prompt_buckets[-1]  # room for an agent's system prompt or tools
+    assert plan.resolve(c).task.prompt_buckets == p.task.prompt_buckets + (c.gateway.max_prompt_tokens,)
+    c.gateway.max_prompt_tokens = 0
+
+    summary = experiment.run(c, str(tmp_path / "run"), log=lambda *_: None)
+    assert summary["version"] == 2 and summary["reward_failures"] == 0
+    steps = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
+    sessions = c.runtime.prompts_per_batch * c.sampler.num_samples
+    assert [r["episode/count"] for r in steps] == [sessions, 2 * sessions]
+    assert all(r["gateway/sessions_closed"] >= r["episode/count"] and r["gateway/agent_errors"] == 0 for r in steps)
+    assert all(np.isfinite(r["loss"]) for r in steps)
+    from jaxrl_llm.store import workdir
+
+    assert json.load(open(tmp_path / "run" / workdir.POLICY))["model"]["eos_token_id"] == turn  # what exports say
+    c.task.chat_template = False
+    with pytest.raises(ValueError, match="task.source=math with task.chat_template=True"):
+        plan.resolve(c)

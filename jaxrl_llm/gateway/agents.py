@@ -29,8 +29,21 @@ import time
 import jax
 import numpy as np
 
-from jaxrl_llm.gateway import runners, server as server_lib, service
+from jaxrl_llm.gateway import chat, runners, server as server_lib, service
 from jaxrl_llm.tasks import arithmetic, envs, multiturn
+
+
+def format_of(source):
+    """How the gateway renders `source`'s conversations: the embedded calculator's ids, or the
+    tokenizer's chat template (`task.source=math`)."""
+    if isinstance(source, arithmetic.Arithmetic):
+        from jaxrl_llm.gateway.embedded import ArithmeticChat
+
+        return ArithmeticChat()
+    if getattr(source, "chat_template", False) and not multiturn.is_multi_turn(source):
+        return chat.ChatFormat(source.tokenizer, chat.turn_stop_id(source.tokenizer))
+    raise ValueError("task.name=agent plays the embedded tasks (task.source=tool_arithmetic or arithmetic) or a "
+                     "dataset its tokenizer's chat template renders (task.source=math with task.chat_template=True)")
 
 
 class AgentTask:
@@ -42,33 +55,64 @@ class AgentTask:
         self.external = bool(getattr(cfg, "external", False))  # the gateway section's fields, or a test's
         if not self.external:
             runners.load(agent)  # refused at start-up, named
-        if format is None:
-            from jaxrl_llm.gateway.embedded import ArithmeticChat
-
-            if not isinstance(source, arithmetic.Arithmetic):
-                raise ValueError("task.name=agent plays the embedded tasks for now (task.source=tool_arithmetic or "
-                                 "arithmetic)")
-            format = ArithmeticChat()
-        self.format = format
+        self.format = format or format_of(source)
         self.gateway = self.server = self.runner = None
         self._lock = threading.Lock()
         self._handed: dict = {}  # session -> its `Closed` (or its name: dropped), until its draw takes it
         self._ids = itertools.count()
         self._waiting: collections.OrderedDict = collections.OrderedDict()  # external: session -> problem
-        self.counts = {"dropped": 0, "branch_rows": 0, "agent_errors": 0, "scored_after_failure": 0}
+        self.counts = {"dropped": 0, "branch_rows": 0, "agent_errors": 0, "scored_after_failure": 0, "check_failures": 0}
+        self.scorer = None  # the run's scoring stage, when it gives one (`run/parts.py`)
 
     def __getattr__(self, name):
         if name == "source":
             raise AttributeError(name)
         return getattr(self.source, name)
 
+    # What the training samplers read (`plan.sampler_cfg`); evaluation samples the source as it is.
+    @property
+    def turn_stop_ids(self) -> tuple:
+        return (self.format.stop_id,)
+
+    @property
+    def eos_id(self):
+        """The source's end token, unless it is the turn's closing one (a chat model's <|im_end|>):
+        then a session's row ends when its agent stops asking, at the sampler's budget, or at the
+        tokenizer's other end token (<|endoftext|>) when it has one."""
+        eos = self.source.eos_id
+        if eos != self.format.stop_id:
+            return eos
+        pad = self.source.pad_id
+        return None if pad is None or pad == eos else pad
+
+    @property
+    def prompt_buckets(self) -> tuple:
+        """The source's, and `gateway.max_prompt_tokens` when an agent's first request renders
+        longer than the task's prompts (its own system prompt, its tools' schemas)."""
+        buckets = tuple(self.source.prompt_buckets)
+        room = getattr(self.cfg, "max_prompt_tokens", 0)
+        return buckets + (room,) if room > buckets[-1] else buckets
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.prompt_buckets[-1]
+
+    @property
+    def max_turns(self) -> int:
+        """Model turns per session: a multi-turn source's, else `task.max_turns` (an agent with
+        tools of its own on a single-turn dataset)."""
+        turn = getattr(self.source, "turn", None)
+        return turn.max_turns if turn is not None else getattr(self.cfg, "max_turns", 1)
+
     def problem(self, prompt) -> dict:
+        if hasattr(self.source, "user_text"):
+            return {"prompt": self.source.user_text(prompt)}
         return {"prompt": arithmetic.decode([t for t in prompt if t != arithmetic.BOS])}
 
     def _start(self, sampler, params, version: int) -> None:
         c = self.cfg
         self.gateway = service.Gateway(sampler, self.format, params, version, slots=sampler.cfg.slots or c.concurrency,
-                                       max_turns=getattr(getattr(self.source, "turn", None), "max_turns", 1),
+                                       max_turns=self.max_turns,
                                        timeout_s=c.session_timeout_s, max_obs=c.max_obs_tokens, seed=c.seed)
         token = getattr(c, "token", "") or secrets.token_urlsafe(24)
         self.server = server_lib.Server(self.gateway, c.host, c.port, token=token,
@@ -160,8 +204,10 @@ class AgentTask:
         """The sessions' last rows in draw order, each scored by its agent or by the task."""
         self.counts["branch_rows"] += sum(len(c.branched) - 1 for c in closed)
         last = jax.tree.map(lambda *x: np.stack([np.asarray(v)[-1] for v in x]), *[c.batch for c in closed])
-        rewards = np.asarray([self._score(prompts[j // g], last, j) if c.reward is None else c.reward
-                              for j, c in enumerate(closed)], np.float32)
+        rewards = np.asarray([c.reward or 0.0 for c in closed], np.float32)
+        checked = [j for j, c in enumerate(closed) if c.reward is None]
+        if checked:
+            rewards[checked] = self._checked([prompts[j // g] for j in checked], last, checked)
         totals = np.zeros(len(envs.TOTALS))
         totals[envs.TOTALS.index("episodes")] = len(closed)
         totals[envs.TOTALS.index("turns")] = sum(int(c.turns[-1]) for c in closed)
@@ -170,14 +216,22 @@ class AgentTask:
         totals[envs.TOTALS.index("obs_tokens")] = obs[:, self.gateway.width:].sum()
         return last.replace(rewards=rewards, group_ids=np.repeat(np.arange(len(prompts), dtype=np.int32), g)), totals
 
-    def _score(self, prompt, batch, j: int) -> float:
-        """The source task's own check of row j's transcript (its environment's, for a multi-turn one)."""
-        rows = multiturn.episode_rows(batch.tokens[j:j + 1], batch.input_mask[j:j + 1], batch.loss_mask[j:j + 1],
-                                      self.gateway.width)
-        episode, obs = (x.tolist() for x in next(rows))
+    def _checked(self, prompts: list, batch, rows: list) -> np.ndarray:
+        """The source task's own check of `rows`' transcripts: a multi-turn one's environment;
+        else its reward of the model's turns (a tool's output is no answer), through the run's
+        scorer when it has one (checks in worker processes, each under a timeout)."""
         if getattr(self.source, "turn", None) is not None:
-            return float(self.source.environment().final(list(prompt), episode, obs))
-        return float(self.source.reward(list(prompt), episode))
+            env = self.source.environment()
+            episodes = multiturn.episode_rows(batch.tokens[rows], batch.input_mask[rows], batch.loss_mask[rows],
+                                              self.gateway.width)
+            return np.asarray([env.final(list(p), *(x.tolist() for x in e)) for p, e in zip(prompts, episodes)])
+        said = np.asarray(batch.loss_mask)[rows] > 0
+        if self.scorer is None:
+            return np.asarray([self.source.reward(list(p), t[m].tolist())
+                               for p, t, m in zip(prompts, np.asarray(batch.tokens)[rows], said)])
+        rewards, failures = self.scorer.score(prompts, np.asarray(batch.tokens)[rows], said, 1)
+        self.counts["check_failures"] += int(failures)
+        return rewards
 
     def metrics(self) -> dict:
         """`gateway/*`: sessions so far by outcome and this step's request latency percentiles
@@ -189,6 +243,7 @@ class AgentTask:
         out.update({"gateway/refused": float(c["refused"]), "gateway/agent_errors": float(self.counts["agent_errors"]),
                     "gateway/branch_rows_dropped": float(self.counts["branch_rows"]),
                     "gateway/scored_after_failure": float(self.counts["scored_after_failure"]),
+                    "gateway/task_check_failures": float(self.counts["check_failures"]),
                     "gateway/sessions_dropped": float(self.counts["dropped"])})
         ms = self.gateway.latencies()
         if ms.size:

@@ -105,6 +105,23 @@ def parse_turn(text: str, turn_id: str) -> tuple[dict, list]:
     return msg, calls
 
 
+_SENTINEL = "\u2063turn\u2063"  # text no template writes on its own
+
+
+def turn_stop_id(tokenizer) -> int:
+    """The token the chat template closes an assistant turn with (Qwen / ChatML: <|im_end|>): the
+    first token after an assistant message's text in the template's rendering."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the gateway needs a tokenizer with a chat template")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": _SENTINEL}],
+                                         tokenize=False)
+    after = text[text.index(_SENTINEL) + len(_SENTINEL):] if _SENTINEL in text else ""
+    ids = tokenizer.encode(after, add_special_tokens=False) if after.strip() else []
+    if not ids or not after.startswith(tokenizer.decode(ids[:1])):
+        raise ValueError("the chat template closes no assistant turn with a token of its own")
+    return int(ids[0])
+
+
 class ChatFormat:
     """A tokenizer's chat template, the turn-closing token and the tools a session declared."""
 

@@ -12,6 +12,9 @@ SECTION = V.Section(
     agent_processes=(1, V.integer(0)),  # agents in N worker processes (0: on a thread of the run's process)
     session_timeout_s=(300.0, V.positive()),  # an idle session without a reward is dropped after this
     max_attempts=(3, V.integer(1)),  # a problem's dropped session is played again up to this many times
+    # tokens an agent's first request may render to (its system prompt, tools' schemas; 0: as long
+    # as the task's longest prompt, what an agent sending the problem as its one message needs)
+    max_prompt_tokens=(0, V.integer(0)),
     # agents run elsewhere (other processes or machines): they take sessions from GET /rl/prompts and
     # post each reward; then `token` (the bearer key they send; redacted in records) and `port` are set
     external=(False, V.boolean()), token=("", V.text()),

@@ -121,7 +121,7 @@ def _record_start(b: Parts, workdir: str, resumed: bool) -> None:
         raise ValueError(problem)
     if main:
         tokenizer = (config.task.tokenizer or config.model.hf_path) if hasattr(b.task, "tokenizer") else ""
-        policy = b.model_cfg.without_lora().replace(eos_token_id=b.task.eos_id)  # the end the run sampled to
+        policy = b.model_cfg.without_lora().replace(eos_token_id=b.plan.played.eos_id)  # the played task's end
         workdir_lib.record_policy(workdir, dataclasses.asdict(policy), tokenizer)
 
 
@@ -225,16 +225,19 @@ class _Evaluator:
         self.prompts = problems[distributed.index()::distributed.count()]
         eval_set = getattr(b.task, "eval_set", None)  # which split, so no record is read as held out wrongly
         self.about = {"eval/problems": len(problems), **({"eval_set": splits.describe(eval_set)} if eval_set else {})}
-        n = b.plan.config.train.get("eval_samples", 0)
+        n, greedy = b.plan.config.train.get("eval_samples", 0), b.plan.greedy
+        # at the sampler's settings, on the played task's prompts and ends (an agent run's training
+        # sampler stops at each chat turn)
         self.drawer = n and rollout_backend.make(b.model_cfg.for_sampling(), dataclasses.replace(
-            b.plan.sampler, num_samples=n, capture_topk=0), getattr(b.greedy, "mesh", None))
+            b.plan.sampler, num_samples=n, capture_topk=0, eos_token_id=greedy.eos_token_id,
+            turn_stop_ids=greedy.turn_stop_ids, prompt_buckets=greedy.prompt_buckets), getattr(b.greedy, "mesh", None))
         self.ks = tuple(sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n} | {n}))
 
     def sampled(self, params, local: bool) -> dict:
         """`train.eval_samples` samples per held-out problem at the sampler's settings (the same
         key at every evaluation): pass@k, maj@k, their mean reward, lengths; over every process."""
         params = params if local else distributed.to_local(params)
-        task = self.b.task
+        task = self.b.plan.played
         d = evaluation.draw(self.drawer, params, task, self.b.scorer, self.prompts,
                             jax.random.key(self.b.plan.config.seed + 1))
         r = evaluation.report(d, self.ks, evaluation.success_threshold(task))
@@ -246,7 +249,7 @@ class _Evaluator:
     def accuracy(self, params, sampler, local: bool = False) -> float:
         """`local`: `params` are this process's already (a published copy), not the learner's."""
         params = params if local else distributed.to_local(params)
-        mine = warmstart.accuracy(params, sampler, self.b.task, self.prompts, scorer=self.b.scorer)
+        mine = warmstart.accuracy(params, sampler, self.b.plan.played, self.prompts, scorer=self.b.scorer)
         total, n = distributed.host_sum(np.array([mine * len(self.prompts), len(self.prompts)]))
         return float(total / n)
 

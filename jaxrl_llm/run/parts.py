@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm import models, tasks
+from jaxrl_llm.gateway import agents
 from jaxrl_llm.learner import learner
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.parallel import distributed, sharding
@@ -79,6 +80,8 @@ def build(config) -> Parts:
     sharded = lrn.mesh.size > 1 and not sharding.pure_data(lrn.mesh)
     placement = NamedSharding(mesh, PartitionSpec()) if p.own_sampler_devices or sharded else None
     scorer = tasks.scorer(p.task, c.task)
+    if isinstance(p.task, agents.AgentTask):  # sessions the task checks are scored by the run's stage too
+        p.task.scorer = scorer
     orch = orchestrator.Orchestrator(lrn, backend.make(lrn.rollout_model_cfg, p.sampler, mesh), p.task, c.runtime,
                                      placement=placement, scorer=scorer,
                                      node_config={"task": c.task.to_dict(), "hf_path": c.model.hf_path})

@@ -39,6 +39,12 @@ class RunPlan:
     warnings: tuple = ()  # said once at start-up (e.g. an evaluation set smaller than asked)
 
     @property
+    def played(self):
+        """The task whose prompts evaluation samples and whose end token the policy has: the task
+        itself, or for `task.name=agent` the source its agents play."""
+        return self.task.source if isinstance(self.task, agents.AgentTask) else self.task
+
+    @property
     def own_sampler_devices(self) -> bool:
         """Whether the samplers hold weight copies of their own (devices of their own, or many
         processes), so the weight store publishes each version onto them."""
@@ -52,9 +58,10 @@ def resolve(config) -> RunPlan:
     config = paths.resolved(config)  # hub ids -> local snapshot directories (the caller's config is untouched)
     resolve_dtypes(config)
     task = tasks.make(config.task, config.model.hf_path)
+    played = task  # evaluation samples it; the policy ends where it does
     if config.task.name == "agent":  # its agents play `task` through the gateway
         task = agents.AgentTask(task, config.task.agent, agent_settings(config))
-    mcfg = model_cfg(config.model, task)
+    mcfg = model_cfg(config.model, played)
     acfg = model_cfg(config.aux_model, task) if config_lib.has_aux_model(config) else None
     for section, cfg in (("model", mcfg), ("aux_model", acfg)):
         if cfg is not None and config[section].hf_path:
@@ -75,16 +82,16 @@ def resolve(config) -> RunPlan:
     return RunPlan(config=ml_collections.FrozenConfigDict(config), task=task, model=mcfg, aux_model=acfg,
                    objective=objective, passes=frozenset(objectives.required_passes(objective)),
                    sampler=sampler_cfg(config, task, record_routing=bool(mcfg.num_experts)),
-                   greedy=sampler_cfg(config, task, greedy=True),
+                   greedy=sampler_cfg(config, played, greedy=True),
                    learner_devices=tuple(learner_devices), sampler_devices=tuple(sampler_devices),
                    memory=types.MappingProxyType(parts), memory_layout=layout, warnings=warnings)
 
 
 def agent_settings(config) -> types.SimpleNamespace:
     """What `gateway.agents.AgentTask` reads: the gateway section, the run's seed, the task's
-    observation width."""
+    observation width and turns per session."""
     return types.SimpleNamespace(**config.gateway.to_dict(), seed=config.seed,
-                                 max_obs_tokens=config.task.max_obs_tokens)
+                                 max_obs_tokens=config.task.max_obs_tokens, max_turns=config.task.max_turns)
 
 
 def check_sampling(config, task, mcfg: models.ModelConfig) -> None:

@@ -219,7 +219,7 @@ class Orchestrator:
         m["runtime/dropped"] = float(totals[3])
         m["runtime/over_stale"] = float(self.over_stale)
         m["processes"] = distributed.count()
-        if self.producer.multi_turn:
+        if self.producer.episodes:
             m.update(self._episode_metrics(version, batch))
         if batch.routing is not None:
             m.update(expert_load(batch, self.learner.model_cfg.num_experts))
@@ -231,7 +231,8 @@ class Orchestrator:
         """A multi-turn run's episode and tool counters so far (`envs.summary`), this batch's
         staleness by turn (a weight update mid-episode makes later turns fresher) and, with
         sampler.turn_cache="recompute", the rebuilt caches' log-prob gap to the recorded one."""
-        turns = self.producer.task.turn.max_turns
+        task = self.producer.task
+        turns = task.max_turns if hasattr(task, "rollouts") else task.turn.max_turns
         per_turn = staleness.by_turn(version, batch.versions, batch.loss_mask, turns)
         r = self.producer.sampler.reprefill
         g = distributed.gather(np.concatenate([self.producer.episode_totals(), per_turn.ravel(),

@@ -94,6 +94,7 @@ class Producer:
         self.advantage_kw = dict(eps=cfg.advantage_eps, singleton=cfg.singleton_groups) if cfg.advantage == "grpo" else {}
         self._key = jax.random.key(cfg.seed)
         self.multi_turn = multiturn.is_multi_turn(task)
+        self.episodes = self.multi_turn or hasattr(task, "rollouts")  # rows are episodes: their totals kept
         self._totals, self._totals_lock = np.zeros(len(envs.TOTALS)), threading.Lock()
 
     def episode_totals(self) -> np.ndarray:

@@ -257,6 +257,7 @@ class MathDataset:
         if same:
             self.warnings.append(f"task.eval_split={split!r} is the training split: evaluation rewards are training "
                                  "figures (task.eval_holdout holds out a part of it instead)")
+        self._text: dict = {}  # prompt ids -> the user message they render (`user_text`)
         self.train = self._encode(train[q], train[a], max_prompt_len)
         self.held_out = self._encode(held[q], held[a], max_prompt_len)
         if not self.train:
@@ -270,6 +271,15 @@ class MathDataset:
         self._gold = {tuple(ids): (g, gold_int(g)) for ids, g in self.train + self.held_out}
         longest = max(len(ids) for ids, _ in self.train + self.held_out)
         self.prompt_buckets = tuple(b for b in (64, 128, 256, 512, 1024, 2048) if b < longest) + (longest,)
+
+    @property
+    def chat_template(self) -> bool:
+        """Prompts rendered by the tokenizer's chat template (else "Question: ... Answer:")."""
+        return self._chat
+
+    def user_text(self, prompt: Sequence[int]) -> str:
+        """The user message a prompt renders (the question, then the instruction)."""
+        return self._text[tuple(prompt)]
 
     def _format(self, question: str) -> list[int]:
         text = f"{question}\n{self._instruction}".strip()
@@ -286,6 +296,7 @@ class MathDataset:
             ids = self._format(str(question))
             if len(ids) <= max_len:  # longer prompts are skipped, not truncated mid-question
                 out.append((ids, gold_answer(str(answer))))
+                self._text[tuple(ids)] = f"{question}\n{self._instruction}".strip()
         return out
 
     # -- task protocol
