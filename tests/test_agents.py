@@ -275,26 +275,21 @@ def test_an_agent_that_fails_at_its_last_attempt_does_not_stop_the_run(tmp_path)
     assert step["episode/count"] == sessions and np.isfinite(step["loss"])
 
 
-async def answers_once(client, problem):
-    """A one-message agent: the problem as its user message; the task scores the answer."""
-    reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": problem["prompt"]}])
-    assert reply.choices[0].message.role == "assistant"
-    return None
-
-
 def test_agents_play_a_local_dataset_through_its_chat_template(tokenizer_dir, tmp_path):
-    """task.source=math: sessions are rendered by the tokenizer's chat template. A turn closes at
+    """`configs/agent_math.py` (task.source=math, the calculator agent with its tool, shrunk, on a
+    tiny local chat model): sessions are rendered by the tokenizer's chat template. A turn closes at
     <|im_end|> (the sampler's turn stop) and a row ends at <|endoftext|>, while evaluation samples
     the dataset as `task.name=math` does and the policy keeps <|im_end|> as its end; the agent's one
     user message renders exactly the task's prompt ids; a run trains each session, the task
     scoring it against the problem's gold answer."""
-    from tests.test_experiment import _tiny
+    from configs import agent_math
     from tests.test_math_dataset import TRAIN, _write_jsonl
 
-    c = _tiny("ppo")
-    c.task.update(dict(name="agent", source="math", agent="tests.test_agents:answers_once", eval_size=2,
-                       path=str(_write_jsonl(tmp_path / "train.jsonl", TRAIN)), max_answer_len=8, eval_holdout=0.5))
-    c.model.hf_path, c.gateway.agent_processes = str(tokenizer_dir), 0
+    c = shrink(agent_math.get_config())
+    c.task.update(dict(path=str(_write_jsonl(tmp_path / "train.jsonl", TRAIN)), eval_size=2, max_answer_len=8,
+                       eval_holdout=0.5))
+    c.model.hf_path, c.gateway.agent_processes, c.gateway.max_prompt_tokens = str(tokenizer_dir), 0, 0
+    c.runtime.mode = "sync"  # each step trains exactly its draw's sessions
     p = plan.resolve(c)
     tok = p.task.tokenizer
     end, turn = (tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>"))

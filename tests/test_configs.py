@@ -13,8 +13,10 @@ from jaxrl_llm.research import sweep
 from tests.test_experiment import shrink
 
 CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob("configs/*.py") if not p.endswith("__init__.py"))
-# tool_arithmetic runs in tests/test_multiturn.py, agent_calculator in tests/test_agents.py (the same configs, shrunk)
-RUN_CONFIGS = [n for n in CONFIGS if n not in ("objectives", "staleness_sweep", "tool_arithmetic", "agent_calculator")]
+# tool_arithmetic runs in tests/test_multiturn.py, agent_calculator and agent_math (on a local dataset and
+# model) in tests/test_agents.py (the same configs, shrunk)
+RUN_CONFIGS = [n for n in CONFIGS
+               if n not in ("objectives", "staleness_sweep", "tool_arithmetic", "agent_calculator", "agent_math")]
 
 
 def _shrink(c, steps=3):
