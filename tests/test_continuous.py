@@ -100,8 +100,11 @@ def test_mid_generation_refresh_tags_every_token_with_its_params(params):
 
 
 def test_programs_are_bounded_whatever_the_mix_of_lengths(params):
+    # A sampler of its own (not `_sampler`'s, shared between tests): its programs are counted in
+    # JAX's global cache of compiled functions, from which a long-lived one may be evicted (its
+    # count read 0 once in a whole-suite run).
     scfg = _base(temperature=0.0)
-    sampler = _slots(scfg, 3)
+    sampler = Sampler(CFG, dataclasses.replace(scfg, batching="continuous", slots=3))
     rng = np.random.default_rng(0)
     for i in range(6):
         sampler.generate(params[0], PROMPTS[:3 + i % 3], jax.random.key(i),
