@@ -245,26 +245,34 @@ class SlotEngine:
         """Apply the replies that came: a row goes on with its observation forced at its next
         columns (in its held slot, or queued first to re-enter one with its parked state, its
         cache rebuilt first under turn_cache="recompute"), or its episode ends (returned as
-        [(ids, outputs)])."""
-        ended = []
+        [(ids, outputs)]). One read of the steps and one resume per state the replies' rows are
+        in (the slots, or a parked pool), not one per reply."""
+        ended, going, steps = [], {}, {}
         for i, reply in turns.ready():
             w = turns.waiting.pop(i)
             state, at = (st, w.slot) if w.pool is None else (w.pool[0], w.pool[1][i])
-            got = jax.device_get(self._row(state, np.int32(at)))  # this row only
-            step = int(got.pop("step"))
+            holder = id(w.pool)  # the slots' state (None), or the parked pool it is in
+            if holder not in steps:
+                steps[holder] = np.broadcast_to(jax.device_get(state.step), state.done_B.shape)
+            step = int(steps[holder][at])
             room = int(s.rows[i][2]) - step
             if reply.done or room <= 0 or not len(reply.obs_ids):
+                got = jax.device_get(self._row(state, np.int32(at)))  # this row only
+                got.pop("step")
                 ended.append((np.asarray([i]), got))
                 if w.pool is None:
                     s.row_of[w.slot], s.holding[w.slot] = -1, False
                 del s.rows[i]
                 continue
-            obs, lens = turns.obs_arrays([reply], [room])
-            state = self._resume(state, self._put(np.asarray([at], np.int32)), self._put(obs), self._put(lens))
+            going.setdefault(holder, (w, []))[1].append((i, at, reply, room, step))
+        for w, rows in going.values():
+            state = self._resumed(st if w.pool is None else w.pool[0], turns, rows)
             if w.pool is None:
-                st, s.holding[w.slot] = state, False
-            else:
-                w.pool[0] = state
+                st = state
+                s.holding[[at for _, at, *_ in rows]] = False
+                continue
+            w.pool[0] = state
+            for i, at, _, _, step in rows:
                 if state.cache is None:  # turn_cache="recompute"
                     s.pools.append([self._rebuilt(params, state, at, s.rows[i]), {i: 0}])
                 else:
@@ -272,6 +280,16 @@ class SlotEngine:
                 s.waiting[0].appendleft(i)
                 s.start[i] = step
         return st, ended
+
+    def _resumed(self, state, turns, rows):
+        """`state` with `rows` [(id, index, reply, room, step)] going on: one resume, its rows
+        padded to a power of two with an index past the state's rows (dropped)."""
+        obs, lens = turns.obs_arrays([r[2] for r in rows], [r[3] for r in rows])
+        k = pow2(len(rows))
+        at = np.full(k, state.done_B.shape[0], np.int32)
+        at[:len(rows)] = [r[1] for r in rows]
+        obs, lens = np.pad(obs, ((0, k - len(rows)), (0, 0))), np.pad(lens, (0, k - len(rows)))
+        return self._resume(state, self._put(at), self._put(obs), self._put(lens))
 
     def _rebuilt(self, params, pool, at: int, row):
         """Row `at` of a cache-less parked pool with its cache rebuilt (`turns.reprefill`), its
