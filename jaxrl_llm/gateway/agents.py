@@ -61,7 +61,8 @@ class AgentTask:
         self._handed: dict = {}  # session -> its `Closed` (or its name: dropped), until its draw takes it
         self._ids = itertools.count()
         self._waiting: collections.OrderedDict = collections.OrderedDict()  # external: session -> problem
-        self.counts = {"dropped": 0, "branch_rows": 0, "agent_errors": 0, "scored_after_failure": 0, "check_failures": 0}
+        self.counts = {"dropped": 0, "branch_rows": 0, "agent_errors": 0, "scored_after_failure": 0,
+                       "check_failures": 0}
         self.scorer = None  # the run's scoring stage, when it gives one (`run/parts.py`)
 
     def __getattr__(self, name):

@@ -257,9 +257,7 @@ class SlotEngine:
             step = int(steps[holder][at])
             room = int(s.rows[i][2]) - step
             if reply.done or room <= 0 or not len(reply.obs_ids):
-                got = jax.device_get(self._row(state, np.int32(at)))  # this row only
-                got.pop("step")
-                ended.append((np.asarray([i]), got))
+                ended.append((np.asarray([i]), jax.device_get(self._row(state, np.int32(at)))))  # this row only
                 if w.pool is None:
                     s.row_of[w.slot], s.holding[w.slot] = -1, False
                 del s.rows[i]

@@ -25,10 +25,8 @@ def handed_over(st) -> tuple:
 
 def row(st, at):
     """Row `at` (traced: one program per state shape) of a slots' state or pool: its handed-over
-    fields (leading dim 1) and, under "step", its decode step."""
-    one = {f: jax.lax.dynamic_slice_in_dim(getattr(st, f), at, 1) for f in handed_over(st)}
-    one["step"] = jnp.broadcast_to(st.step, st.done_B.shape)[at]
-    return one
+    fields (leading dim 1)."""
+    return {f: jax.lax.dynamic_slice_in_dim(getattr(st, f), at, 1) for f in handed_over(st)}
 
 
 def empty(slots: int, p: int, mcfg: ModelConfig, scfg: SamplerConfig) -> decode.DecodeState:
