@@ -14,7 +14,8 @@ same process (`*_one_device`), whose matmuls use every core: the faster layout o
 
 `moe_dispatch=dense` runs every expert on every token (E / k = 4x the expert FLOPs, no gather or
 scatter); `grouped` sorts the (token, expert) pairs and runs one `jax.lax.ragged_dot` per
-projection; `blocked` pads each expert's sorted pairs to whole blocks and loops over the blocks.
+projection; `blocked` pads each expert's sorted pairs to whole blocks run as one batched matmul
+(a learner's batch) or, in decode, runs them in the fewest per-expert slots that hold them all.
 All three are reported with their ratios to dense; `auto` (what runs unless set) picks blocked on
 CPU for this model. `moe_learner_vs_torch` and `moe_decode_vs_hf` take the fastest dispatch and layout. `routing_capture_cost`: the
 decode time routing capture (R3, `record_routing`) adds, blocked dispatch; `routing_bytes_per_token`:

@@ -101,3 +101,40 @@ def test_blocked_dispatch_batched_and_looped_equal_dense_with_adapters():
 
     assert "batching_dims = [0] x [0]" in hlo()  # the blocks as one batched matmul ...
     assert "batching_dims" not in hlo(block=16)  # ... or a loop of plain ones
+
+
+def test_few_pairs_run_in_the_fewest_slots_that_hold_them_exact_for_any_load_with_adapters():
+    """Decode-sized calls run each expert's pairs in [E, slots] (`slotted_experts`): with the
+    load spread, piled on two experts (the ladder's top: every token), or left to the router,
+    values and every gradient equal the dense dispatch; one switch over the ladder, no loop."""
+    from jaxrl_llm.models import experts, moe
+
+    rng = np.random.default_rng(5)
+    n, d, f, e, k, r = 12, 8, 6, 4, 2, 2  # 24 pairs, 6 an expert: slots 8 or 12
+    assert experts.slot_ladder(n, k, e) == [8, 12] and experts.slot_ladder(64, 4, 16) == [16, 32, 64]
+    arr = lambda *s: jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)  # noqa: E731
+    x, router = arr(n, d), arr(d, e)
+    proj = [(arr(e, d, f), arr(e, d, r), arr(e, r, f)), (arr(e, d, f), arr(e, d, r), arr(e, r, f)),
+            (arr(e, f, d), arr(e, f, r), arr(e, r, d))]
+    spread = jnp.asarray(np.stack([np.arange(n) % e, (np.arange(n) + 1) % e], 1))  # 6 each: 8 slots
+    piled = jnp.asarray(np.tile([[2, 0]], (n, 1)))  # 12 on experts 0 and 2: 12 slots
+
+    def loss(run, ids):
+        def f(router, proj, x):
+            weights, routed = moe.route(x @ router, k, True)
+            chosen = routed if ids is None else ids
+            weights = weights if ids is None else moe.replay(x @ router, ids, True)[0]
+            return jnp.sum(jnp.sin(run(x, *proj, weights, chosen, jnp.float32)))
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+    for ids in (spread, piled, None):
+        want = loss(experts.dense_experts, ids)(router, proj, x)
+        got = loss(experts.blocked_experts, ids)(router, proj, x)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.abs(a).max()))
+    # too few slots leave pairs out: what the switch's choice guards against
+    weights, _ = moe.replay(x @ router, piled, True)
+    short = experts.capacity_experts(x, *proj, weights, piled, jnp.float32, 8)
+    assert float(jnp.abs(short - experts.dense_experts(x, *proj, weights, piled, jnp.float32)).max()) > 1e-2
+    hlo = jax.jit(lambda *a: experts.blocked_experts(*a, jnp.float32)).lower(x, *proj, weights, piled).as_text()
+    assert hlo.count("stablehlo.case") == 1 and "stablehlo.while" not in hlo

@@ -9,8 +9,9 @@ the learner's mesh (`on_devices`).
            per projection (`jax.lax.ragged_dot`), then scattered back weighted: the FLOPs of
            the k chosen experts only.
   blocked  dropless: the sorted pairs padded to whole blocks per expert, one small SwiGLU per
-           block (one batched matmul for a learner's batch, a loop in decode): the chosen
-           experts' FLOPs plus padding, from plain matmuls.
+           block (one batched matmul for a learner's batch): the chosen experts' FLOPs plus
+           padding, from plain matmuls. Few pairs per expert (decode): each expert's pairs in
+           the fewest slots that hold them all, one batched matmul over the stacked weights.
 
 A projection (`gate`, `up` [E, D, F], `down` [E, F, D]) is its stacked weight, or with LoRA on
 the experts (`lora.expert_side`) a tuple (W, A [E, in, r], B [E, r, out] scaled by alpha / r):
@@ -92,6 +93,46 @@ def grouped_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):
     return jnp.zeros_like(x_NxD).at[token].add(y)
 
 
+def capacity_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype, slots: int):
+    """Each expert's pairs in a row of `slots`: [E, slots, D] through the stacked weights as one
+    batched matmul per projection, with no copy of any expert's weights. Exact where no expert
+    has more than `slots` pairs (the ones past it are left out); id E: left out."""
+    n, k = ids_NxK.shape
+    e = weight(gate).shape[0]
+    flat = ids_NxK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=e)
+    at = (jnp.cumsum(sizes) - sizes)[:, None] + jnp.arange(slots)[None]  # [E, slots]: places in `order`
+    valid = jnp.arange(slots)[None] < sizes[:, None]
+    pair = order[jnp.minimum(at, n * k - 1)]
+    token = pair // k
+    x_ExSxD = jnp.where(valid[..., None], x_NxD[token], 0).astype(dtype)
+    h = nn.silu(_every(x_ExSxD, gate, dtype)) * _every(x_ExSxD, up, dtype)
+    y = _every(h, down, dtype) * jnp.where(valid, weights_NxK.reshape(-1)[pair], 0)[..., None].astype(dtype)
+    return jnp.zeros_like(x_NxD, dtype=dtype).at[token.reshape(-1)].add(y.reshape(e * slots, -1))
+
+
+def slot_ladder(n: int, k: int, e: int) -> list:
+    """`slotted_experts`' choices: from the mean load (a multiple of 8) doubling up to N, the
+    most any expert can get (a token picks k distinct experts)."""
+    ladder = [min(max(8, -(-n * k // e) + 7 & ~7), n)]
+    while ladder[-1] < n:
+        ladder.append(min(2 * ladder[-1], n))
+    return ladder
+
+
+def slotted_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):
+    """`capacity_experts` with the fewest slots of `slot_ladder` that hold every expert's pairs,
+    picked on the device (`lax.switch`): exact for any routing, at E x slots rows."""
+    n, k = ids_NxK.shape
+    e = weight(gate).shape[0]
+    ladder = slot_ladder(n, k, e)
+    most = jnp.max(jnp.bincount(ids_NxK.reshape(-1), length=e))
+    branches = [functools.partial(lambda s, *a: capacity_experts(*a, dtype, s), s) for s in ladder]
+    return jax.lax.switch(jnp.searchsorted(jnp.asarray(ladder), most, method="compare_all"), branches,
+                          x_NxD, gate, up, down, weights_NxK, ids_NxK)
+
+
 BATCHED_BLOCK = 128  # rows per block when the blocks run as one batched matmul
 BATCHED_BYTES = 256 << 20  # ... and at most this much of per-block weight copies
 
@@ -103,16 +144,23 @@ def blocked_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype, block: i
     prefill's tokens) the blocks run as one batched matmul over per-block copies of their experts'
     weights (up to `BATCHED_BYTES`): its backward pass is a batched matmul too, where a loop's
     transposes into a scan, about half the speed on CPU (experiments/results/bench_moe_cpu.md).
-    Otherwise (decode) a loop over at most (N k + E (block - 1)) / block blocks.
-    `gathered` > 1 (`on_devices`): the tokens of that many devices, about 1 / gathered of whose
-    pairs have an expert here (the others have id E and are left out); the loop skips the blocks
-    past the last used one at run time, so it costs what this device's pairs need."""
+    Otherwise (decode), on one device's tokens, `slotted_experts`: a loop over the blocks would
+    copy each block's expert weights (XLA's CPU matmuls cannot read a dynamic slice in place),
+    which costs decode more than the matmuls (experiments/results/bench_moe_cpu.md); with `block`
+    given (or weights past `BATCHED_BYTES`), a loop over at most (N k + E (block - 1)) / block
+    blocks. `gathered` > 1 (`on_devices`): the tokens of that many devices, about 1 / gathered of
+    whose pairs have an expert here (the others have id E and are left out); the loop skips the
+    blocks past the last used one at run time, so it costs what this device's pairs need."""
     n, k = ids_NxK.shape
     e, m = weight(gate).shape[0], n * k
     w_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((gate, up, down))) // e
-    batched = not block and gathered == 1 and 2 * m >= BATCHED_BLOCK * e and \
+    few = 2 * m < BATCHED_BLOCK * e
+    if few and not block and gathered == 1:
+        return slotted_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype)
+    batched = not block and gathered == 1 and not few and \
         -(-(m + e * (BATCHED_BLOCK - 1)) // BATCHED_BLOCK) * w_bytes <= BATCHED_BYTES
-    block = BATCHED_BLOCK if batched else block or int(min(64, max(8, 1 << max(m // (gathered * e) - 1, 1).bit_length())))
+    block = BATCHED_BLOCK if batched else \
+        block or int(min(64, max(8, 1 << max(m // (gathered * e) - 1, 1).bit_length())))
     flat = ids_NxK.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     expert = flat[order]
