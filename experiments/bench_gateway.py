@@ -8,7 +8,9 @@ training with the built-in environment) one after the other, same seed, same len
 machine, both decoding in `--slots` slots (64; the gateway with as many sessions in flight). Trained tokens per
 second count the tokens with loss (rows x trained length) from the end of step `--skip` (compiles
 done) to the last step. Request latency is a request's arrival at the gateway to its answer
-(decoding included), the per-step p50 and p99 averaged over the measured steps. Writes
+(decoding included), the per-step p50 and p99 averaged over the measured steps. `--repeats`
+pairs of runs (3): each figure is the median over them, the ratio taken within each pair (its
+range beside it). Writes
 experiments/results/bench_gateway_cpu.{json,md}; the goal is `gateway_vs_builtin_trained` >= 0.8
 (`fraction_of_goal`).
 """
@@ -62,6 +64,34 @@ def _slots(run: str, slots: int) -> list:
     return [f"--config.sampler.slots={slots}"] + ([f"--config.gateway.concurrency={slots}"] if run == "gateway" else [])
 
 
+def run_pair(args, repeat: int) -> dict:
+    """One gateway run and one built-in run, the first of the two alternating with `repeat` so a
+    drift in machine load does not always favour the same side."""
+    got = {}
+    for name in (list(RUNS) if repeat % 2 == 0 else list(RUNS)[::-1]):
+        config, d = RUNS[name], os.path.join(args.workdir, f"{name}_{repeat}")
+        subprocess.run([sys.executable, "-m", "jaxrl_llm.main", f"--config={config}", f"--workdir={d}",
+                        f"--config.train.steps={args.steps}", f"--config.train.eval_every={args.steps}",
+                        f"--config.train.save_every={args.steps}", "--config.train.progress=False",
+                        "--config.train.resume=fresh", *_slots(name, args.slots)], check=True)
+        got[name] = measure(d, args.skip, rows_per_step(config))
+    return got
+
+
+def summary(pairs: list) -> dict:
+    """The median over the repeats of each figure, the ratio taken within each pair, and its range."""
+    import numpy as np
+
+    ratios = [p["gateway"]["trained_tokens_per_s"] / p["builtin"]["trained_tokens_per_s"] for p in pairs]
+    med = lambda side, key: float(np.median([p[side][key] for p in pairs if p[side].get(key) is not None]))  # noqa: E731
+    ratio = float(np.median(ratios))
+    return {"gateway_vs_builtin_trained": ratio, "gateway_vs_builtin_trained_range": [min(ratios), max(ratios)],
+            "fraction_of_goal": ratio / GOAL, "gateway_request_p50_ms": med("gateway", "request_p50_ms"),
+            "gateway_request_p99_ms": med("gateway", "request_p99_ms"),
+            "gateway_trained_tokens_per_s": med("gateway", "trained_tokens_per_s"),
+            "builtin_trained_tokens_per_s": med("builtin", "trained_tokens_per_s")}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", required=True)
@@ -69,23 +99,15 @@ def main(argv=None):
     ap.add_argument("--skip", type=int, default=5, help="steps left out of the measurement (compiles)")
     ap.add_argument("--slots", type=int, default=64,
                     help="decode slots of both runs and the gateway's concurrent sessions (0: each config's own)")
+    ap.add_argument("--repeats", type=int, default=3, help="pairs of runs; figures are their medians")
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args(argv)
-    got = {}
-    for name, config in RUNS.items():
-        d = os.path.join(args.workdir, name)
-        subprocess.run([sys.executable, "-m", "jaxrl_llm.main", f"--config={config}", f"--workdir={d}",
-                        f"--config.train.steps={args.steps}", f"--config.train.eval_every={args.steps}",
-                        f"--config.train.save_every={args.steps}", "--config.train.progress=False",
-                        "--config.train.resume=fresh", *_slots(name, args.slots)], check=True)
-        got[name] = measure(d, args.skip, rows_per_step(config))
-    g, b = got["gateway"], got["builtin"]
-    ratio = g["trained_tokens_per_s"] / b["trained_tokens_per_s"]
-    result = {"gateway_vs_builtin_trained": ratio, "fraction_of_goal": ratio / GOAL,
-              "gateway_request_p50_ms": g.get("request_p50_ms"), "gateway_request_p99_ms": g.get("request_p99_ms"),
-              "steps": args.steps, "skip": args.skip, "slots": args.slots, "runs": got, **cpu_kind()}
+    pairs = [run_pair(args, i) for i in range(args.repeats)]
+    result = {**summary(pairs), "steps": args.steps, "skip": args.skip, "slots": args.slots, "repeats": args.repeats,
+              "runs": pairs, **cpu_kind()}
     os.makedirs(args.out, exist_ok=True)
     report(result, os.path.join(args.out, "bench_gateway_cpu.json"))
+
 
 if __name__ == "__main__":
     main()

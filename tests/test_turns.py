@@ -196,3 +196,35 @@ def test_rows_parked_together_make_a_power_of_two_pool():
         engine._keys = keys
     want = jax.random.key_data(decode.row_keys(jax.random.key(3), jnp.asarray([5, 6, 7], jnp.int32)))
     assert seen == [4] and np.array_equal(got, np.asarray(want))
+
+
+def test_a_stream_feeds_no_rows_past_max_rows_while_their_replies_wait(params):
+    """Parked rows free their slots; with an environment that has not answered, a stream bounded
+    by `max_rows` stops asking for rows at the bound (an unbounded one keeps feeding: the runaway
+    backlog an environment slower than the slots caused in async runs)."""
+    sampler = _sampler("continuous", 4)
+    engine = sampler.slots(4)
+    toks, mask, _ = sampler.pad_prompts(PROMPTS[:1] * 4, width=8)
+    silent = Future()  # never answered
+
+    def in_flight(max_rows):
+        fed, finished, passes = [0], [0], [0]
+
+        def feed():
+            ids = np.arange(fed[0], fed[0] + 4)
+            fed[0] += 4
+            return ids, toks, mask, np.full(4, sampler.cfg.max_new_tokens), engine.row_keys(jax.random.key(1), ids)
+
+        def stop():
+            passes[0] += 1
+            return passes[0] > 60
+
+        turns = Turns(lambda row, tokens, obs: silent, release=True, max_obs=4)
+        for ids, _ in engine.stream(params[0], 8, 0, feed, stop=stop, turns=turns, max_rows=max_rows):
+            finished[0] += len(ids)
+            assert max_rows is None or fed[0] - finished[0] <= max_rows + 4  # one feed past the bound at most
+        return fed[0] - finished[0], len(turns.waiting)
+
+    bounded, parked = in_flight(8)
+    assert bounded <= 12 and parked >= 4
+    assert in_flight(None)[0] > 24

@@ -26,6 +26,7 @@ import functools
 import time
 import types
 from concurrent import futures
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +112,8 @@ class SlotEngine:
         """`stream` outputs (DecodeState fields) -> the static sampler's output dict."""
         return decode.outputs(types.SimpleNamespace(**got), self.sampler.cfg)
 
-    def stream(self, params, p: int, version: int, feed, refresh=None, stop=None, turns=None, progress=None):
+    def stream(self, params, p: int, version: int, feed, refresh=None, stop=None, turns=None, progress=None,
+               max_rows: Optional[int] = None):
         """Decode rows through the slots, yielding `(ids, outputs)` for the rows that finished at
         each segment boundary (outputs: `slot_state.OUTPUTS` fields, one entry per id).
 
@@ -123,7 +125,10 @@ class SlotEngine:
         next boundary (rows still decoding are dropped). `turns` (`turns.Turns`): multi-turn
         rows; a row then finishes when its episode does. `progress`: after every segment,
         `progress({id: (tokens so far, observation flags)})` of the rows in the slots, whenever
-        `progress.wanted()` (token streaming; one more device read per segment then). Ends when
+        `progress.wanted()` (token streaming; one more device read per segment then).
+        `max_rows`: `feed` is not asked while this many rows are in flight (decoding, waiting
+        for a slot, or parked for a reply): a parked row frees its slot, so without a bound an
+        environment slower than the slots would have ever more rows waiting on it. Ends when
         nothing waits or decodes."""
         params = self.sampler.place_params(params)
         st, s = self._empty(p), _Slots.idle(self.slots, self.groups)
@@ -138,7 +143,7 @@ class SlotEngine:
                 for ids, got in ended:
                     s.useful += int(got["valid_BxN"].sum())
                     yield ids, got
-            fed_all = fed_all or self._take_new(feed, params, version, s)
+            fed_all = fed_all or self._take_new(feed, params, version, s, max_rows)
             if not any(s.waiting) and not ((s.row_of >= 0) & ~s.holding).any():
                 if turns is not None and turns.waiting:  # every row in flight waits for a reply
                     futures.wait([w.reply for w in turns.waiting.values()], timeout=0.05,
@@ -176,11 +181,12 @@ class SlotEngine:
                 s.pools.append(self._pool(params, fresh, s.rows, version))
         return params, version
 
-    def _take_new(self, feed, params, version: int, s: "_Slots") -> bool:
-        """Ask `feed` for rows while fewer wait than there are slots, spread over the devices and
-        prefilled into a pool; True once it has none ever."""
+    def _take_new(self, feed, params, version: int, s: "_Slots", max_rows: Optional[int] = None) -> bool:
+        """Ask `feed` for rows while fewer wait than there are slots (and fewer than `max_rows`
+        are in flight), spread over the devices and prefilled into a pool; True once it has none
+        ever."""
         g = self.groups
-        while sum(map(len, s.waiting)) < self.slots:
+        while sum(map(len, s.waiting)) < self.slots and (max_rows is None or len(s.rows) < max_rows):
             new = feed()
             if not new:
                 return new is None

@@ -209,7 +209,9 @@ class Producer:
 
         scoring = collections.deque()  # (groups handed over together, Pending), oldest first
         limit = INFLIGHT_GROUPS_PER_WORKER * max(1, getattr(self.scorer.pool, "workers", 1))
-        for ids, got in engine.stream(params, p, version, feed, refresh=swap, stop=stop, turns=turns):
+        # in flight: the slots' rows and as many again waiting or parked for their environment
+        for ids, got in engine.stream(params, p, version, feed, refresh=swap, stop=stop, turns=turns,
+                                      max_rows=2 * per_draw):
             for i, row in enumerate(ids.tolist()):
                 parts.setdefault(row // g, {})[row] = {f: x[i] for f, x in got.items()}
             complete = [k for k, v in parts.items() if len(v) == g]
