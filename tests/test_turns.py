@@ -228,3 +228,26 @@ def test_a_stream_feeds_no_rows_past_max_rows_while_their_replies_wait(params):
     bounded, parked = in_flight(8)
     assert bounded <= 12 and parked >= 4
     assert in_flight(None)[0] > 24
+
+
+def test_the_async_producer_bounds_its_stream_at_twice_its_slots(monkeypatch):
+    """The async producer's stream (`Producer.stream`) asks the slots for the in-flight bound:
+    its draw's rows decoding and as many again waiting or parked."""
+    from jaxrl_llm.rollout import continuous
+    from jaxrl_llm.runtime import orchestrator
+    from jaxrl_llm.runtime.producer import Producer
+    from jaxrl_llm.tasks.multiturn import TurnConfig
+    from jaxrl_llm.tasks.tool_arithmetic import END, VOCAB_SIZE, ToolArithmetic
+
+    asked = []
+    monkeypatch.setattr(continuous.SlotEngine, "stream", lambda self, *a, **kw: asked.append(kw) or iter(()))
+    task = ToolArithmetic(turn=TurnConfig(max_turns=3))
+    cfg = ModelConfig(vocab_size=VOCAB_SIZE, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8, eos_token_id=task.eos_id)
+    sampler = Sampler(cfg, SamplerConfig(max_new_tokens=8, num_samples=2, capture_topk=0, batching="continuous",
+                                         slots=4, prompt_buckets=task.prompt_buckets, eos_token_id=task.eos_id,
+                                         pad_token_id=task.pad_id, turn_stop_ids=(END,)))
+    rc = orchestrator.default_config()
+    rc.prompts_per_batch = 3
+    assert list(Producer(sampler, task, rc).stream(0, None, 0, iter(()), refresh=lambda: None, stop=lambda: True)) == []
+    assert asked and asked[0]["max_rows"] == 2 * 3 * 2 and asked[0]["turns"] is not None
