@@ -77,15 +77,22 @@ def dense_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):
     return jnp.einsum("end,ne->nd", _every(h, down, dtype), combine_NxE.astype(dtype))
 
 
+def _by_expert(ids_NxK, e: int):
+    """(flat ids, the pairs' order sorted by expert (stable: token order within an expert), each
+    expert's pair count). An id of E (another device's expert, `on_devices`) sorts last and is
+    not counted."""
+    flat = ids_NxK.reshape(-1)
+    return flat, jnp.argsort(flat, stable=True), jnp.bincount(flat, length=e)
+
+
 def grouped_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):
     """The chosen (token, expert) pairs sorted by expert, one grouped matmul per projection.
     An id of E (another device's expert, `on_devices`) sorts last and is left out."""
     n, k = ids_NxK.shape
     e = weight(gate).shape[0]
-    flat = ids_NxK.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    flat, order, sizes = _by_expert(ids_NxK, e)
     token = order // k
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    sizes = sizes.astype(jnp.int32)
     xs = x_NxD[token]
     h = nn.silu(_ragged(xs, gate, sizes, dtype)) * _ragged(xs, up, sizes, dtype)
     y = _ragged(h, down, sizes, dtype) * weights_NxK.reshape(-1)[order][:, None].astype(dtype)
@@ -97,11 +104,14 @@ def capacity_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype, slots: 
     """Each expert's pairs in a row of `slots`: [E, slots, D] through the stacked weights as one
     batched matmul per projection, with no copy of any expert's weights. Exact where no expert
     has more than `slots` pairs (the ones past it are left out); id E: left out."""
-    n, k = ids_NxK.shape
-    e = weight(gate).shape[0]
-    flat = ids_NxK.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=e)
+    _, order, sizes = _by_expert(ids_NxK, weight(gate).shape[0])
+    return _in_slots(x_NxD, gate, up, down, weights_NxK, order, sizes, dtype, slots)
+
+
+def _in_slots(x_NxD, gate, up, down, weights_NxK, order, sizes, dtype, slots: int):
+    """`capacity_experts` on the pairs already sorted (`_by_expert`)."""
+    n, k = weights_NxK.shape
+    e = sizes.shape[0]
     at = (jnp.cumsum(sizes) - sizes)[:, None] + jnp.arange(slots)[None]  # [E, slots]: places in `order`
     valid = jnp.arange(slots)[None] < sizes[:, None]
     pair = order[jnp.minimum(at, n * k - 1)]
@@ -123,14 +133,15 @@ def slot_ladder(n: int, k: int, e: int) -> list:
 
 def slotted_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):
     """`capacity_experts` with the fewest slots of `slot_ladder` that hold every expert's pairs,
-    picked on the device (`lax.switch`): exact for any routing, at E x slots rows."""
+    picked on the device (`lax.switch`; the pairs sorted once, outside it): exact for any
+    routing, at E x slots rows."""
     n, k = ids_NxK.shape
     e = weight(gate).shape[0]
     ladder = slot_ladder(n, k, e)
-    most = jnp.max(jnp.bincount(ids_NxK.reshape(-1), length=e))
-    branches = [functools.partial(lambda s, *a: capacity_experts(*a, dtype, s), s) for s in ladder]
-    return jax.lax.switch(jnp.searchsorted(jnp.asarray(ladder), most, method="compare_all"), branches,
-                          x_NxD, gate, up, down, weights_NxK, ids_NxK)
+    _, order, sizes = _by_expert(ids_NxK, e)
+    branches = [functools.partial(lambda s, *a: _in_slots(*a, dtype, s), s) for s in ladder]
+    pick = jnp.searchsorted(jnp.asarray(ladder), jnp.max(sizes), method="compare_all")
+    return jax.lax.switch(pick, branches, x_NxD, gate, up, down, weights_NxK, order, sizes)
 
 
 BATCHED_BLOCK = 128  # rows per block when the blocks run as one batched matmul
@@ -161,10 +172,8 @@ def blocked_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype, block: i
         -(-(m + e * (BATCHED_BLOCK - 1)) // BATCHED_BLOCK) * w_bytes <= BATCHED_BYTES
     block = BATCHED_BLOCK if batched else \
         block or int(min(64, max(8, 1 << max(m // (gathered * e) - 1, 1).bit_length())))
-    flat = ids_NxK.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    flat, order, sizes = _by_expert(ids_NxK, e)
     expert = flat[order]
-    sizes = jnp.bincount(flat, length=e)
     padded = (sizes + block - 1) // block * block
     ends = jnp.cumsum(padded)
     blocks = -(-(m + e * (block - 1)) // block)
