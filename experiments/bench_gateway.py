@@ -8,7 +8,11 @@ training with the built-in environment) one after the other, same seed, same len
 machine, both decoding in `--slots` slots (64; the gateway with as many sessions in flight). Trained tokens per
 second count the tokens with loss (rows x trained length) from the end of step `--skip` (compiles
 done) to the last step. Request latency is a request's arrival at the gateway to its answer
-(decoding included), the per-step p50 and p99 averaged over the measured steps. `--repeats`
+(decoding included), the per-step p50 and p99 averaged over the measured steps. Over the same
+steps, /proc gives the cores each run's processes kept busy: its own ("run") and its descendants'
+("helpers": the agents' worker processes, the built-in task's tool workers), and from them the
+core-milliseconds each thousand trained tokens cost, and the ratio per core-second
+(`gateway_vs_builtin_per_core`: the ratio if both runs kept the same cores busy). `--repeats`
 pairs of runs (3): each figure is the median over them, the ratio taken within each pair (its
 range beside it). Writes
 experiments/results/bench_gateway_cpu.{json,md}; the goal is `gateway_vs_builtin_trained` >= 0.8
@@ -22,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -64,17 +69,61 @@ def _slots(run: str, slots: int) -> list:
     return [f"--config.sampler.slots={slots}"] + ([f"--config.gateway.concurrency={slots}"] if run == "gateway" else [])
 
 
+def _cpu_s(pid: int) -> dict:
+    """CPU seconds (user + system) so far of process `pid` ("run") and of its descendants alive
+    now ("helpers": the agents' worker processes, the task's tool workers), from /proc."""
+    tick, parent, cpu = os.sysconf("SC_CLK_TCK"), {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            parent[int(entry)], cpu[int(entry)] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+    tree, grew = {pid}, True
+    while grew:
+        more = {c for c, p in parent.items() if p in tree} - tree
+        tree, grew = tree | more, bool(more)
+    return {"run": cpu.get(pid, 0.0), "helpers": sum(cpu[c] for c in tree - {pid})}
+
+
+def _cores(proc, metrics: str, skip: int, steps: int):
+    """Cores the run's processes kept busy from the end of step `skip` to the end of step `steps`
+    (the window `measure` counts), sampled from /proc as metrics.jsonl reaches each step: None
+    where /proc is missing or a step was not seen before the run went on past it."""
+    marks = {}
+    while proc.poll() is None and len(marks) < 2:
+        done = sum(1 for line in open(metrics) if '"loss"' in line) if os.path.exists(metrics) else 0
+        for at in (skip, steps):
+            if done >= at and at not in marks and (at == skip or skip in marks):
+                marks[at] = (time.monotonic(), _cpu_s(proc.pid)) if done == at else None
+        time.sleep(0.02)
+    proc.wait()
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args)
+    if len(marks) < 2 or None in marks.values():
+        return None
+    (t0, a), (t1, b) = marks[skip], marks[steps]
+    cores = {k: (b[k] - a[k]) / (t1 - t0) for k in a}
+    return {**cores, "total": sum(cores.values())}
+
+
 def run_pair(args, repeat: int) -> dict:
     """One gateway run and one built-in run, the first of the two alternating with `repeat` so a
     drift in machine load does not always favour the same side."""
     got = {}
     for name in (list(RUNS) if repeat % 2 == 0 else list(RUNS)[::-1]):
         config, d = RUNS[name], os.path.join(args.workdir, f"{name}_{repeat}")
-        subprocess.run([sys.executable, "-m", "jaxrl_llm.main", f"--config={config}", f"--workdir={d}",
-                        f"--config.train.steps={args.steps}", f"--config.train.eval_every={args.steps}",
-                        f"--config.train.save_every={args.steps}", "--config.train.progress=False",
-                        "--config.train.resume=fresh", *_slots(name, args.slots)], check=True)
+        proc = subprocess.Popen([sys.executable, "-m", "jaxrl_llm.main", f"--config={config}", f"--workdir={d}",
+                                 f"--config.train.steps={args.steps}", f"--config.train.eval_every={args.steps}",
+                                 f"--config.train.save_every={args.steps}", "--config.train.progress=False",
+                                 "--config.train.resume=fresh", *_slots(name, args.slots)])
+        cores = _cores(proc, os.path.join(d, "metrics.jsonl"), args.skip, args.steps)
         got[name] = measure(d, args.skip, rows_per_step(config))
+        if cores is not None:  # core-seconds each thousand trained tokens cost, by process
+            got[name].update({f"cores_{k}": v for k, v in cores.items()})
+            got[name].update({f"core_ms_per_ktoken_{k}": 1e6 * v / got[name]["trained_tokens_per_s"]
+                              for k, v in cores.items()})
     return got
 
 
@@ -83,13 +132,24 @@ def summary(pairs: list) -> dict:
     import numpy as np
 
     ratios = [p["gateway"]["trained_tokens_per_s"] / p["builtin"]["trained_tokens_per_s"] for p in pairs]
-    med = lambda side, key: float(np.median([p[side][key] for p in pairs if p[side].get(key) is not None]))  # noqa: E731
+    # the same ratio per core-second: what it would be if both runs kept the same cores busy
+    key = "core_ms_per_ktoken_total"
+    per_core = [p["builtin"][key] / p["gateway"][key] for p in pairs if key in p["gateway"] and key in p["builtin"]]
+
+    def med(side, key):
+        got = [p[side][key] for p in pairs if p[side].get(key) is not None]
+        return float(np.median(got)) if got else None
+
     ratio = float(np.median(ratios))
     return {"gateway_vs_builtin_trained": ratio, "gateway_vs_builtin_trained_range": [min(ratios), max(ratios)],
             "fraction_of_goal": ratio / GOAL, "gateway_request_p50_ms": med("gateway", "request_p50_ms"),
             "gateway_request_p99_ms": med("gateway", "request_p99_ms"),
             "gateway_trained_tokens_per_s": med("gateway", "trained_tokens_per_s"),
-            "builtin_trained_tokens_per_s": med("builtin", "trained_tokens_per_s")}
+            "builtin_trained_tokens_per_s": med("builtin", "trained_tokens_per_s"),
+            **{f"{side}_core_ms_per_ktoken_{k}": med(side, f"core_ms_per_ktoken_{k}")
+               for side in ("gateway", "builtin") for k in ("run", "helpers")},
+            **{f"{side}_cores": med(side, "cores_total") for side in ("gateway", "builtin")},
+            "gateway_vs_builtin_per_core": float(np.median(per_core)) if per_core else None}
 
 
 def main(argv=None):

@@ -18,7 +18,7 @@ from tests.test_math_dataset import tokenizer_dir  # noqa: F401  (a fixture: a t
 def test_a_run_trains_the_calculator_agents_sessions(mode, tmp_path):
     """Sync: each draw's sessions, then a step, the agents on a thread of the run's process.
     Async with two sampler threads: two draws' sessions share one gateway's slots at once, each
-    thread getting its own sessions back, the agents in a worker process (the default)."""
+    thread getting its own sessions back, the agents in one worker process."""
     c = shrink(get_config(), steps=2, eval_every=2)
     c.sampler.slots, c.task.max_turns, c.gateway.concurrency = 3, 3, 4
     c.gateway.agent_processes = 0 if mode == "sync" else 1
@@ -224,8 +224,8 @@ def test_an_agent_run_killed_with_sigkill_resumes_losing_and_repeating_no_sessio
 
     base = [sys.executable, "-m", "jaxrl_llm.main", "--config=configs/agent_calculator.py", *TINY[1:],
             "--config.runtime.mode=sync", "--config.sampler.slots=3", "--config.task.max_turns=3",
-            "--config.gateway.concurrency=4", "--config.train.save_every=2", "--config.train.eval_every=1000",
-            "--config.train.keep=100"]
+            "--config.gateway.concurrency=4", "--config.gateway.agent_processes=1", "--config.train.save_every=2",
+            "--config.train.eval_every=1000", "--config.train.keep=100"]
     run = str(tmp_path / "run")
     end = killed_mid_run(base, run) + 2
     path = os.path.join(run, "metrics.jsonl")
@@ -244,6 +244,7 @@ def test_agent_sessions_of_a_mixture_of_experts_carry_their_routing_and_replay_i
     sampled log-probs and routing exactly as sampled."""
     c = shrink(get_config(), steps=2, eval_every=2)
     c.sampler.slots, c.task.max_turns, c.gateway.concurrency, c.runtime.mode = 3, 3, 4, "sync"
+    c.gateway.agent_processes = 1
     c.model.moe.update(experts=4, top_k=2, intermediate_size=32, routing="replay")
     assert plan.resolve(c).sampler.record_routing
     assert experiment.run(c, str(tmp_path), log=lambda *_: None)["version"] == 2

@@ -9,7 +9,9 @@ SECTION = V.Section(
     host=("127.0.0.1", V.text()),  # loopback; any other host needs the run's bearer token (always set)
     port=(0, V.integer(0)),  # 0: a free port, logged at start-up
     concurrency=(64, V.integer(1)),  # agent sessions in flight at once
-    agent_processes=(1, V.integer(0)),  # agents in N worker processes (0: on a thread of the run's process)
+    # agents in N worker processes (0: on a thread of the run's process); two rather than one: one
+    # event loop's client work queued every session's next request behind the others' (bench_gateway)
+    agent_processes=(2, V.integer(0)),
     session_timeout_s=(300.0, V.positive()),  # an idle session without a reward is dropped after this
     max_attempts=(3, V.integer(1)),  # a problem's dropped session is played again up to this many times
     # tokens an agent's first request may render to (its system prompt, tools' schemas; 0: as long
