@@ -337,5 +337,6 @@ def test_agents_play_a_local_dataset_through_its_chat_template(tokenizer_dir, tm
 
     assert json.load(open(tmp_path / "run" / workdir.POLICY))["model"]["eos_token_id"] == turn  # what exports say
     c.task.chat_template = False
-    with pytest.raises(ValueError, match="task.source=math with task.chat_template=True"):
+    with pytest.raises(ValueError, match="math or math_tools with task.chat_template=True"):
         plan.resolve(c)
+

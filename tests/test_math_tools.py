@@ -1,5 +1,6 @@
 """Math with a Python tool (`tasks.math_tools`): calls in the tokenizer's own format, observations
-rendered by its chat template and appended as ids (token in, token out), rewards by math-verify."""
+rendered by its chat template and appended as ids (token in, token out), rewards by math-verify;
+the same task played by an agent through the gateway (`task.source=math_tools`)."""
 
 import json
 
@@ -94,3 +95,74 @@ def test_token_in_token_out_through_the_chat_template(setup):
     fwd = forward.Forward(cfg, PolicyDist(1.0), 16, None)
     stats = forward.batch_stats(fwd, params, jax.tree.map(jnp.asarray, batch), None, gather=False)
     np.testing.assert_allclose(np.asarray(stats["logp"])[drawn], batch.behav_logp[drawn], atol=2e-4)
+
+
+async def brings_its_python(client, problem):
+    """An agent with a Python tool of its own (`math_tools`' schema), which runs no code: every
+    call prints 42."""
+    from jaxrl_llm.tasks.math_tools import PYTHON
+
+    messages = [{"role": "user", "content": problem["prompt"]}]
+    for _ in range(3):
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=[PYTHON])
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls or reply.choices[0].finish_reason == "length":
+            return None
+        messages += [{"role": "tool", "tool_call_id": call.id, "content": "42\n"} for call in message.tool_calls]
+    return None
+
+
+def test_agents_play_the_math_tools_task_with_a_python_tool_of_their_own(setup, tmp_path):
+    """task.source=math_tools: the agent's user message and its Python tool render exactly the
+    task's prompt ids; a turn closes at the chat turn's end (<|im_end|>), the tool call parsed
+    from it, not at </tool_call> as in the built-in environment; the task scores the turn after
+    the last observation (math-verify, as its built-in environment does); a run trains."""
+    from types import SimpleNamespace
+
+    from configs import agent_math
+    from jaxrl_llm.gateway import chat
+    from jaxrl_llm.run import experiment, plan
+    from jaxrl_llm.tasks.math_tools import PYTHON
+    from tests.test_experiment import shrink
+
+    _, d = setup
+    c = shrink(agent_math.get_config())
+    c.task.update(dict(source="math_tools", agent="tests.test_math_tools:brings_its_python", path=str(d / "train.jsonl"),
+                       eval_size=1, eval_holdout=0.34, max_answer_len=64, max_obs_tokens=32, max_turns=3,
+                       tool_timeout=5.0))
+    c.model.hf_path, c.gateway.agent_processes, c.gateway.max_prompt_tokens = str(d), 0, 0
+    c.runtime.mode = "sync"
+    p = plan.resolve(c)
+    f, tok = p.task.format, p.task.tokenizer
+    call_end = tok.convert_tokens_to_ids("</tool_call>")
+    assert p.sampler.turn_stop_ids == (chat.turn_stop_id(tok),) != (call_end,)
+    assert p.greedy.turn_stop_ids == (call_end,)  # evaluation: the built-in environment runs the tool
+    (prompt, _), = [(ids, g) for ids, g in p.task.source.train if TRAIN[0][0] in p.task.problem(ids)["prompt"]]
+    user = chat.normal({"role": "user", "content": p.task.problem(prompt)["prompt"]})
+    assert f.prompt([user], [PYTHON]) == prompt
+    # a session as the gateway keeps it: the model's call turn, the tool's output, the answer
+    said = tok.encode(CALL, add_special_tokens=False) + [f.stop_id]
+    message, _ = f.reply(said, "0")  # in the OpenAI shape, as the agent got it
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "python" and json.loads(call["function"]["arguments"])["code"] == "print(6 * 7)"
+    tool = chat.normal({"role": "tool", "tool_call_id": call["id"], "content": "42\n"})
+    obs = f.extension([user, chat.normal(message)], [tool], [PYTHON])
+    rows = [prompt + said + obs + tok.encode(f"So \\boxed{{{a}}}", add_special_tokens=False) + [f.stop_id]
+            for a in (42, 41)]
+    width = max(map(len, rows))
+    model = [[0] * len(prompt) + [1] * len(said) + [0] * len(obs) + [1] * (len(r) - len(prompt) - len(said) - len(obs))
+             for r in rows]
+    batch = SimpleNamespace(**{k: np.asarray([x + [0] * (width - len(x)) for x in v]) for k, v in
+                               (("tokens", rows), ("input_mask", [[1] * len(r) for r in rows]), ("loss_mask", model))})
+    p.task.gateway = SimpleNamespace(width=len(prompt))  # the prompt span `_checked` reads
+    try:
+        assert p.task._checked([prompt, prompt], batch, [0, 1]).tolist() == [1.0, 0.0]
+    finally:
+        p.task.gateway = None
+        p.task.close()
+    summary = experiment.run(c, str(tmp_path / "run"), log=lambda *_: None)
+    assert summary["version"] == 2 and summary["reward_failures"] == 0
+    steps = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
+    assert [r["episode/count"] for r in steps] == [2 * c.sampler.num_samples * k for k in (1, 2)]
+    assert all(r["gateway/agent_errors"] == 0 and np.isfinite(r["loss"]) for r in steps)

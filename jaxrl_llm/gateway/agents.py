@@ -35,15 +35,17 @@ from jaxrl_llm.tasks import arithmetic, envs, multiturn
 
 def format_of(source):
     """How the gateway renders `source`'s conversations: the embedded calculator's ids, or the
-    tokenizer's chat template (`task.source=math`)."""
+    tokenizer's chat template (`task.source=math`, or `math_tools`: its Python tool is then the
+    agent's to bring, its tool call closed by the chat turn's end rather than ending the turn)."""
     if isinstance(source, arithmetic.Arithmetic):
         from jaxrl_llm.gateway.embedded import ArithmeticChat
 
         return ArithmeticChat()
-    if getattr(source, "chat_template", False) and not multiturn.is_multi_turn(source):
+    if getattr(source, "chat_template", False):
         return chat.ChatFormat(source.tokenizer, chat.turn_stop_id(source.tokenizer))
     raise ValueError("task.name=agent plays the embedded tasks (task.source=tool_arithmetic or arithmetic) or a "
-                     "dataset its tokenizer's chat template renders (task.source=math with task.chat_template=True)")
+                     "dataset its tokenizer's chat template renders (task.source=math or math_tools with "
+                     "task.chat_template=True)")
 
 
 class AgentTask:

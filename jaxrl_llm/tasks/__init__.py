@@ -19,7 +19,8 @@ from jaxrl_llm import validation as V
 from jaxrl_llm.tasks.scoring import Scorer, default_workers
 
 NAMES = ("arithmetic", "math", "tool_arithmetic", "math_tools", "agent")
-SOURCES = ("arithmetic", "tool_arithmetic", "math")  # what task.name=agent's agents can play (gateway/agents.py)
+# what task.name=agent's agents can play (gateway/agents.py)
+SOURCES = ("arithmetic", "tool_arithmetic", "math", "math_tools")
 MULTI_TURN = ("tool_arithmetic", "math_tools")
 DEFAULT_ENV = {"tool_arithmetic": "calculator", "math_tools": "python"}
 
