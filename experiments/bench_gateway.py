@@ -91,8 +91,8 @@ def _cores(proc, metrics: str, skip: int, steps: int):
     """Cores the run's processes kept busy from the end of step `skip` to the end of step `steps`
     (the window `measure` counts), sampled from /proc as metrics.jsonl reaches each step: None
     where /proc is missing or a step was not seen before the run went on past it."""
-    marks = {}
-    while proc.poll() is None and len(marks) < 2:
+    marks, linux = {}, os.path.isdir("/proc")
+    while linux and proc.poll() is None and len(marks) < 2:
         done = sum(1 for line in open(metrics) if '"loss"' in line) if os.path.exists(metrics) else 0
         for at in (skip, steps):
             if done >= at and at not in marks and (at == skip or skip in marks):

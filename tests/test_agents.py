@@ -339,4 +339,3 @@ def test_agents_play_a_local_dataset_through_its_chat_template(tokenizer_dir, tm
     c.task.chat_template = False
     with pytest.raises(ValueError, match="math or math_tools with task.chat_template=True"):
         plan.resolve(c)
-

@@ -95,6 +95,15 @@ def served():
     gw.close()
 
 
+def test_idle_connections_are_closed_by_the_stock_client_first(served):
+    """The server keeps an idle connection longer than the `openai` client's pool does: with equal
+    times, a client reusing one as the server closes it gets a connection error (seen in CI)."""
+    from openai._constants import DEFAULT_CONNECTION_LIMITS
+
+    _, srv = served
+    assert srv.config.timeout_keep_alive > 2 * DEFAULT_CONNECTION_LIMITS.keepalive_expiry
+
+
 def _client(srv, session, key="sesame"):
     return openai.OpenAI(base_url=srv.url(session), api_key=key, max_retries=0, timeout=60)
 

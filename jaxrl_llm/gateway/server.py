@@ -33,6 +33,7 @@ from jaxrl_llm.gateway import chat
 SESSION_HEADER = "x-session-id"
 MAX_BODY = 4 << 20  # bytes a request body may have
 SESSION_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+KEEP_ALIVE_S = 75  # seconds an idle connection stays open: longer than clients keep theirs (`Server`)
 
 
 def _error(status: int, message: str, param: Optional[str] = None):
@@ -231,8 +232,11 @@ class Server:
 
         if not _loopback(host) and not token:
             raise ValueError(f"gateway.host={host!r} is not loopback: the gateway needs the run's token there")
+        # An idle connection is closed by the client first: the stock client's pool keeps one 5 s,
+        # uvicorn's default too, and a client reusing one as the server closed it got a connection
+        # error (an agent error) when a step left the agents idle about that long.
         self.config = uvicorn.Config(app(gateway, token, prompts), host=host, port=port, log_level="warning",
-                                     access_log=False, lifespan="off")
+                                     access_log=False, lifespan="off", timeout_keep_alive=KEEP_ALIVE_S)
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, daemon=True, name="gateway-http")
         self.thread.start()
