@@ -120,7 +120,7 @@ def run_pair(args, repeat: int) -> dict:
                                  "--config.train.resume=fresh", *_slots(name, args.slots)])
         cores = _cores(proc, os.path.join(d, "metrics.jsonl"), args.skip, args.steps)
         got[name] = measure(d, args.skip, rows_per_step(config))
-        if cores is not None:  # core-seconds each thousand trained tokens cost, by process
+        if cores is not None:  # core-milliseconds each thousand trained tokens cost, by process
             got[name].update({f"cores_{k}": v for k, v in cores.items()})
             got[name].update({f"core_ms_per_ktoken_{k}": 1e6 * v / got[name]["trained_tokens_per_s"]
                               for k, v in cores.items()})
