@@ -17,7 +17,9 @@ scatter); `grouped` sorts the (token, expert) pairs and runs one `jax.lax.ragged
 projection; `blocked` pads each expert's sorted pairs to whole blocks run as one batched matmul
 (a learner's batch) or, in decode, runs them in the fewest per-expert slots that hold them all.
 All three are reported with their ratios to dense; `auto` (what runs unless set) picks blocked on
-CPU for this model. `moe_learner_vs_torch` and `moe_decode_vs_hf` take the fastest dispatch and layout. `routing_capture_cost`: the
+CPU for this model. Decode splits the experts over the devices (`sampler.expert_parallel`;
+`moe_decode_split_vs_replicated`: against every device holding all of them, blocked dispatch).
+`moe_learner_vs_torch` and `moe_decode_vs_hf` take the fastest dispatch and layout. `routing_capture_cost`: the
 decode time routing capture (R3, `record_routing`) adds, blocked dispatch; `routing_bytes_per_token`:
 what it records (int16 expert ids, top-k per sparse layer).
 """
@@ -80,16 +82,16 @@ def learner_steps(cfg, params, batch, repeats: int) -> dict:
     return {d: r[2] for d, r in runs.items()}
 
 
-def decode_run(params, cfg, record: bool = False):
-    """bench_sampler's workload on every device (rows split), compiled here; `record`: with
-    routing capture (R3)."""
+def decode_run(params, cfg, record: bool = False, split: bool = True):
+    """bench_sampler's workload on every device (rows split, and the experts unless `split` is
+    off), compiled here; `record`: with routing capture (R3)."""
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (BS.B, BS.PROMPT)).tolist()
     s = Sampler(cfg, SamplerConfig(max_new_tokens=BS.NEW, temperature=1.0, capture_topk=BS.K,
                                    prompt_buckets=(BS.PROMPT,), eos_token_id=None, num_samples=1,
-                                   record_routing=record),
+                                   record_routing=record, expert_parallel=split),
                 mesh=Mesh(np.asarray(jax.devices()), ("data",)))
-    keys = iter(range(1 << 30))
-    run = lambda: jax.block_until_ready(s.generate(params, prompts, jax.random.key(next(keys))).tokens)  # noqa: E731
+    keys, placed = iter(range(1 << 30)), s.place_params(params)  # once, as the weight store publishes a version
+    run = lambda: jax.block_until_ready(s.generate(placed, prompts, jax.random.key(next(keys))).tokens)  # noqa: E731
     run()
     return run
 
@@ -116,12 +118,15 @@ def main():
     hf.eval()
     r = BS.tokens_per_s({**{d: decode_run(params, cfg.replace(moe_dispatch=d)) for d in DISPATCHES},
                          "recorded": decode_run(params, cfg.replace(moe_dispatch="blocked"), record=True),
+                         "replicated": decode_run(params, cfg.replace(moe_dispatch="blocked"), split=False),
                          "hf": BS.hf(hf, cfg.vocab_size)}, args.repeats)
     sparse = sum(cfg.sparse(i) for i in range(cfg.num_layers))
     res.update(routing_capture_cost=1.0 - r["recorded"] / r["blocked"],
                routing_bytes_per_token=sparse * cfg.num_experts_per_tok * 2)  # int16 ids
     res.update({f"moe_decode_tokens_per_s_{d}": r[d] for d in DISPATCHES}, hf_decode_tokens_per_s=r["hf"],
-               moe_decode_vs_hf=max(r[d] for d in DISPATCHES) / r["hf"],
+               moe_decode_vs_hf=max(r[d] for d in (*DISPATCHES, "replicated")) / r["hf"],
+               moe_decode_tokens_per_s_blocked_replicated=r["replicated"],
+               moe_decode_split_vs_replicated=r["blocked"] / r["replicated"],
                **{f"moe_decode_{d}_vs_dense": r[d] / r["dense"] for d in DISPATCHES[1:]})
     report(res, args.json)
 

@@ -51,8 +51,9 @@ def parts_gb(cfg, rows, seq_len, minibatches, sample_rows, layout, prompt=256) -
     """(learner, sampler) GiB per device of `cfg`'s plan; their sum is what the device needs
     when both share it."""
     learner = memory.learner(cfg, rows, seq_len, minibatches, layout=layout)
+    split = layout.samplers if cfg.num_experts % layout.samplers == 0 else 1  # sampler.expert_parallel
     sampler = memory.sampler(cfg.without_lora(), -(-sample_rows // layout.samplers), prompt, seq_len - prompt,
-                             "bfloat16", "bfloat16", layout.platform)
+                             "bfloat16", "bfloat16", layout.platform, split)
     plan = {**{f"learner_{k}": v for k, v in learner.items()}, **{f"sampler_{k}": v for k, v in sampler.items()}}
     assert memory.need(plan, layout) == memory.total(learner) + memory.total(sampler)  # accelerators, shared
     return memory.total(learner) / memory.GB, memory.total(sampler) / memory.GB
@@ -79,8 +80,9 @@ def moe_table(a) -> list[str]:
              f"{QWEN3_30B_A3B.num_params / 1e9:.1f}B parameters, {QWEN3_30B_A3B.active_params / 1e9:.2f}B active "
              "per token. Each cell: learner + sampler = GiB per device (8xH200: 75% of its HBM, assumed). "
              "The learner's stacked experts split over fsdp x expert; LoRA's adapters are replicated, those on "
-             "the experts split as the experts; each sampler device holds a whole bf16 "
-             "copy of the weights, which no H100 has room for beside anything else.", ""]
+             "the experts split as the experts; each sampler device holds a bf16 "
+             "copy of the weights with the experts split over the 8 devices (`sampler.expert_parallel`): "
+             "a whole copy (61 GB) leaves no room on an H100 for anything else.", ""]
     for n in LENGTHS[:2]:
         lines += [f"### {n} tokens", "", "| model | " + " | ".join(MOE_MACHINES) + " |",
                   "|---|" + "---|" * len(MOE_MACHINES)]

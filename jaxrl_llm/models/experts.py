@@ -122,22 +122,23 @@ def _in_slots(x_NxD, gate, up, down, weights_NxK, order, sizes, dtype, slots: in
     return jnp.zeros_like(x_NxD, dtype=dtype).at[token.reshape(-1)].add(y.reshape(e * slots, -1))
 
 
-def slot_ladder(n: int, k: int, e: int) -> list:
-    """`slotted_experts`' choices: from the mean load (a multiple of 8) doubling up to N, the
-    most any expert can get (a token picks k distinct experts)."""
-    ladder = [min(max(8, -(-n * k // e) + 7 & ~7), n)]
+def slot_ladder(n: int, k: int, e: int, gathered: int = 1) -> list:
+    """`slotted_experts`' choices: from the mean load (a multiple of 8; with the tokens of
+    `gathered` devices, 1 / gathered of whose pairs are for the E experts here) doubling up to
+    N, the most any expert can get (a token picks k distinct experts)."""
+    ladder = [min(max(8, -(-n * k // (e * gathered)) + 7 & ~7), n)]
     while ladder[-1] < n:
         ladder.append(min(2 * ladder[-1], n))
     return ladder
 
 
-def slotted_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):
+def slotted_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype, gathered: int = 1):
     """`capacity_experts` with the fewest slots of `slot_ladder` that hold every expert's pairs,
     picked on the device (`lax.switch`; the pairs sorted once, outside it): exact for any
     routing, at E x slots rows."""
     n, k = ids_NxK.shape
     e = weight(gate).shape[0]
-    ladder = slot_ladder(n, k, e)
+    ladder = slot_ladder(n, k, e, gathered)
     _, order, sizes = _by_expert(ids_NxK, e)
     branches = [functools.partial(lambda s, *a: _in_slots(*a, dtype, s), s) for s in ladder]
     pick = jnp.searchsorted(jnp.asarray(ladder), jnp.max(sizes), method="compare_all")
@@ -155,19 +156,19 @@ def blocked_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype, block: i
     prefill's tokens) the blocks run as one batched matmul over per-block copies of their experts'
     weights (up to `BATCHED_BYTES`): its backward pass is a batched matmul too, where a loop's
     transposes into a scan, about half the speed on CPU (experiments/results/bench_moe_cpu.md).
-    Otherwise (decode), on one device's tokens, `slotted_experts`: a loop over the blocks would
-    copy each block's expert weights (XLA's CPU matmuls cannot read a dynamic slice in place),
-    which costs decode more than the matmuls (experiments/results/bench_moe_cpu.md); with `block`
-    given (or weights past `BATCHED_BYTES`), a loop over at most (N k + E (block - 1)) / block
-    blocks. `gathered` > 1 (`on_devices`): the tokens of that many devices, about 1 / gathered of
-    whose pairs have an expert here (the others have id E and are left out); the loop skips the
-    blocks past the last used one at run time, so it costs what this device's pairs need."""
+    Otherwise (decode), `slotted_experts`: a loop over the blocks would copy each block's expert
+    weights (XLA's CPU matmuls cannot read a dynamic slice in place), which costs decode more
+    than the matmuls (experiments/results/bench_moe_cpu.md); with `block` given (or weights past
+    `BATCHED_BYTES`), a loop over at most (N k + E (block - 1)) / block blocks. `gathered` > 1
+    (`on_devices`, `among_devices`): the tokens of that many devices, about 1 / gathered of whose
+    pairs have an expert here (the others have id E and are left out); the loop skips the blocks
+    past the last used one at run time, so it costs what this device's pairs need."""
     n, k = ids_NxK.shape
     e, m = weight(gate).shape[0], n * k
     w_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((gate, up, down))) // e
-    few = 2 * m < BATCHED_BLOCK * e
-    if few and not block and gathered == 1:
-        return slotted_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype)
+    few = 2 * m < BATCHED_BLOCK * e * gathered
+    if few and not block:
+        return slotted_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype, gathered)
     batched = not block and gathered == 1 and not few and \
         -(-(m + e * (BATCHED_BLOCK - 1)) // BATCHED_BLOCK) * w_bytes <= BATCHED_BYTES
     block = BATCHED_BLOCK if batched else \
@@ -212,6 +213,53 @@ def _specs(p, ex, tp, into: bool):
     return (w, P(ex, tp, None), P(ex, None, None)) if into else (w, P(ex, None, None), P(ex, None, tp))
 
 
+def gather_tokens(axes, held: int, x_NxD, weights_NxK, ids_NxK):
+    """Expert parallelism by all-gather, inside `shard_map`: the tokens (with their routing) of
+    every device of `axes`, each device holding `held` consecutive experts (device i: experts
+    i held ...). Ids become this device's own; a pair for another device's expert gets id
+    `held` and weight 0 (every dispatch leaves it out). The experts' outputs then go back by
+    `jax.lax.psum_scatter`: each device gets its own tokens, summed over every device's experts."""
+    x, weights, ids = (jax.lax.all_gather(a, axes, axis=0, tiled=True) for a in (x_NxD, weights_NxK, ids_NxK))
+    ids = ids - jax.lax.axis_index(axes) * held
+    mine = (ids >= 0) & (ids < held)
+    return x, jnp.where(mine, weights, 0), jnp.where(mine, ids, held)
+
+
+def among_devices(experts, x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):
+    """`experts` on a sampler's rows (inside its `shard_map`, no collective of its own) with the
+    stacked experts split over the rows' devices (`expert_specs`): decode reads each expert's
+    weights on one device only, where replicated experts are read by every device (the bound on
+    a MoE's decode step); the tokens move instead (`gather_tokens`). Exact and dropless."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(mesh.manual_axes)
+    devices = math.prod(mesh.shape[a] for a in axes)
+    if experts is blocked_experts:
+        experts = functools.partial(experts, gathered=devices)
+    x, weights, ids = gather_tokens(axes, weight(gate).shape[0], x_NxD, weights_NxK, ids_NxK)
+    y = experts(x, gate, up, down, weights, ids, dtype)
+    return jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)
+
+
+def expert_specs(params, axes):
+    """PartitionSpecs of a params tree for a sampler's `shard_map` with expert parallelism: every
+    mixture-of-experts layer's stacked experts (the 3-D leaves of a `moe` module: W [E, ., .] and
+    LoRA's A and B) split on E over `axes`; the rest (router, shared expert, attention, ...)
+    replicated."""
+    def spec(path, leaf):
+        keys = [getattr(k, "key", None) for k in path]
+        return P(axes) if "moe" in keys and jnp.ndim(leaf) == 3 else P()
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def splits_experts(params, num_experts: int) -> bool:
+    """Whether `params` (as a `shard_map` body sees them) hold fewer than `num_experts` stacked
+    experts per layer: split over the devices (`expert_specs`)."""
+    stacked = jax.tree.leaves(jax.tree_util.tree_map_with_path(
+        lambda path, x: x.shape[0] if "moe" in [getattr(k, "key", None) for k in path] and jnp.ndim(x) == 3 else None,
+        params))
+    return bool(num_experts) and any(e < num_experts for e in stacked)
+
+
 def on_devices(experts, mesh, x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):
     """`experts` run by every device of `mesh` (an abstract mesh with the parallel.sharding axes)
     on its own tokens, under `shard_map`: XLA cannot split the sort-based dispatches, and left to
@@ -234,11 +282,7 @@ def on_devices(experts, mesh, x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype
 
     def local(x, weights, ids, gate, up, down):
         if ex:
-            x, weights, ids = (jax.lax.all_gather(a, ex, axis=0, tiled=True) for a in (x, weights, ids))
-            held = weight(gate).shape[0]
-            ids = ids - jax.lax.axis_index(ex) * held
-            mine = (ids >= 0) & (ids < held)
-            weights, ids = jnp.where(mine, weights, 0), jnp.where(mine, ids, held)
+            x, weights, ids = gather_tokens(ex, weight(gate).shape[0], x, weights, ids)
         y = experts(*jax.tree.map(vary, (x, gate, up, down, weights, ids)), dtype)
         y = jax.lax.psum(y, tp) if tp else y
         return jax.lax.psum_scatter(y, ex, scatter_dimension=0, tiled=True) if ex else y

@@ -10,7 +10,9 @@ half dense's speed (experiments/results/bench_moe_cpu.md has all three against P
 No capacity factor: no token is ever dropped, so the sampler and the learner compute the same
 function of the same routing. On the learner's mesh the dispatch runs per device under
 `shard_map` (`experts.on_devices`), with the experts split over the `expert` axis (expert
-parallelism). LoRA's `gate` / `up` / `down` targets adapt the stacked experts (`lora.expert_side`).
+parallelism); a sampler on several devices splits them over the devices of its rows
+(`experts.among_devices`, `SamplerConfig.expert_parallel`). LoRA's `gate` / `up` / `down`
+targets adapt the stacked experts (`lora.expert_side`).
 
 The router runs in float32 whatever the compute dtype (its logits pick experts: a bf16 rounding
 flips near-ties). A layer returns its router logits beside its output: the decoder keeps them for
@@ -104,16 +106,20 @@ class MoE(nn.Module):
             if c.moe_routing == "replay":
                 weights, ids = replay(logits, given, c.norm_topk_prob)
         self.sow("intermediates", "routing", ids)
-        gate = self.param("gate", _part(("expert", "embed", "mlp")), (e, d, f), c.param_dtype)
-        up = self.param("up", _part(("expert", "embed", "mlp")), (e, d, f), c.param_dtype)
-        down = self.param("down", _part(("expert", "mlp", "embed")), (e, f, d), c.param_dtype)
+        # the experts held here: E, or E / devices in a sampler that splits them (`among_devices`)
+        held = nn.meta.unbox(self.get_variable("params", "gate")).shape[0] if self.has_variable("params", "gate") else e
+        gate = self.param("gate", _part(("expert", "embed", "mlp")), (held, d, f), c.param_dtype)
+        up = self.param("up", _part(("expert", "embed", "mlp")), (held, d, f), c.param_dtype)
+        down = self.param("down", _part(("expert", "mlp", "embed")), (held, f, d), c.param_dtype)
         gate, up, down = lora.expert_side(self, gate, up, down)
         experts = {"dense": X.dense_experts, "grouped": X.grouped_experts, "blocked": X.blocked_experts}[dispatch(c)]
         mesh = meshed()
-        if mesh is None:
-            y = experts(x.astype(c.dtype), gate, up, down, weights, ids, c.dtype)
-        else:
+        if mesh is not None:
             y = X.on_devices(experts, mesh, x.astype(c.dtype), gate, up, down, weights, ids, c.dtype)
+        elif held < e:  # a sampler's rows, its experts split over their devices
+            y = X.among_devices(experts, x.astype(c.dtype), gate, up, down, weights, ids, c.dtype)
+        else:
+            y = experts(x.astype(c.dtype), gate, up, down, weights, ids, c.dtype)
         if c.shared_expert_intermediate_size:
             y = y + self.shared_expert(x)
         return y.reshape(x_BxTxD.shape).astype(x_BxTxD.dtype), logits

@@ -60,7 +60,7 @@ class SlotEngine:
         specs, pool_specs = (decode.DecodeState.specs(rows, per_row=True, routing=scfg.record_routing),
                              decode.DecodeState.specs(rows, routing=scfg.record_routing))
         r, rep = PartitionSpec(rows), PartitionSpec()
-        local = functools.partial(decode.per_device, mesh)
+        local, ps = functools.partial(decode.per_device, mesh), sampler.param_specs
         self._rows = None if mesh is None else NamedSharding(mesh, r)
         shard = None if mesh is None else jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
@@ -68,14 +68,14 @@ class SlotEngine:
             f = lambda params, prompt, mask, limit, keys, version: decode.prefill(
                 params, prompt, mask, limit, None, version, mcfg, scfg, width=prompt.shape[1],
                 keys_B=jax.random.wrap_key_data(keys))
-            return local(f, (rep, r, r, r, r, rep), pool_specs)(params, prompt, mask, limit, keys, version)
+            return local(f, (ps(params), r, r, r, r, rep), pool_specs)(params, prompt, mask, limit, keys, version)
 
         def insert(st, pool, pool_i, slot_i):
             return local(slot_state.insert, (specs, pool_specs, r, r), specs)(st, pool, pool_i, slot_i)
 
         def segment(params, st, version, p, width):
             f = functools.partial(slot_state.segment, p=p, width=width, steps=self.seg, mcfg=mcfg, scfg=scfg)
-            return local(f, (rep, specs, rep), specs)(params, st, version)
+            return local(f, (ps(params), specs, rep), specs)(params, st, version)
 
         self._empty = jax.jit(lambda p: slot_state.empty(self.slots, p, mcfg, scfg), static_argnums=0,
                               out_shardings=shard)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec
 
-from jaxrl_llm.models import decoder
+from jaxrl_llm.models import decoder, experts
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.rollout.sampling import SamplerConfig, sample
 
@@ -149,7 +149,17 @@ def decode_segment(params, st: DecodeState, version, p: int, end, mcfg: ModelCon
     mid-generation weight swap tags tokens exactly."""
     body = functools.partial(decode_step, params, unembed_matrix(params, mcfg), version=version, p=p, mcfg=mcfg,
                              scfg=scfg)
-    return jax.lax.while_loop(lambda st: (st.step < end) & ~jnp.all(st.done_B), body, st)
+    return jax.lax.while_loop(lambda st: (st.step < end) & ~all_done(st.done_B, params, mcfg), body, st)
+
+
+def all_done(done_B, params, mcfg: ModelConfig):
+    """Whether every row is done: this device's rows, or with a mixture's experts split over the
+    sampler's devices (`experts.among_devices`) every device's, since each decode step's MoE
+    layers exchange tokens between them: all must run the same steps."""
+    done = jnp.all(done_B)
+    if not experts.splits_experts(params, mcfg.num_experts):
+        return done
+    return jax.lax.pmin(done.astype(jnp.int32), tuple(jax.sharding.get_abstract_mesh().manual_axes)) > 0
 
 
 def unembed_matrix(params, mcfg: ModelConfig):
@@ -200,10 +210,14 @@ def decode_step(params, unembed_DxV, st: DecodeState, version, p: int, mcfg: Mod
     # Cache slots past p + i are not yet valid, so the key mask alone is causal.
     (h, cache), routing = _apply(params, mcfg, scfg, tok[:, None], st.positions_B[:, None], key_valid[:, None, :],
                                  st.cache, p + i)
+    # only live rows' routing is written: a finished row's padding keeps zeros, however long the
+    # other rows (on this device, or on every device when they split the experts) decode
     if routing is not None and per_row:  # decode slots: each row at its own column
-        routing = st.routing.at[rows, p + i].set(routing[:, 0], mode="drop")
+        routing = st.routing.at[rows, jnp.where(live, p + i, st.routing.shape[1])].set(routing[:, 0], mode="drop")
     elif routing is not None:  # a static batch: every row at column p + i
-        routing = jax.lax.dynamic_update_slice_in_dim(st.routing, routing, p + i, 1)
+        was = jax.lax.dynamic_slice_in_dim(st.routing, p + i, 1, axis=1)
+        routing = jax.lax.dynamic_update_slice_in_dim(
+            st.routing, jnp.where(live[:, None, None, None], routing, was), p + i, 1)
     taken = i + live if per_row else i + 1  # a finished slot keeps its column
     return st.replace(
         step=taken, cache=cache, logits_BxV=h[:, 0].astype(jnp.float32) @ unembed_DxV,
@@ -236,7 +250,7 @@ def generate(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg: M
     body = functools.partial(decode_step, params, unembed_matrix(params, mcfg), version=version, p=p, mcfg=mcfg,
                              scfg=scfg)
     segment = lambda st: jax.lax.fori_loop(0, seg, lambda _, st: body(st), st)  # noqa: E731
-    st = jax.lax.while_loop(lambda st: (st.step < n) & ~jnp.all(st.done_B), segment, st)
+    st = jax.lax.while_loop(lambda st: (st.step < n) & ~all_done(st.done_B, params, mcfg), segment, st)
     return outputs(st, scfg)
 
 

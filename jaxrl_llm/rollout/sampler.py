@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm.parallel import sharding
 from jaxrl_llm.batch import TrajectoryBatch
+from jaxrl_llm.models import experts
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.rollout import continuous, decode
 from jaxrl_llm.rollout.decode import DecodeState
@@ -43,20 +44,24 @@ class Sampler:
         rows = mesh and tuple(mesh.axis_names)
         local = functools.partial(decode.per_device, mesh)
         r, rep = PartitionSpec(rows), PartitionSpec()
+        # a mixture of experts on several devices: each holds E / devices of the experts (`place_params`)
+        self.splits_experts = bool(mesh is not None and mesh.size > 1 and cfg.expert_parallel
+                                   and model_cfg.num_experts and model_cfg.num_experts % mesh.size == 0)
+        ps = self.param_specs
 
         def generate(params, prompt, mask, limit, key, version, mcfg, scfg):
             f = functools.partial(decode.generate, mcfg=mcfg, scfg=scfg, rows=rows)
-            return local(f, (rep, r, r, r, rep, rep), r)(params, prompt, mask, limit, key, version)
+            return local(f, (ps(params), r, r, r, rep, rep), r)(params, prompt, mask, limit, key, version)
 
         def prefill(params, prompt, mask, limit, key, version, mcfg, scfg):
             f = functools.partial(decode.prefill, mcfg=mcfg, scfg=scfg, rows=rows)
             specs = DecodeState.specs(rows, routing=scfg.record_routing)
-            return local(f, (rep, r, r, r, rep, rep), specs)(params, prompt, mask, limit, key, version)
+            return local(f, (ps(params), r, r, r, rep, rep), specs)(params, prompt, mask, limit, key, version)
 
         def segment(params, st, version, end, p, mcfg, scfg):
             f = lambda params, st, version, end: decode.decode_segment(params, st, version, p, end, mcfg, scfg)  # noqa: E731
             s = DecodeState.specs(rows, routing=scfg.record_routing)
-            return local(f, (rep, s, rep, rep), s)(params, st, version, end)
+            return local(f, (ps(params), s, rep, rep), s)(params, st, version, end)
 
         self._generate = jax.jit(generate, static_argnames=("mcfg", "scfg"))
         # Host-driven pieces for mid-generation weight refresh (same code; `end` is an input, so
@@ -131,10 +136,30 @@ class Sampler:
             self._slots = continuous.SlotEngine(self, self.cfg.slots or rows)
         return self._slots
 
+    def param_specs(self, params):
+        """The params' PartitionSpecs on the sampler mesh: replicated, or with `splits_experts`
+        every MoE layer's stacked experts split over the devices (`experts.expert_specs`)."""
+        if not self.splits_experts:
+            return PartitionSpec()
+        return experts.expert_specs(params, tuple(self.mesh.axis_names))
+
+    def shardings(self, params):
+        """Where `place_params` puts `params`: a NamedSharding per leaf (the weight store's placement)."""
+        specs = self.param_specs(params)
+        if isinstance(specs, PartitionSpec):
+            return jax.tree.map(lambda _: NamedSharding(self.mesh, specs), params)
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+
     def place_params(self, params):
-        """Params on the sampler mesh, replicated unless already there (`sharding.put`: CPU
-        devices share one host copy)."""
+        """Params on the sampler mesh (`shardings`) unless already there (`sharding.put`: CPU
+        devices share one host copy of what is replicated)."""
         if self.mesh is None:
+            return params
+        if self.splits_experts:
+            want = self.shardings(params)
+            if not all(getattr(x, "sharding", None) is not None and x.sharding.is_equivalent_to(w, x.ndim)
+                       for x, w in zip(jax.tree.leaves(params), jax.tree.leaves(want))):
+                params = sharding.put(params, want)
             return params
         leaf = jax.tree_util.tree_leaves(params)[0]
         if getattr(leaf, "sharding", None) is None or leaf.sharding.device_set != set(self.mesh.devices.flat):

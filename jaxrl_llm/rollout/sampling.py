@@ -33,6 +33,10 @@ SECTION = V.Section(  # the experiment's `sampler` section (the plan turns it in
     # forward per resume, its behaviour log-prob mismatch logged)
     turn_cache=("keep", V.one_of(*TURN_CACHE)),
     backend=("jax", V.text()),  # the rollout backend (`rollout/backend.py`): "jax", or a registered one
+    # a mixture of experts on several sampler devices: each holds E / devices of every layer's
+    # experts and the tokens move to them (expert parallelism); off, or where the devices do not
+    # divide E: every device holds every expert
+    expert_parallel=(True, V.boolean()),
 )
 default_config = SECTION.config
 RULES = SECTION.rules
@@ -62,6 +66,7 @@ class SamplerConfig:
     backend: str = _DEFAULT["backend"]  # which rollout backend samples (`rollout.backend.make`)
     turn_cache: str = _DEFAULT["turn_cache"]  # multi-turn, continuous: keep | recompute a waiting row's cache
     record_routing: bool = False  # a mixture of experts: record each position's experts (R3)
+    expert_parallel: bool = _DEFAULT["expert_parallel"]  # a mixture of experts: split them over the devices
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.capture_topk < 0:

@@ -83,7 +83,8 @@ def segment(params, st, version, p: int, width: int, steps: int, mcfg, scfg):
                         key_valid_BxW=st.key_valid_BxW[:, :width])
     body = functools.partial(decode.decode_step, params, decode.unembed_matrix(params, mcfg), version=version, p=p,
                              mcfg=mcfg, scfg=scfg)
-    _, st = jax.lax.while_loop(lambda c: (c[0] < steps) & ~jnp.all(c[1].done_B), lambda c: (c[0] + 1, body(c[1])),
+    _, st = jax.lax.while_loop(lambda c: (c[0] < steps) & ~decode.all_done(c[1].done_B, params, mcfg),
+                               lambda c: (c[0] + 1, body(c[1])),
                                (jnp.int32(0), st))
     if width < full[1].shape[1]:
         put = jax.lax.dynamic_update_slice

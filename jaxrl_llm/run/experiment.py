@@ -92,6 +92,10 @@ def _run(config, workdir: str, log, compiles: xla.CompileLog) -> dict:
     if m.num_experts:
         notes.append(f"mixture of experts: {m.num_experts} experts, top {m.num_experts_per_tok}; "
                      f"{m.num_params / 1e6:.1f}M parameters, {m.active_params / 1e6:.1f}M active per token")
+        rollout = b.orchestrator.sampler
+        if getattr(rollout, "splits_experts", False):  # sampler.expert_parallel
+            n = rollout.mesh.size
+            notes.append(f"samplers: each of {n} devices holds {m.num_experts // n} of every layer's experts")
     ckpt = _checkpointer(config, workdir, notes)
     state, resumed, changed, shape = _resume_or_init(b, user_config, workdir, ckpt, notes)
     _record_start(b, workdir, resumed)

@@ -31,7 +31,8 @@ Sampler (one call over `rows` rows): its weight copy in its compute dtype, the f
 Every figure is per device (`Layout`): the learner's parameters, gradients and moments divide
 over fsdp x tensor (stacked experts also over expert), its rows over data x fsdp x expert, its
 heads / MLP / vocabulary over tensor; each
-sampler device holds a whole weight copy and its share of the rows. An accelerator compares
+sampler device holds a whole weight copy (a mixture's experts split over the sampler devices:
+`sampler.expert_parallel`) and its share of the rows. An accelerator compares
 the busiest device with the smallest `bytes_limit` (which XLA_PYTHON_CLIENT_MEM_FRACTION
 sets); a CPU host holds every device's share in one RAM (replicated sampler weights once,
 `sharding.put`). The extra passes (prox, ref) run minibatch by minibatch in their own program
@@ -178,9 +179,11 @@ def learner(cfg: ModelConfig, rows: int, seq_len: int, minibatches: int = 1, chu
 
 
 def sampler(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int, cache_dtype: str = "float32",
-            weights_dtype: Optional[str] = None, platform: Optional[str] = None) -> dict:
+            weights_dtype: Optional[str] = None, platform: Optional[str] = None, split_experts: int = 1) -> dict:
     """Bytes of one sampler call over `rows` rows, by part. On CPU, XLA computes bfloat16
-    matmuls in float32 from float32 copies of the weights, one layer at a time."""
+    matmuls in float32 from float32 copies of the weights, one layer at a time. `split_experts`
+    > 1: a mixture's stacked experts split over that many sampler devices (`Sampler.splits_experts`),
+    their share as `experts` beside the replicated `weights`."""
     import jax
 
     w = nbytes(weights_dtype or cfg.dtype)
@@ -189,9 +192,12 @@ def sampler(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int, cache
     copies_unembed = cfg.tie_word_embeddings or w != 4
     positions = prompt_len + new_tokens
     cache = 2 * cfg.num_layers * rows * cfg.num_kv_heads * cfg.head_dim * positions * nbytes(cache_dtype)
-    return {"weights": cfg.num_params * w, "cpu_f32_layer": upcast, "unembed_f32": unembed if copies_unembed else 0,
-            "kv_cache": 2 * cache, "logits": 4 * rows * cfg.vocab_size * 4,
-            "prefill": rows * cfg.num_heads * prompt_len * prompt_len * 8 + rows * prompt_len * cfg.hidden_size * 16}
+    split = cfg.expert_params if split_experts > 1 else 0
+    parts = {"weights": (cfg.num_params - split) * w, "cpu_f32_layer": upcast,
+             "unembed_f32": unembed if copies_unembed else 0, "kv_cache": 2 * cache,
+             "logits": 4 * rows * cfg.vocab_size * 4,
+             "prefill": rows * cfg.num_heads * prompt_len * prompt_len * 8 + rows * prompt_len * cfg.hidden_size * 16}
+    return {**parts, "experts": -(-split // split_experts) * w} if split else parts
 
 
 def total(parts: dict) -> int:
@@ -269,8 +275,12 @@ def estimate(config, task, mcfg, acfg=None, obj=None, layout: Layout = Layout())
     sampler_rows = (s.slots or rows) + rows if s.batching == "continuous" else rows
     samplers = r.num_samplers if r.mode == "async" else 1
     cache = s.cache_dtype if s.cache_dtype != "auto" else mcfg.dtype  # the resolved compute dtype
-    one = sampler(rollout, -(-sampler_rows // layout.samplers), prompt, new, cache, rollout.dtype, layout.platform)
+    split = layout.samplers if s.expert_parallel and rollout.num_experts % layout.samplers == 0 else 1
+    one = sampler(rollout, -(-sampler_rows // layout.samplers), prompt, new, cache, rollout.dtype, layout.platform,
+                  split)
     plan["sampler_weights"] = keep * one.pop("weights")
+    if "experts" in one:  # each device's share of the experts (its own, counted per device on a CPU host too)
+        plan["sampler_experts"] = keep * one.pop("experts")
     plan.update({f"sampler_{k}": samplers * v for k, v in one.items()})
     return plan
 

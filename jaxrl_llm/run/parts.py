@@ -72,18 +72,21 @@ def build(config) -> Parts:
                           mesh_cfg=c.mesh, aux_model_cfg=p.aux_model, dist=p.sampler.dist)
     placed = lrn.layout.base_sh if lrn.layout.lora else lrn.layout.param_sh  # the full model's shardings
     params, aux_params = _load(c.model, p.model, placed), p.aux_model and _load(c.aux_model, p.aux_model)
-    # Samplers split rows over their devices (data parallel), each holding whole weights. The
-    # weight store publishes each version onto them when they are devices of their own, or when
-    # the learner shards its params (fsdp / tensor): a sampler handed sharded weights would
-    # all-gather them inside every call.
+    # Samplers split rows over their devices (data parallel), each holding whole weights but a
+    # mixture's experts (split over them: `Sampler.splits_experts`). The weight store publishes
+    # each version onto them when they are devices of their own, when the learner shards its
+    # params (fsdp / tensor: a sampler handed sharded weights would all-gather them inside every
+    # call), or when the samplers split experts.
     mesh = Mesh(np.asarray(p.sampler_devices), ("data",))
     sharded = lrn.mesh.size > 1 and not sharding.pure_data(lrn.mesh)
+    rollout = backend.make(lrn.rollout_model_cfg, p.sampler, mesh)
     placement = NamedSharding(mesh, PartitionSpec()) if p.own_sampler_devices or sharded else None
+    if getattr(rollout, "splits_experts", False):
+        placement = rollout.shardings
     scorer = tasks.scorer(p.task, c.task)
     if isinstance(p.task, agents.AgentTask):  # sessions the task checks are scored by the run's stage too
         p.task.scorer = scorer
-    orch = orchestrator.Orchestrator(lrn, backend.make(lrn.rollout_model_cfg, p.sampler, mesh), p.task, c.runtime,
-                                     placement=placement, scorer=scorer,
+    orch = orchestrator.Orchestrator(lrn, rollout, p.task, c.runtime, placement=placement, scorer=scorer,
                                      node_config={"task": c.task.to_dict(), "hf_path": c.model.hf_path})
     # A sampling auxiliary (a rollout model) is evaluated beside the policy; any auxiliary may be warm-started.
     return Parts(plan=p, task=p.task, scorer=scorer, learner=lrn, orchestrator=orch,

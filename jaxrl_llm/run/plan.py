@@ -187,7 +187,8 @@ def sampler_cfg(config, task, greedy: bool = False, record_routing: bool = False
     kw = dict(max_new_tokens=s.max_new_tokens or task.max_answer_len, eos_token_id=task.eos_id,
               pad_token_id=task.pad_id, prompt_buckets=tuple(task.prompt_buckets),
               cache_dtype=s.cache_dtype if s.cache_dtype != "auto" else config.model.dtype,
-              turn_stop_ids=tuple(getattr(task, "turn_stop_ids", ())), backend=s.backend)
+              turn_stop_ids=tuple(getattr(task, "turn_stop_ids", ())), backend=s.backend,
+              expert_parallel=s.expert_parallel)
     if greedy:
         return SamplerConfig(temperature=0.0, num_samples=1, capture_topk=0, **kw)
     return SamplerConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, capture_topk=s.capture_topk,

@@ -31,8 +31,9 @@ from jaxrl_llm.models import lora
 class WeightStore:
     def __init__(self, keep: int = 1, placement: Optional[Any] = None, dtype: str = "float32",
                  lora_scale: float = 0.0):
-        """`placement`: a Sharding / device (or a pytree of them) for the sampler's copy;
-        None keeps the learner's placement (still a private copy). `dtype`: of the copy.
+        """`placement`: a Sharding / device (or a pytree of them, or `params -> pytree of them`)
+        for the sampler's copy; None keeps the learner's placement (still a private copy).
+        `dtype`: of the copy.
         `lora_scale`: alpha / rank, for publications of LoRA adapters."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1; got {keep}")
@@ -61,14 +62,15 @@ class WeightStore:
         adapters = None
         if base is not None:  # a private copy: the learner donates its state to the next step
             adapters, params = self._own(params), self._merged(params, base)
+        placement = self._placement(params)
         if base is not None:  # the merge made a private copy in the store's dtype, on `_device`
-            copy = params if self.placement is None else sharding.put(params, self.placement)
-        elif sharding.shares_host_copy(self.placement):
-            copy = sharding.put(params, self.placement)  # staged through one host copy for all devices
+            copy = params if placement is None else sharding.put(params, placement)
+        elif sharding.shares_host_copy(placement):
+            copy = sharding.put(params, placement)  # staged through one host copy for all devices
         else:
             copy = params if fresh else self._copy(params)
-            if self.placement is not None:
-                copy = jax.device_put(copy, self.placement)
+            if placement is not None:
+                copy = sharding.put(copy, placement)
         with self._cond:
             self._versions[int(version)] = copy
             self._published_at[int(version)] = time.monotonic()
@@ -79,10 +81,14 @@ class WeightStore:
                 self._adapters.pop(old, None)
             self._cond.notify_all()
 
+    def _placement(self, params):
+        return self.placement(params) if callable(self.placement) else self.placement
+
     def _merged(self, adapters, base):
         """The base (placed once, on one device) merged with `adapters`."""
         if self._base_of is not base:
-            leaf = jax.tree_util.tree_leaves(self.placement)[0] if self.placement is not None else None
+            placement = self._placement(base)
+            leaf = jax.tree_util.tree_leaves(placement)[0] if placement is not None else None
             device = next(iter(leaf.device_set)) if isinstance(leaf, jax.sharding.Sharding) else \
                 leaf or jax.local_devices()[0]
             self._base_of, self._base = base, jax.device_put(distributed.to_local(base), device)
