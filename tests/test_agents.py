@@ -67,8 +67,12 @@ def test_the_agent_spec_and_mode_are_checked_at_start_up():
     with pytest.raises(ValueError, match="gateway.external=True: .*set --config.gateway.port and --config.gateway.token"):
         plan.resolve(c)
     c = shrink(get_config())
+    c.runtime.mode = "simulated"
+    with pytest.raises(ValueError, match="task.name=agent runs in runtime.mode=sync, async or remote"):
+        plan.resolve(c)
     c.runtime.mode = "remote"
-    with pytest.raises(ValueError, match="task.name=agent runs in runtime.mode=sync or async"):
+    c.gateway.update(external=True, token="s3cret", port=8123)
+    with pytest.raises(ValueError, match="in runtime.mode=remote each sampler node hosts a gateway"):
         plan.resolve(c)
 
 
@@ -339,3 +343,45 @@ def test_agents_play_a_local_dataset_through_its_chat_template(tokenizer_dir, tm
     c.task.chat_template = False
     with pytest.raises(ValueError, match="math or math_tools with task.chat_template=True"):
         plan.resolve(c)
+
+
+@pytest.mark.serial
+def test_a_remote_run_trains_the_sessions_its_nodes_agents_play(tmp_path):
+    """runtime.mode=remote: the sampler node (here in this process) hosts a gateway on its own
+    loopback, with a key of its own, and plays the agents itself (`task.agent`, in a worker
+    process); the learner trains the groups its sessions make, checked as any node's (the
+    prompt and reward checks aside: an agent's own), none refused even with every group
+    drawn for verification."""
+    import signal
+    import sys
+    import threading
+
+    from jaxrl_llm.parallel.launch import free_port
+    from jaxrl_llm.remote import node as sampler_node
+    from tests.test_distributed import ENV, TINY
+    from tests.test_node import _Processes, _records, _wait_step
+
+    port, wd = free_port(), str(tmp_path / "run")
+    learner = [sys.executable, "-m", "jaxrl_llm.main", "--config=configs/agent_calculator.py", *TINY[1:],
+               f"--workdir={wd}", "--config.runtime.mode=remote", f"--config.runtime.remote.port={port}",
+               "--config.sampler.slots=3", "--config.task.max_turns=3", "--config.gateway.concurrency=4",
+               "--config.gateway.agent_processes=1", "--config.train.steps=1000", "--config.train.eval_every=1000",
+               "--config.train.save_every=1000", "--config.runtime.remote.verify_fraction=1.0"]
+    with _Processes(tmp_path, port, ENV) as run:
+        lrn = run.start(learner, "l")
+        node = sampler_node.Node(f"127.0.0.1:{port}", "", "a", None, 0.5)
+        thread = threading.Thread(target=node.run, daemon=True)
+        thread.start()
+        _wait_step(wd, 2, lrn)
+        task = node.producer.task
+        closed, url = task.gateway.counts()["closed"], task.server.url()
+        node.stop(release=True)
+        thread.join(timeout=30)
+        node.close()
+        lrn.send_signal(signal.SIGTERM)
+        assert lrn.wait(timeout=60) == 143, (tmp_path / "l.log").read_text()[-3000:]
+    assert isinstance(task, agents.AgentTask) and not task.external and url.startswith("http://127.0.0.1:")
+    steps = [r for r in _records(wd) if "loss" in r]
+    trained = sum(len(r["remote/origins"]) for r in steps) * 4  # groups x G sessions
+    assert len(steps) >= 2 and 0 < trained <= closed and steps[-1]["remote/rejected"] == 0
+    assert all(np.isfinite(r["loss"]) for r in steps) and not thread.is_alive()

@@ -361,3 +361,45 @@ def test_a_mixture_of_experts_groups_experts_are_checked_and_queued():
     assert out == {"accepted": True}
     np.testing.assert_array_equal(hub.queue.get(3)[0].batch.routing, f["routing"])
     assert hub.refusals == {"malformed": 2}
+
+
+def test_agents_groups_keep_their_own_prompt_and_reward_and_everything_else_is_checked():
+    """`task.name=agent` on the nodes: a row starts with what its agent sent and carries the
+    agent's reward, so neither is compared with the learner's (with every group drawn for
+    verification); ids, versions, the reward range and the weights are checked as for any
+    group. The same group for the task itself is refused: it does not answer the leased prompt."""
+    import types
+
+    from jaxrl_llm.gateway.agents import AgentTask
+    from jaxrl_llm.tasks.arithmetic import Arithmetic
+
+    for agents in (True, False):
+        task = AgentTask(Arithmetic(), "", types.SimpleNamespace(external=True)) if agents else None
+        hub, task = _hub(task=task)
+        me = hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "n"})
+        s = {k: me[k] for k in ("run_id", "node", "session")}
+        weights = _weights(hub, s)
+
+        def group(**change):
+            lease = hub.lease({**s, "version": 3})["leases"][0]
+            f = _group(rows=2, p=hub.producer.prompt_width, new=4, k=0, prompt=(1, 5, 6, 7, 8, 9),
+                       vocab=task.vocab_size, kept=False)
+            f["versions"] = np.where(f["loss_mask"] > 0, 3, -1).astype(np.int32)
+            f["rewards"] = np.asarray([1.0, 1.0], np.float32)  # whatever the task would say
+            for name, fix in change.items():
+                f[name] = fix(f[name])
+            return hub.put_group({**s, "lease": lease["id"], "group": 0, "weights": weights,
+                                  "table": wire.encode_group(wire.group_batch(f))})
+
+        if not agents:
+            with pytest.raises(wire.Rejected, match="do not answer the leased prompt"):
+                group()
+            continue
+        assert group() == {"accepted": True} and hub.refusals["reward"] == 0
+        with pytest.raises(wire.Rejected, match="rewards span"):
+            group(rewards=lambda r: r + 5)
+        with pytest.raises(wire.Rejected, match="outside the vocabulary"):
+            group(tokens=lambda t: t + task.vocab_size)
+        with pytest.raises(wire.Rejected, match="token versions span"):
+            group(versions=lambda v: v + 1)
+        assert len(hub.queue) == 1

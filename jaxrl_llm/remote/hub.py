@@ -5,12 +5,11 @@ the checks every incoming group passes before it joins the learner's queue.
 A group is accepted only if its node is known to this learner run (a node of a run that died
 says hello again), it holds the group's lease, the group decodes to the declared fields
 (`wire.decode_group`) and passes `wire.check_group`; with `verify_fraction`, the learner scores
-that share of groups itself and refuses the rewards that differ (a multi-turn task's episodes are
-played again against the learner's environment: every observation must be its answer,
-`multiturn.replay`); a node whose mismatch rate
-exceeds `max_mismatch` (after `MIN_VERIFIED` checks) is refused from then on. Advantages are
-the learner's own, from the rewards. Everything refused is counted, nothing refused is trained.
-"""
+that share of groups itself and refuses the rewards that differ (a multi-turn task's episodes
+replayed against its environment: every observation must be its answer, `multiturn.replay`;
+agents' prompts and rewards are their own, docs/agents.md). A node whose mismatch rate exceeds
+`max_mismatch` (after `MIN_VERIFIED` checks) is refused from then on. Advantages are the
+learner's own. Everything refused is counted, nothing refused is trained."""
 
 from __future__ import annotations
 
@@ -98,6 +97,7 @@ class Hub:
         self.routing = wire.routing_spec(producer.sampler)  # the experts every group must carry, if any
         self.group_bytes = wire.max_group_bytes(producer.group_size, self.max_width, sc.capture_topk, self.routing)
         self.reward_range = tasks.reward_range(producer.task)
+        self.agents = hasattr(producer.task, "rollouts")  # task.name=agent: rows open with what agents sent
         self.hellos = Buckets(HELLO_BURST, HELLO_EVERY_S)
 
     @property
@@ -214,17 +214,17 @@ class Hub:
             f = wire.decode_group(req["table"])
             prompt = self._draw_prompts(lease.draw)[group]
             sc = self.producer.sampler.cfg
-            wire.check_group(f, rows=self.producer.group_size, prompt=prompt, vocab=self.vocab, topk=sc.capture_topk,
-                             max_new_tokens=sc.max_new_tokens, learner_version=self.store.latest()[0],
-                             min_version=max(0, lease.version), kept=sc.dist.truncated, max_width=self.max_width,
-                             reward_range=self.reward_range, routing=self.routing)
+            wire.check_group(f, rows=self.producer.group_size, prompt=[] if self.agents else prompt,
+                             vocab=self.vocab, topk=sc.capture_topk, max_new_tokens=sc.max_new_tokens,
+                             learner_version=self.store.latest()[0], min_version=max(0, lease.version),
+                             kept=sc.dist.truncated, max_width=self.max_width, reward_range=self.reward_range,
+                             routing=self.routing)
             self._check_weights(req.get("weights"), f)
-            if self.cfg.remote.verify_fraction and self._rng.random() < self.cfg.remote.verify_fraction:
+            if not self.agents and self._rng.random() < self.cfg.remote.verify_fraction:
                 self._verify(n, prompt, f)
             self.leases.received(lease_id, n.name, group)
-        except Exception as e:  # every path: counted by reason, the group leased again at once
+        except Exception as e:  # every path: counted, leased again at once (the node's beats would keep it held)
             n.rejected += 1
-            # leased again at once: the node's heartbeats would keep it held and its prompts untrained
             if lease is not None and self.leases.give_back(lease.id, group) and self.admission is not None:
                 self.admission.revoke(lease.version, 1)
             if getattr(e, "reason", "") == "size":  # no honest node sends more than its config allows

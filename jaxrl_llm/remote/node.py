@@ -11,7 +11,9 @@ heartbeats the leases and fetches every new version while decoding goes on; the 
 it between batches (static) or segments (continuous, or static with
 `runtime.refresh_mid_generation`), as local async samplers do. If the learner goes away, the
 node drops its work and says hello again until a learner answers (a restarted one resumes its
-data position; nothing leased before is trained). SIGTERM returns the leases at once.
+data position; nothing leased before is trained). SIGTERM returns the leases at once. For
+`task.name=agent` the node hosts a gateway on its own loopback and plays the agents itself
+(docs/agents.md).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import signal
 import socket
 import threading
 import time
+import types
 
 import jax
 import ml_collections
@@ -32,6 +35,7 @@ from jax.sharding import Mesh
 
 import jaxrl_llm
 from jaxrl_llm import models, tasks, validation
+from jaxrl_llm.gateway import agents
 from jaxrl_llm.models import lora
 from jaxrl_llm.rollout import SamplerConfig, backend
 from jaxrl_llm.remote import wire
@@ -106,6 +110,8 @@ class Node:
         """End the scoring stage (e.g. the math task's checker processes)."""
         if self.producer is not None:
             self.producer.scorer.close()
+            if isinstance(self.producer.task, agents.AgentTask):  # its gateway and agent processes
+                self.producer.task.close()
             self.producer = None
 
     def _session(self):
@@ -145,20 +151,27 @@ class Node:
     def _build(self, hello):
         """Task, sampler and producer from the learner's config (kept while it stays the same)."""
         key = (repr(hello["model"]), repr(hello["sampler"]), repr(hello["task"]), repr(hello["runtime"]),
-               repr(hello.get("lora")))
+               repr(hello.get("lora")), repr(hello.get("agent")))
         if self.parts == key:
             return
         self.close()
         task_cfg = ml_collections.ConfigDict(hello["task"])
         task = tasks.make(task_cfg, hello["hf_path"])
+        agent = hello.get("agent")
+        if agent:  # `task.name=agent`: this node hosts a gateway on its loopback and plays the agents itself
+            task = agents.AgentTask(task, agent["spec"], types.SimpleNamespace(
+                **agent["settings"], host="127.0.0.1", port=0, token="", external=False))
         mcfg = models.ModelConfig.from_dict(hello["model"])
         # the learner's matmul precision, process-wide as the run applies it (run.xla.matmul_precision)
         jax.config.update("jax_default_matmul_precision", None if mcfg.matmul_precision == "default" else
                           mcfg.matmul_precision)
-        sampler = backend.make(mcfg, SamplerConfig(**_tuples(hello["sampler"])),
-                               Mesh(np.asarray(jax.local_devices()), ("data",)))
-        self.producer = Producer(sampler, task, ml_collections.ConfigDict(hello["runtime"]),
-                                 tasks.scorer(task, task_cfg))
+        devices = jax.local_devices()  # multi-turn episodes decode on one device, as in a run (`plan.resolve`)
+        devices = devices[:1] if task_cfg.name in tasks.MULTI_TURN + ("agent",) else devices
+        sampler = backend.make(mcfg, SamplerConfig(**_tuples(hello["sampler"])), Mesh(np.asarray(devices), ("data",)))
+        scorer = tasks.scorer(task, task_cfg)
+        if agent:  # sessions the task checks (an agent's None) are scored by this stage too
+            task.scorer = scorer
+        self.producer = Producer(sampler, task, ml_collections.ConfigDict(hello["runtime"]), scorer)
         self.like = jax.eval_shape(lambda: models.init_params(mcfg, jax.random.key(0)))
         self.lora = hello.get("lora")  # LoRA: the base is fetched once, each version's adapters merged here
         if self.lora:

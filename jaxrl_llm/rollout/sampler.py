@@ -139,15 +139,12 @@ class Sampler:
     def param_specs(self, params):
         """The params' PartitionSpecs on the sampler mesh: replicated, or with `splits_experts`
         every MoE layer's stacked experts split over the devices (`experts.expert_specs`)."""
-        if not self.splits_experts:
-            return PartitionSpec()
-        return experts.expert_specs(params, tuple(self.mesh.axis_names))
+        return experts.expert_specs(params, tuple(self.mesh.axis_names)) if self.splits_experts else PartitionSpec()
 
     def shardings(self, params):
         """Where `place_params` puts `params`: a NamedSharding per leaf (the weight store's placement)."""
         specs = self.param_specs(params)
-        if isinstance(specs, PartitionSpec):
-            return jax.tree.map(lambda _: NamedSharding(self.mesh, specs), params)
+        specs = jax.tree.map(lambda _: specs, params) if isinstance(specs, PartitionSpec) else specs
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
 
     def place_params(self, params):

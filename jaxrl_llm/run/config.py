@@ -94,9 +94,11 @@ def validate(config):
     collect(orchestrator.validate, config.runtime, config.sampler.batching)
     if config.task.name == "agent":
         collect(_agents, config.task, config.gateway)
-    if config.task.name == "agent" and config.runtime.mode not in ("sync", "async"):
-        problems.append(f"task.name=agent runs in runtime.mode=sync or async (got {config.runtime.mode!r}; sampler "
-                        "nodes do not host a gateway yet)")
+    if config.task.name == "agent" and config.runtime.mode not in ("sync", "async", "remote"):
+        problems.append(f"task.name=agent runs in runtime.mode=sync, async or remote (got {config.runtime.mode!r})")
+    if config.task.name == "agent" and config.runtime.mode == "remote" and config.gateway.external:
+        problems.append("gateway.external=True: in runtime.mode=remote each sampler node hosts a gateway and plays "
+                        "its agents itself (task.agent); set gateway.external=False")
     if obj is not None:
         needs = objectives.required_passes(obj)
         if needs & {"topk", "logp_at_behav_topk"} and config.sampler.capture_topk == 0:

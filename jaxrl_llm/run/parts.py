@@ -87,7 +87,8 @@ def build(config) -> Parts:
     if isinstance(p.task, agents.AgentTask):  # sessions the task checks are scored by the run's stage too
         p.task.scorer = scorer
     orch = orchestrator.Orchestrator(lrn, rollout, p.task, c.runtime, placement=placement, scorer=scorer,
-                                     node_config={"task": c.task.to_dict(), "hf_path": c.model.hf_path})
+                                     node_config={"task": c.task.to_dict(), "hf_path": c.model.hf_path,
+                                                  "agent": plan_lib.node_agent(c)})
     # A sampling auxiliary (a rollout model) is evaluated beside the policy; any auxiliary may be warm-started.
     return Parts(plan=p, task=p.task, scorer=scorer, learner=lrn, orchestrator=orch,
                  greedy=backend.make(p.model.for_sampling(), p.greedy, mesh), params=params, aux_params=aux_params,

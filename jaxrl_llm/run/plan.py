@@ -94,6 +94,18 @@ def agent_settings(config) -> types.SimpleNamespace:
                                  max_obs_tokens=config.task.max_obs_tokens, max_turns=config.task.max_turns)
 
 
+def node_agent(config):
+    """What a sampler node needs to host the gateway of `task.name=agent` (remote mode): the
+    agent and the gateway's settings but where it listens and its key (each node's gateway
+    listens on its own loopback, with a key of its own, and plays its agents itself); None for
+    other tasks."""
+    if config.task.name != "agent":
+        return None
+    own = ("host", "port", "token", "external")
+    return {"spec": config.task.agent,
+            "settings": {k: v for k, v in vars(agent_settings(config)).items() if k not in own}}
+
+
 def check_sampling(config, task, mcfg: models.ModelConfig) -> None:
     """Sampling options the model and tokenizer can honour, refused before any thread starts."""
     s, problems = config.sampler, []
