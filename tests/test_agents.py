@@ -384,4 +384,6 @@ def test_a_remote_run_trains_the_sessions_its_nodes_agents_play(tmp_path):
     steps = [r for r in _records(wd) if "loss" in r]
     trained = sum(len(r["remote/origins"]) for r in steps) * 4  # groups x G sessions
     assert len(steps) >= 2 and 0 < trained <= closed and steps[-1]["remote/rejected"] == 0
+    # the node's heartbeats bring its sessions into the run's episode counts
+    assert 0 < steps[-1]["episode/count"] <= closed and steps[-1]["episode/turns"] > 0
     assert all(np.isfinite(r["loss"]) for r in steps) and not thread.is_alive()

@@ -403,3 +403,26 @@ def test_agents_groups_keep_their_own_prompt_and_reward_and_everything_else_is_c
         with pytest.raises(wire.Rejected, match="token versions span"):
             group(versions=lambda v: v + 1)
         assert len(hub.queue) == 1
+
+
+def test_heartbeats_carry_the_nodes_episode_counts_checked_field_by_field():
+    """A node's heartbeat adds what its episodes (multi-turn, agents) added since its last beat
+    to the learner's episode totals (the run's `episode/*` metrics); a malformed field is refused
+    naming it, and a busy share outside [0, 1] is clipped."""
+    from jaxrl_llm.tasks import envs
+
+    hub, _ = _hub()
+    me = hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": "n"})
+    s = {k: me[k] for k in ("run_id", "node", "session")}
+    delta = np.arange(len(envs.TOTALS), dtype=np.float64)
+    for _ in range(2):
+        hub.heartbeat({**s, "version": 3, "busy": 7.0, "episodes": delta.tolist()})
+    np.testing.assert_array_equal(hub.producer.episode_totals(), 2 * delta)
+    assert hub.nodes[me["node"]].busy == 1.0
+    hub.heartbeat({**s, "version": 3, "busy": 0.5})  # a single-turn task's node sends none
+    for bad in (delta[:-1].tolist(), [float("nan")] * len(delta), (-delta).tolist(), [1e12] * len(delta), "x"):
+        with pytest.raises(wire.Rejected, match="heartbeat: episodes must be"):
+            hub.heartbeat({**s, "version": 3, "busy": 0.5, "episodes": bad})
+    with pytest.raises(wire.Rejected, match="heartbeat: version must be an integer"):
+        hub.heartbeat({**s, "version": "three"})
+    np.testing.assert_array_equal(hub.producer.episode_totals(), 2 * delta)

@@ -34,7 +34,7 @@ from jaxrl_llm.runtime.producer import Origin, Producer, Rollout
 from jaxrl_llm.runtime.queue import VersionedQueue
 from jaxrl_llm.remote.throttle import Buckets
 from jaxrl_llm.runtime.weights import WeightStore
-from jaxrl_llm.tasks import multiturn
+from jaxrl_llm.tasks import envs, multiturn
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,7 @@ STREAM = 0  # the data position's stream the nodes share (draws are Producer.dra
 MIN_VERIFIED = 5
 BASE = -2  # the artifact version of LoRA's frozen base (`manifest(part="base")`)
 MAX_LEASES = 8  # per lease call
-MAX_NODES = 256  # in the node table at once; nodes gone for PRUNE_LEASES lease periods leave it
-PRUNE_LEASES = 4
+MAX_NODES, PRUNE_LEASES = 256, 4  # in the node table at once; nodes gone for PRUNE_LEASES lease periods leave it
 HELLO_BURST, HELLO_EVERY_S = 16, 10.0  # new sessions per peer host: a burst, then one per period
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a node's display name: bounded, safe in metric keys and logs
 # Why calls were refused (`remote/rejected/<reason>`): the service's (token, throttled, request)
@@ -179,7 +178,8 @@ class Hub:
 
     def heartbeat(self, req: dict) -> dict:
         n = self._node(req)
-        n.version, n.busy = int(req.get("version", -1)), float(req.get("busy", 0.0))
+        n.version, n.busy, episodes = wire.check_beat(req, len(envs.TOTALS))
+        self.producer.add_episode_totals(episodes)  # the node's episodes since its last beat, if any
         return {"version": self.store.latest()[0], "leases": self.leases.heartbeat(n.name)}
 
     def release(self, req: dict) -> dict:

@@ -227,9 +227,13 @@ class Node:
 
     def _beat(self):
         """Heartbeats; each newer version is fetched here, beside decoding."""
+        sent = self.producer.episode_totals()  # episodes (multi-turn, agents) count toward this learner from now
         while self.lost is None and not self.stopping.is_set():
             busy = self.busy_s / max(1e-9, time.monotonic() - self.t0)
-            r = self._call("heartbeat", version=self.version, busy=busy)
+            totals = self.producer.episode_totals()
+            episodes = (totals - sent).tolist() if self.producer.episodes else None
+            r = self._call("heartbeat", version=self.version, busy=busy, episodes=episodes)
+            sent = totals  # answered: the learner has them
             if r["version"] > self.latest[0]:
                 self.latest = self._fetch()
             time.sleep(POLL_S)

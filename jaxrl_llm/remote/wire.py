@@ -70,6 +70,29 @@ def check_size(table: pa.Table, limit: int) -> None:
                        f"most {len(GROUP_FIELDS)} rows and {limit} bytes", reason="size")
 
 
+MAX_BEAT_EPISODES = 1e7  # no node settles more episodes (or turns, tool calls ...) between two heartbeats
+
+
+def check_beat(req: dict, totals: int) -> tuple:
+    """A heartbeat's (version, busy share, episode totals or None), refused naming the field:
+    `episodes` is what the node's episodes added to each of the `totals` counters since its last
+    beat (`envs.TOTALS`; multi-turn and agent tasks), finite, >= 0 and bounded."""
+    try:
+        version, busy = int(req.get("version", -1)), float(req.get("busy", 0.0))
+    except (TypeError, ValueError):
+        raise Rejected("heartbeat: version must be an integer and busy a number", reason="request") from None
+    if not 0.0 <= busy <= 1.0:
+        busy = min(max(busy, 0.0), 1.0) if np.isfinite(busy) else 0.0  # a display figure: clipped, not refused
+    episodes = req.get("episodes")
+    if episodes is None:
+        return version, busy, None
+    x = np.asarray(episodes, np.float64) if isinstance(episodes, list) and len(episodes) == totals else None
+    if x is None or not (np.isfinite(x).all() and (x >= 0).all() and (x <= MAX_BEAT_EPISODES).all()):
+        raise Rejected(f"heartbeat: episodes must be {totals} finite counts in [0, {MAX_BEAT_EPISODES:g}]",
+                       reason="request")
+    return version, busy, x
+
+
 # ---------------------------------------------------------------------- weights
 
 

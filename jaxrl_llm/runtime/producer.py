@@ -108,6 +108,14 @@ class Producer:
             with self._totals_lock:
                 self._totals = np.asarray(totals, np.float64)
 
+    def add_episode_totals(self, totals) -> None:
+        """Episodes settled elsewhere (a sampler node's, `envs.TOTALS` sums; None: none) join this
+        producer's."""
+        if totals is None:
+            return
+        with self._totals_lock:
+            self._totals += totals
+
     def _settled(self, batch: TrajectoryBatch, totals) -> Pending:
         with self._totals_lock:
             self._totals += totals
