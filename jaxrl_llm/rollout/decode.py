@@ -149,7 +149,7 @@ def decode_segment(params, st: DecodeState, version, p: int, end, mcfg: ModelCon
     mid-generation weight swap tags tokens exactly."""
     body = functools.partial(decode_step, params, unembed_matrix(params, mcfg), version=version, p=p, mcfg=mcfg,
                              scfg=scfg)
-    return jax.lax.while_loop(lambda st: (st.step < end) & ~all_done(st.done_B, params, mcfg), body, st)
+    return until_done(lambda st: st.step < end, body, st, lambda st: st.done_B, params, mcfg)
 
 
 def all_done(done_B, params, mcfg: ModelConfig):
@@ -160,6 +160,18 @@ def all_done(done_B, params, mcfg: ModelConfig):
     if not experts.splits_experts(params, mcfg.num_experts):
         return done
     return jax.lax.pmin(done.astype(jnp.int32), tuple(jax.sharding.get_abstract_mesh().manual_axes)) > 0
+
+
+def until_done(more, body, carry, done_of, params, mcfg: ModelConfig):
+    """`body` on `carry` while `more(carry)` and not `all_done` (rows `done_of(carry)`). The done
+    flag is computed after each body and carried, so that its collective (experts split) sits in
+    the loop's body beside the MoE layers' own, not in its condition."""
+    def step(c):
+        carry = body(c[0])
+        return carry, all_done(done_of(carry), params, mcfg)
+
+    first = (carry, all_done(done_of(carry), params, mcfg))
+    return jax.lax.while_loop(lambda c: more(c[0]) & ~c[1], step, first)[0]
 
 
 def unembed_matrix(params, mcfg: ModelConfig):
@@ -250,7 +262,7 @@ def generate(params, prompt_BxP, prompt_mask_BxP, limit_B, key, version, mcfg: M
     body = functools.partial(decode_step, params, unembed_matrix(params, mcfg), version=version, p=p, mcfg=mcfg,
                              scfg=scfg)
     segment = lambda st: jax.lax.fori_loop(0, seg, lambda _, st: body(st), st)  # noqa: E731
-    st = jax.lax.while_loop(lambda st: (st.step < n) & ~all_done(st.done_B, params, mcfg), segment, st)
+    st = until_done(lambda st: st.step < n, segment, st, lambda st: st.done_B, params, mcfg)
     return outputs(st, scfg)
 
 

@@ -83,9 +83,8 @@ def segment(params, st, version, p: int, width: int, steps: int, mcfg, scfg):
                         key_valid_BxW=st.key_valid_BxW[:, :width])
     body = functools.partial(decode.decode_step, params, decode.unembed_matrix(params, mcfg), version=version, p=p,
                              mcfg=mcfg, scfg=scfg)
-    _, st = jax.lax.while_loop(lambda c: (c[0] < steps) & ~decode.all_done(c[1].done_B, params, mcfg),
-                               lambda c: (c[0] + 1, body(c[1])),
-                               (jnp.int32(0), st))
+    _, st = decode.until_done(lambda c: c[0] < steps, lambda c: (c[0] + 1, body(c[1])), (jnp.int32(0), st),
+                              lambda c: c[1].done_B, params, mcfg)
     if width < full[1].shape[1]:
         put = jax.lax.dynamic_update_slice
         st = st.replace(cache=[{"k": put(f["k"], c["k"], (0, 0, 0, 0)), "v": put(f["v"], c["v"], (0, 0, 0, 0))}
