@@ -15,7 +15,7 @@ import argparse
 import os
 
 from jaxrl_llm.run import memory
-from jaxrl_llm.models import lora
+from jaxrl_llm.models import experts, lora
 from jaxrl_llm.models.config import ModelConfig
 
 V = 151936
@@ -51,7 +51,7 @@ def parts_gb(cfg, rows, seq_len, minibatches, sample_rows, layout, prompt=256) -
     """(learner, sampler) GiB per device of `cfg`'s plan; their sum is what the device needs
     when both share it."""
     learner = memory.learner(cfg, rows, seq_len, minibatches, layout=layout)
-    split = layout.samplers if cfg.num_experts % layout.samplers == 0 else 1  # sampler.expert_parallel
+    split = layout.samplers if experts.splits(cfg.num_experts, layout.samplers) else 1  # sampler.expert_parallel
     sampler = memory.sampler(cfg.without_lora(), -(-sample_rows // layout.samplers), prompt, seq_len - prompt,
                              "bfloat16", "bfloat16", layout.platform, split)
     plan = {**{f"learner_{k}": v for k, v in learner.items()}, **{f"sampler_{k}": v for k, v in sampler.items()}}

@@ -240,24 +240,30 @@ def among_devices(experts, x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):
     return jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)
 
 
+def splits(num_experts: int, devices: int, expert_parallel: bool = True) -> bool:
+    """Whether a sampler on `devices` devices splits a mixture's experts over them
+    (`sampler.expert_parallel`): a mixture, several devices, and they divide its experts."""
+    return bool(expert_parallel and num_experts and devices > 1 and num_experts % devices == 0)
+
+
+def _stacked(path, leaf) -> bool:
+    """A mixture-of-experts layer's stacked experts: a 3-D leaf of a `moe` module (W [E, ., .],
+    LoRA's A and B)."""
+    return "moe" in [getattr(k, "key", None) for k in path] and jnp.ndim(leaf) == 3
+
+
 def expert_specs(params, axes):
-    """PartitionSpecs of a params tree for a sampler's `shard_map` with expert parallelism: every
-    mixture-of-experts layer's stacked experts (the 3-D leaves of a `moe` module: W [E, ., .] and
-    LoRA's A and B) split on E over `axes`; the rest (router, shared expert, attention, ...)
+    """PartitionSpecs of a params tree for a sampler's `shard_map` with expert parallelism: the
+    stacked experts split on E over `axes`; the rest (router, shared expert, attention, ...)
     replicated."""
-    def spec(path, leaf):
-        keys = [getattr(k, "key", None) for k in path]
-        return P(axes) if "moe" in keys and jnp.ndim(leaf) == 3 else P()
-    return jax.tree_util.tree_map_with_path(spec, params)
+    return jax.tree_util.tree_map_with_path(lambda path, x: P(axes) if _stacked(path, x) else P(), params)
 
 
 def splits_experts(params, num_experts: int) -> bool:
     """Whether `params` (as a `shard_map` body sees them) hold fewer than `num_experts` stacked
     experts per layer: split over the devices (`expert_specs`)."""
-    stacked = jax.tree.leaves(jax.tree_util.tree_map_with_path(
-        lambda path, x: x.shape[0] if "moe" in [getattr(k, "key", None) for k in path] and jnp.ndim(x) == 3 else None,
-        params))
-    return bool(num_experts) and any(e < num_experts for e in stacked)
+    held = jax.tree_util.tree_map_with_path(lambda path, x: x.shape[0] if _stacked(path, x) else None, params)
+    return bool(num_experts) and any(e < num_experts for e in jax.tree.leaves(held))
 
 
 def on_devices(experts, mesh, x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):

@@ -81,8 +81,7 @@ def check_beat(req: dict, totals: int) -> tuple:
         version, busy = int(req.get("version", -1)), float(req.get("busy", 0.0))
     except (TypeError, ValueError):
         raise Rejected("heartbeat: version must be an integer and busy a number", reason="request") from None
-    if not 0.0 <= busy <= 1.0:
-        busy = min(max(busy, 0.0), 1.0) if np.isfinite(busy) else 0.0  # a display figure: clipped, not refused
+    busy = min(max(busy, 0.0), 1.0) if np.isfinite(busy) else 0.0  # a display figure: clipped, not refused
     episodes = req.get("episodes")
     if episodes is None:
         return version, busy, None

@@ -45,8 +45,7 @@ class Sampler:
         local = functools.partial(decode.per_device, mesh)
         r, rep = PartitionSpec(rows), PartitionSpec()
         # a mixture of experts on several devices: each holds E / devices of the experts (`place_params`)
-        self.splits_experts = bool(mesh is not None and mesh.size > 1 and cfg.expert_parallel
-                                   and model_cfg.num_experts and model_cfg.num_experts % mesh.size == 0)
+        self.splits_experts = mesh is not None and experts.splits(model_cfg.num_experts, mesh.size, cfg.expert_parallel)
         ps = self.param_specs
 
         def generate(params, prompt, mask, limit, key, version, mcfg, scfg):

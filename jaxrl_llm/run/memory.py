@@ -45,7 +45,7 @@ import dataclasses
 import os
 from typing import Optional
 
-from jaxrl_llm.models import attention as attn, lora
+from jaxrl_llm.models import attention as attn, experts, lora
 from jaxrl_llm.models.config import ModelConfig
 
 GB = 2**30
@@ -157,8 +157,8 @@ def _low_rank(cfg: ModelConfig, tokens: int) -> int:
 def held_params(cfg: ModelConfig, layout: Layout) -> int:
     """How many of the model's parameters one learner device holds: all of them split over
     fsdp x tensor, a mixture of experts' stacked experts also over expert."""
-    shards, experts = layout.fsdp * layout.tensor, cfg.expert_params
-    return -(-(cfg.num_params - experts) // shards) + -(-experts // (shards * layout.expert))
+    shards, stacked = layout.fsdp * layout.tensor, cfg.expert_params
+    return -(-(cfg.num_params - stacked) // shards) + -(-stacked // (shards * layout.expert))
 
 
 def learner(cfg: ModelConfig, rows: int, seq_len: int, minibatches: int = 1, chunk: int = 128,
@@ -275,7 +275,7 @@ def estimate(config, task, mcfg, acfg=None, obj=None, layout: Layout = Layout())
     sampler_rows = (s.slots or rows) + rows if s.batching == "continuous" else rows
     samplers = r.num_samplers if r.mode == "async" else 1
     cache = s.cache_dtype if s.cache_dtype != "auto" else mcfg.dtype  # the resolved compute dtype
-    split = layout.samplers if s.expert_parallel and rollout.num_experts % layout.samplers == 0 else 1
+    split = layout.samplers if experts.splits(rollout.num_experts, layout.samplers, s.expert_parallel) else 1
     one = sampler(rollout, -(-sampler_rows // layout.samplers), prompt, new, cache, rollout.dtype, layout.platform,
                   split)
     plan["sampler_weights"] = keep * one.pop("weights")

@@ -117,8 +117,7 @@ class Producer:
             self._totals += totals
 
     def _settled(self, batch: TrajectoryBatch, totals) -> Pending:
-        with self._totals_lock:
-            self._totals += totals
+        self.add_episode_totals(totals)
         return Pending(self, batch, Scored.given(np.asarray(batch.rewards)))
 
     @property
