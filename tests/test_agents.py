@@ -386,4 +386,7 @@ def test_a_remote_run_trains_the_sessions_its_nodes_agents_play(tmp_path):
     assert len(steps) >= 2 and 0 < trained <= closed and steps[-1]["remote/rejected"] == 0
     # the node's heartbeats bring its sessions into the run's episode counts
     assert 0 < steps[-1]["episode/count"] <= closed and steps[-1]["episode/turns"] > 0
+    # ... and its gateway's counters and request latencies into the run's `gateway/*`
+    assert 0 < steps[-1]["gateway/sessions_closed"] <= closed and steps[-1]["gateway/agent_errors"] == 0
+    assert any(r.get("gateway/request_p50_ms", 0) > 0 for r in steps)
     assert all(np.isfinite(r["loss"]) for r in steps) and not thread.is_alive()

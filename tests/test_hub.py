@@ -426,3 +426,35 @@ def test_heartbeats_carry_the_nodes_episode_counts_checked_field_by_field():
     with pytest.raises(wire.Rejected, match="heartbeat: version must be an integer"):
         hub.heartbeat({**s, "version": "three"})
     np.testing.assert_array_equal(hub.producer.episode_totals(), 2 * delta)
+
+
+def test_heartbeats_carry_the_nodes_gateway_counters_and_latencies():
+    """An agent node's beat adds its gateway's counter increments and request latencies to the
+    run's `gateway/*` (summed over nodes; percentiles over every node's requests since the last
+    step); a malformed report is refused naming the field and adds nothing."""
+    from jaxrl_llm.gateway import tally
+
+    hub, _ = _hub()
+    assert not any(k.startswith("gateway/") for k in hub.metrics())  # no agent node: no gateway metrics
+    s = [{k: me[k] for k in ("run_id", "node", "session")} for me in (
+        hub.hello({"protocol": wire.PROTOCOL, "package": __import__("jaxrl_llm").__version__, "name": n})
+        for n in ("a", "b"))]
+    counts = np.arange(1, len(tally.COUNTS) + 1, dtype=np.float64)
+    hub.heartbeat({**s[0], "version": 0, "gateway": {"counts": counts.tolist(), "ms": [10.0, 20.0, 30.0]}})
+    hub.heartbeat({**s[1], "version": 0, "gateway": {"counts": (2 * counts).tolist(), "ms": [40.0]}})
+    m = hub.metrics()
+    assert [m[f"gateway/{k}"] for k in tally.COUNTS] == (3 * counts).tolist()
+    assert m["gateway/request_p50_ms"] == 25.0 and m["gateway/request_p99_ms"] == np.percentile([10, 20, 30, 40], 99)
+    hub.heartbeat({**s[0], "version": 0, "gateway": {"counts": [0.0] * len(counts), "ms": []}})
+    m = hub.metrics()  # latencies are the step's, counters the run's so far
+    assert "gateway/request_p50_ms" not in m and m["gateway/sessions_opened"] == 3.0
+    ok = {"counts": counts.tolist(), "ms": [1.0]}
+    for bad, field in [({"counts": counts.tolist()}, "must be"), ([1.0], "must be"),
+                       ({**ok, "extra": 1}, "must be"), ({**ok, "counts": counts[:-1].tolist()}, "counts"),
+                       ({**ok, "counts": (-counts).tolist()}, "counts"),
+                       ({**ok, "counts": ["x"] * len(counts)}, "counts"),
+                       ({**ok, "ms": [float("nan")]}, "ms"), ({**ok, "ms": [-1.0]}, "ms"), ({**ok, "ms": "1"}, "ms"),
+                       ({**ok, "ms": [1.0] * (tally.MAX_LATENCIES + 1)}, "ms")]:
+        with pytest.raises(wire.Rejected, match=f"heartbeat: gateway.*{field}"):
+            hub.heartbeat({**s[0], "version": 0, "gateway": bad})
+    assert hub.metrics()["gateway/sessions_opened"] == 3.0

@@ -6,6 +6,7 @@ client are trained on exactly the tokens the sampler drew for them (`docs/agents
   service   sessions' rows in the continuous-batching slots; closed sessions as batch rows
   server    the HTTP face (FastAPI / uvicorn)
   agents    `task.name=agent`: agents' sessions as a task's rows
+  tally     `gateway/*` metrics; in remote mode, the sum of the nodes' gateways
   embedded  the embedded calculator task's ids as a chat format
 
 It imports the rollout (the slots), tasks (formats, environments' rewards) and the batch

@@ -29,7 +29,7 @@ import time
 import jax
 import numpy as np
 
-from jaxrl_llm.gateway import chat, runners, server as server_lib, service
+from jaxrl_llm.gateway import chat, runners, server as server_lib, service, tally
 from jaxrl_llm.tasks import arithmetic, envs, multiturn
 
 
@@ -236,22 +236,23 @@ class AgentTask:
         self.counts["check_failures"] += int(failures)
         return rewards
 
+    def counters(self) -> np.ndarray:
+        """`tally.COUNTS` so far: the gateway's sessions by outcome (none before it starts), then
+        this task's own counts."""
+        c = self.gateway.counts() if self.gateway is not None else {}
+        mine = ("agent_errors", "branch_rows", "scored_after_failure", "check_failures", "dropped")
+        return np.asarray([c.get(k, 0) for k in ("opened", "closed", "timed_out", "abandoned", "branched", "refused")]
+                          + [self.counts[k] for k in mine], np.float64)
+
+    def latencies(self) -> np.ndarray:
+        """Milliseconds of the gateway's requests answered since the last call."""
+        return self.gateway.latencies() if self.gateway is not None else np.zeros(0)
+
     def metrics(self) -> dict:
-        """`gateway/*`: sessions so far by outcome and this step's request latency percentiles
-        (ms: a request's arrival to its answer, decoding included)."""
+        """`gateway/*`: the counters so far and the request latency percentiles since the last call."""
         if self.gateway is None:
             return {}
-        c = self.gateway.counts()
-        out = {f"gateway/sessions_{k}": float(c[k]) for k in ("opened", "closed", "timed_out", "abandoned", "branched")}
-        out.update({"gateway/refused": float(c["refused"]), "gateway/agent_errors": float(self.counts["agent_errors"]),
-                    "gateway/branch_rows_dropped": float(self.counts["branch_rows"]),
-                    "gateway/scored_after_failure": float(self.counts["scored_after_failure"]),
-                    "gateway/task_check_failures": float(self.counts["check_failures"]),
-                    "gateway/sessions_dropped": float(self.counts["dropped"])})
-        ms = self.gateway.latencies()
-        if ms.size:
-            out["gateway/request_p50_ms"], out["gateway/request_p99_ms"] = (float(np.percentile(ms, q)) for q in (50, 99))
-        return out
+        return tally.metrics(self.counters(), self.latencies())
 
     def close(self) -> None:
         for part in (self.runner, self.server, self.gateway):

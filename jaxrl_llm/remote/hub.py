@@ -28,6 +28,7 @@ import numpy as np
 
 import jaxrl_llm
 from jaxrl_llm import staleness, tasks
+from jaxrl_llm.gateway.tally import Tally
 from jaxrl_llm.remote import wire
 from jaxrl_llm.remote.leases import LeaseError, Leases
 from jaxrl_llm.runtime.producer import Origin, Producer, Rollout
@@ -97,11 +98,10 @@ class Hub:
         self.group_bytes = wire.max_group_bytes(producer.group_size, self.max_width, sc.capture_topk, self.routing)
         self.reward_range = tasks.reward_range(producer.task)
         self.agents = hasattr(producer.task, "rollouts")  # task.name=agent: rows open with what agents sent
+        self.gateways = Tally()  # task.name=agent: the nodes' gateways' `gateway/*`
         self.hellos = Buckets(HELLO_BURST, HELLO_EVERY_S)
 
-    @property
-    def rejected(self) -> int:
-        return sum(self.refusals.values())
+    rejected = property(lambda self: sum(self.refusals.values()), doc="calls refused, for any reason")
 
     def refuse(self, reason: str) -> None:
         """Count a refused call (the service counts its own through this too)."""
@@ -178,8 +178,9 @@ class Hub:
 
     def heartbeat(self, req: dict) -> dict:
         n = self._node(req)
-        n.version, n.busy, episodes = wire.check_beat(req, len(envs.TOTALS))
+        n.version, n.busy, episodes, gateway = wire.check_beat(req, len(envs.TOTALS))
         self.producer.add_episode_totals(episodes)  # the node's episodes since its last beat, if any
+        self.gateways.add(gateway)  # and its gateway's counters and latencies, if any
         return {"version": self.store.latest()[0], "leases": self.leases.heartbeat(n.name)}
 
     def release(self, req: dict) -> dict:
@@ -380,12 +381,11 @@ class Hub:
              **{f"remote/rejected/{r}": float(self.refusals[r]) for r in REASONS},
              "remote/leases_expired": float(self.leases.expired), "remote/leases_stalled": float(self.leases.stalled),
              "remote/refused": float(sum(n.refused for n in self.nodes.values())),
-             "remote/replay_failures": float(self.replay_failures)}
+             "remote/replay_failures": float(self.replay_failures), **self.gateways.metrics()}
         latest = self.store.latest()[0]
         for n in list(self.nodes.values()):
-            m[f"remote/{n.name}/groups"] = float(n.groups)
+            m.update({f"remote/{n.name}/groups": float(n.groups), f"remote/{n.name}/busy": n.busy})
             m[f"remote/{n.name}/lag"] = float(latest - n.version) if n.version >= 0 else float("nan")
-            m[f"remote/{n.name}/busy"] = n.busy
             if n.verified:
                 m[f"remote/{n.name}/mismatch"] = n.mismatched / n.verified
         return m

@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 
 import jaxrl_llm
 from jaxrl_llm import models, tasks, validation
-from jaxrl_llm.gateway import agents
+from jaxrl_llm.gateway import agents, tally
 from jaxrl_llm.models import lora
 from jaxrl_llm.rollout import SamplerConfig, backend
 from jaxrl_llm.remote import wire
@@ -228,12 +228,16 @@ class Node:
     def _beat(self):
         """Heartbeats; each newer version is fetched here, beside decoding."""
         sent = self.producer.episode_totals()  # episodes (multi-turn, agents) count toward this learner from now
+        agent = self.producer.task if isinstance(self.producer.task, agents.AgentTask) else None
+        said = agent.counters() if agent is not None else None  # likewise its gateway's counters
         while self.lost is None and not self.stopping.is_set():
             busy = self.busy_s / max(1e-9, time.monotonic() - self.t0)
-            totals = self.producer.episode_totals()
+            totals, counts = self.producer.episode_totals(), agent.counters() if agent is not None else None
             episodes = (totals - sent).tolist() if self.producer.episodes else None
-            r = self._call("heartbeat", version=self.version, busy=busy, episodes=episodes)
-            sent = totals  # answered: the learner has them
+            gateway = None if agent is None else {  # the latencies since the last beat, the newest if too many
+                "counts": (counts - said).tolist(), "ms": agent.latencies()[-tally.MAX_LATENCIES:].tolist()}
+            r = self._call("heartbeat", version=self.version, busy=busy, episodes=episodes, gateway=gateway)
+            sent, said = totals, counts  # answered: the learner has them
             if r["version"] > self.latest[0]:
                 self.latest = self._fetch()
             time.sleep(POLL_S)

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from jaxrl_llm.batch import TrajectoryBatch
+from jaxrl_llm.gateway import tally
 
 PROTOCOL = 1  # bumped whenever a message below changes shape
 CHUNK_BYTES = 16 << 20
@@ -74,22 +75,44 @@ MAX_BEAT_EPISODES = 1e7  # no node settles more episodes (or turns, tool calls .
 
 
 def check_beat(req: dict, totals: int) -> tuple:
-    """A heartbeat's (version, busy share, episode totals or None), refused naming the field:
-    `episodes` is what the node's episodes added to each of the `totals` counters since its last
-    beat (`envs.TOTALS`; multi-turn and agent tasks), finite, >= 0 and bounded."""
+    """A heartbeat's (version, busy share, episode totals or None, gateway report or None),
+    refused naming the field: `episodes` is what the node's episodes added to each of the
+    `totals` counters since its last beat (`envs.TOTALS`; multi-turn and agent tasks), finite,
+    >= 0 and bounded; `gateway` (agent tasks: `check_gateway`)."""
     try:
         version, busy = int(req.get("version", -1)), float(req.get("busy", 0.0))
     except (TypeError, ValueError):
         raise Rejected("heartbeat: version must be an integer and busy a number", reason="request") from None
     busy = min(max(busy, 0.0), 1.0) if np.isfinite(busy) else 0.0  # a display figure: clipped, not refused
     episodes = req.get("episodes")
-    if episodes is None:
-        return version, busy, None
-    x = np.asarray(episodes, np.float64) if isinstance(episodes, list) and len(episodes) == totals else None
-    if x is None or not (np.isfinite(x).all() and (x >= 0).all() and (x <= MAX_BEAT_EPISODES).all()):
-        raise Rejected(f"heartbeat: episodes must be {totals} finite counts in [0, {MAX_BEAT_EPISODES:g}]",
-                       reason="request")
-    return version, busy, x
+    if episodes is not None:
+        episodes = _counts(episodes, totals, MAX_BEAT_EPISODES, "heartbeat: episodes")
+    return version, busy, episodes, check_gateway(req.get("gateway"))
+
+
+def check_gateway(report) -> tuple | None:
+    """A node gateway's report, {"counts": what each of `tally.COUNTS` grew by since the node's
+    last beat, "ms": at most `tally.MAX_LATENCIES` request latencies}, as (counts, ms) arrays."""
+    if report is None:
+        return None
+    if not isinstance(report, dict) or set(report) != {"counts", "ms"}:
+        raise Rejected("heartbeat: gateway must be {counts, ms}", reason="request")
+    counts = _counts(report["counts"], len(tally.COUNTS), MAX_BEAT_EPISODES, "heartbeat: gateway.counts")
+    ms = report["ms"]
+    if not isinstance(ms, list) or len(ms) > tally.MAX_LATENCIES:
+        raise Rejected(f"heartbeat: gateway.ms must be a list of at most {tally.MAX_LATENCIES}", reason="request")
+    return counts, _counts(ms, len(ms), tally.MAX_MS, "heartbeat: gateway.ms")
+
+
+def _counts(values, n: int, limit: float, field: str) -> np.ndarray:
+    """`values` as n finite numbers in [0, limit], else refused naming `field`."""
+    try:
+        x = np.asarray(values, np.float64) if isinstance(values, list) and len(values) == n else None
+    except (TypeError, ValueError):
+        x = None
+    if x is None or x.shape != (n,) or not (np.isfinite(x).all() and (x >= 0).all() and (x <= limit).all()):
+        raise Rejected(f"{field} must be {n} finite numbers in [0, {limit:g}]", reason="request")
+    return x
 
 
 # ---------------------------------------------------------------------- weights
