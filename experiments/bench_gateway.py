@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -88,22 +89,25 @@ def _cpu_s(pid: int) -> dict:
 
 
 def _cores(proc, metrics: str, skip: int, steps: int):
-    """Cores the run's processes kept busy from the end of step `skip` to the end of step `steps`
-    (the window `measure` counts), sampled from /proc as metrics.jsonl reaches each step: None
-    where /proc is missing or a step was not seen before the run went on past it."""
-    marks, linux = {}, os.path.isdir("/proc")
-    while linux and proc.poll() is None and len(marks) < 2:
+    """Cores the run's processes kept busy from the first step >= `skip` seen in metrics.jsonl to
+    the first step >= `steps` seen (the window `measure` counts, give or take a step where the
+    file grew by several steps between two looks: a rate, so the window need not match exactly),
+    sampled from /proc when the file grows; None where /proc is missing or the run ended first."""
+    first = last = None
+    seen, linux = 0, os.path.isdir("/proc")
+    while linux and proc.poll() is None and (last is None or last[0] < steps):
         done = sum(1 for line in open(metrics) if '"loss"' in line) if os.path.exists(metrics) else 0
-        for at in (skip, steps):
-            if done >= at and at not in marks and (at == skip or skip in marks):
-                marks[at] = (time.monotonic(), _cpu_s(proc.pid)) if done == at else None
+        if done >= skip and done > seen:
+            mark = (done, time.monotonic(), _cpu_s(proc.pid))
+            first, last = first or mark, mark
+        seen = done
         time.sleep(0.02)
     proc.wait()
     if proc.returncode:
         raise subprocess.CalledProcessError(proc.returncode, proc.args)
-    if len(marks) < 2 or None in marks.values():
+    if first is None or last[0] < steps or last[0] == first[0]:
         return None
-    (t0, a), (t1, b) = marks[skip], marks[steps]
+    (_, t0, a), (_, t1, b) = first, last
     cores = {k: (b[k] - a[k]) / (t1 - t0) for k in a}
     return {**cores, "total": sum(cores.values())}
 
@@ -114,6 +118,7 @@ def run_pair(args, repeat: int) -> dict:
     got = {}
     for name in (list(RUNS) if repeat % 2 == 0 else list(RUNS)[::-1]):
         config, d = RUNS[name], os.path.join(args.workdir, f"{name}_{repeat}")
+        shutil.rmtree(d, ignore_errors=True)  # a metrics.jsonl left by an earlier bench would read as this run's steps
         proc = subprocess.Popen([sys.executable, "-m", "jaxrl_llm.main", f"--config={config}", f"--workdir={d}",
                                  f"--config.train.steps={args.steps}", f"--config.train.eval_every={args.steps}",
                                  f"--config.train.save_every={args.steps}", "--config.train.progress=False",
