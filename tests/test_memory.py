@@ -200,3 +200,8 @@ def test_a_mixture_of_experts_plan_holds_what_its_sharded_tree_holds():
     acts = [memory.activations(cfg, 2, 256, expert=x) for x in (1, 2, 4)]
     assert acts[0] < acts[1] < acts[2]
     assert memory.activations(cfg.replace(num_experts_per_tok=2), 2, 256) < acts[0]
+    # an all-to-all exchange's rows out and back: min(k, X) per token each, float32, one sparse
+    # layer's (remat=full recomputes one layer at a time)
+    a2a = cfg.replace(moe_exchange="all_to_all")
+    assert memory.activations(a2a, 2, 256, expert=1) == acts[0]
+    assert memory.activations(a2a, 2, 256, expert=2) - acts[1] == 2 * 256 * 2 * 4 * 64 * 2

@@ -168,7 +168,8 @@ def test_a_run_trains_a_mixture_of_experts_on_a_sharded_mesh(pair, tmp_path):
     """An MoE checkpoint as the policy of a run (embedded task, its ids inside the vocabulary):
     its weights checked, sharded over fsdp x expert x tensor (each device holds half the experts),
     its steps run with the sampler's log-probs (one device, every expert) equal to the learner's;
-    for qwen2_moe with LoRA on its experts too (their adapters split over expert)."""
+    for qwen2_moe with LoRA on its experts too (their adapters split over expert), for qwen3_moe
+    with the tokens exchanged by all-to-all (`model.moe.exchange`)."""
     from jaxrl_llm.run import experiment
     from tests.test_experiment import _tiny
 
@@ -179,6 +180,8 @@ def test_a_run_trains_a_mixture_of_experts_on_a_sharded_mesh(pair, tmp_path):
     c.mesh.update(data=1, fsdp=2, expert=2, tensor=2)
     if arch == "qwen2_moe":  # LoRA on its attention and experts (the shared expert stays frozen)
         c.model.lora.update(rank=4, targets="q,v,gate,up,down")
+    else:
+        c.model.moe.exchange = "all_to_all"
     c.train.update(steps=2, eval_every=2, save_every=2)
     lines = []
     summary = experiment.run(c, str(tmp_path), log=lines.append)
@@ -217,9 +220,10 @@ def test_auto_dispatch_by_platform_and_expert_count():
     assert moe.dispatch(cfg.replace(moe_dispatch="grouped"), "cpu") == "grouped"
 
 
-def _layer_on(mesh_sizes, dispatch, rows=8, length=16, lora_rank=0):
+def _layer_on(mesh_sizes, dispatch, rows=8, length=16, lora_rank=0, exchange="gather", platform=None):
     """A 16-expert top-4 layer's output and gradients, on one device or on a mesh of 8 (with
-    `lora_rank`, random adapters on its experts)."""
+    `lora_rank`, random adapters on its experts; `exchange`: `ModelConfig.moe_exchange`).
+    `platform`: the step on the mesh exported for it (`jax.export`) instead of run."""
     import flax.linen as nn
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jaxrl_llm.models import attention
@@ -229,7 +233,7 @@ def _layer_on(mesh_sizes, dispatch, rows=8, length=16, lora_rank=0):
                              num_kv_heads=2, head_dim=16, model_type="qwen3_moe", num_experts=16,
                              num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True,
                              moe_dispatch=dispatch, lora_rank=lora_rank, lora_alpha=2.0 * lora_rank,
-                             lora_targets=("gate", "up", "down") if lora_rank else ())
+                             lora_targets=("gate", "up", "down") if lora_rank else (), moe_exchange=exchange)
     layer = moe.MoE(cfg)
     x = jax.random.normal(jax.random.key(1), (rows, length, 32))
     params = layer.init(jax.random.key(0), x)
@@ -247,6 +251,9 @@ def _layer_on(mesh_sizes, dispatch, rows=8, length=16, lora_rank=0):
     params = jax.device_put(params, sharding.param_shardings(nn.get_partition_spec(params), mesh))
     x = jax.device_put(x, NamedSharding(mesh, P(sharding.BATCH_AXES) if rows % mesh.size == 0 else P()))
     with attention.on_mesh(cfg, mesh):
+        if platform:
+            unchecked = [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
+            return jax.export.export(step, platforms=[platform], disabled_checks=unchecked)(params, x).mlir_module()
         compiled = step.lower(params, x).compile()
     return compiled(params, x), compiled, params
 

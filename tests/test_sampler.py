@@ -251,8 +251,8 @@ MOE_PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [3, 3], [5], [7, 2]]
 MOE_LIMITS = [2, 2, 2] + [12] * 9
 
 
-def _moe_sampled(params, devices, dispatch, batching="static", split=True):
-    s = Sampler(MOE_CFG.replace(moe_dispatch=dispatch),
+def _moe_sampled(params, devices, dispatch, batching="static", split=True, exchange="gather"):
+    s = Sampler(MOE_CFG.replace(moe_dispatch=dispatch, moe_exchange=exchange),
                 SamplerConfig(max_new_tokens=12, temperature=1.0, capture_topk=2, num_samples=2, prompt_buckets=(8,),
                               decode_segment=4, eos_token_id=3, record_routing=True, batching=batching, slots=4,
                               expert_parallel=split),
@@ -265,14 +265,16 @@ def moe_params():
     return decoder.init_params(MOE_CFG, jax.random.key(0))
 
 
-@pytest.mark.parametrize("dispatch,batching", [("blocked", "static"), ("blocked", "continuous"), ("dense", "static"),
-                                               ("grouped", "static")])
-def test_experts_split_over_four_devices_sample_what_one_device_does(moe_params, dispatch, batching):
+@pytest.mark.parametrize("dispatch,batching,exchange", [
+    ("blocked", "static", "gather"), ("blocked", "continuous", "gather"), ("dense", "static", "gather"),
+    ("grouped", "static", "gather"), ("blocked", "continuous", "all_to_all")])
+def test_experts_split_over_four_devices_sample_what_one_device_does(moe_params, dispatch, batching, exchange):
     """Tokens, recorded routing (zeros past each row's end) and behaviour log-probs equal a
     one-device sampler's, with rows ending at different steps on different devices; each device
     holds 2 of the 8 experts (and the shared expert whole), and the program moves tokens, not
-    weights: one all-gather and one reduce-scatter per sparse layer."""
-    split, got = _moe_sampled(moe_params, 4, dispatch, batching)
+    weights: one all-gather and one reduce-scatter per sparse layer (or with `moe_exchange=all_to_all`,
+    all-to-alls)."""
+    split, got = _moe_sampled(moe_params, 4, dispatch, batching, exchange=exchange)
     _, one = _moe_sampled(moe_params, 1, dispatch, batching)
     assert split.splits_experts
     np.testing.assert_array_equal(got.tokens, one.tokens)

@@ -9,6 +9,7 @@ from typing import Optional
 SUPPORTED = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe")
 MOE = ("qwen2_moe", "qwen3_moe")
 DISPATCH = ("auto", "dense", "grouped", "blocked")  # `moe.py`
+EXCHANGES = ("gather", "all_to_all")  # `exchange.py`
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("auto", "xla", "cudnn", "splash", "chunked", "einsum", "dot_product_attention")  # the last: xla's old name
 # Rematerialisation of decoder layers under grad (`decoder.Decoder`): none keeps every
@@ -81,6 +82,7 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0  # the checkpoint's (exported as read)
     moe_aux_loss_coef: float = 0.0  # what the learner adds: coef x the load-balancing loss (0: off)
     moe_dispatch: str = "auto"
+    moe_exchange: str = "gather"  # how expert parallelism moves tokens (`exchange.py`)
     # recompute: the learner's routers choose experts; replay: the experts the sampler recorded
     # (`TrajectoryBatch.routing`), gate weights from the learner's router (R3, arXiv:2510.11370)
     moe_routing: str = "recompute"
@@ -108,6 +110,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.moe_routing={self.moe_routing!r}; valid: recompute, replay")
         if self.moe_dispatch not in DISPATCH:
             raise ValueError(f"ModelConfig.moe_dispatch={self.moe_dispatch!r}; valid: {', '.join(DISPATCH)}")
+        if self.moe_exchange not in EXCHANGES:
+            raise ValueError(f"ModelConfig.moe_exchange={self.moe_exchange!r}; valid: {', '.join(EXCHANGES)}")
         if self.num_experts and self.lora_rank and ("gate" in self.lora_targets) != ("up" in self.lora_targets):
             raise ValueError("model.lora.targets: a mixture of experts' gate and up projections are one weight "
                              "(transformers' experts.gate_up_proj, one PEFT adapter): target both or neither")

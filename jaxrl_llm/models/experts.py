@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxrl_llm.models import exchange
 from jaxrl_llm.parallel.sharding import BATCH_AXES
 
 
@@ -160,7 +161,7 @@ def blocked_experts(x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype, block: i
     weights (XLA's CPU matmuls cannot read a dynamic slice in place), which costs decode more
     than the matmuls (experiments/results/bench_moe_cpu.md); with `block` given (or weights past
     `BATCHED_BYTES`), a loop over at most (N k + E (block - 1)) / block blocks. `gathered` > 1
-    (`on_devices`, `among_devices`): the tokens of that many devices, about 1 / gathered of whose
+    (`on_devices`, `among_devices`): the tokens of up to that many devices, about 1 / gathered of whose
     pairs have an expert here (the others have id E and are left out); the loop skips the blocks
     past the last used one at run time, so it costs what this device's pairs need."""
     n, k = ids_NxK.shape
@@ -213,31 +214,18 @@ def _specs(p, ex, tp, into: bool):
     return (w, P(ex, tp, None), P(ex, None, None)) if into else (w, P(ex, None, None), P(ex, None, tp))
 
 
-def gather_tokens(axes, held: int, x_NxD, weights_NxK, ids_NxK):
-    """Expert parallelism by all-gather, inside `shard_map`: the tokens (with their routing) of
-    every device of `axes`, each device holding `held` consecutive experts (device i: experts
-    i held ...). Ids become this device's own; a pair for another device's expert gets id
-    `held` and weight 0 (every dispatch leaves it out). The experts' outputs then go back by
-    `jax.lax.psum_scatter`: each device gets its own tokens, summed over every device's experts."""
-    x, weights, ids = (jax.lax.all_gather(a, axes, axis=0, tiled=True) for a in (x_NxD, weights_NxK, ids_NxK))
-    ids = ids - jax.lax.axis_index(axes) * held
-    mine = (ids >= 0) & (ids < held)
-    return x, jnp.where(mine, weights, 0), jnp.where(mine, ids, held)
-
-
-def among_devices(experts, x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):
+def among_devices(experts, x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype, how: str = "gather"):
     """`experts` on a sampler's rows (inside its `shard_map`, no collective of its own) with the
     stacked experts split over the rows' devices (`expert_specs`): decode reads each expert's
     weights on one device only, where replicated experts are read by every device (the bound on
-    a MoE's decode step); the tokens move instead (`gather_tokens`). Exact and dropless."""
+    a MoE's decode step); the tokens move instead (`exchange.tokens`, `how`). Exact and dropless."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = tuple(mesh.manual_axes)
     devices = math.prod(mesh.shape[a] for a in axes)
     if experts is blocked_experts:
         experts = functools.partial(experts, gathered=devices)
-    x, weights, ids = gather_tokens(axes, weight(gate).shape[0], x_NxD, weights_NxK, ids_NxK)
-    y = experts(x, gate, up, down, weights, ids, dtype)
-    return jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)
+    x, weights, ids, back = exchange.tokens(how, axes, devices, weight(gate).shape[0], x_NxD, weights_NxK, ids_NxK)
+    return back(experts(x, gate, up, down, weights, ids, dtype))
 
 
 def splits(num_experts: int, devices: int, expert_parallel: bool = True) -> bool:
@@ -266,14 +254,14 @@ def splits_experts(params, num_experts: int) -> bool:
     return bool(num_experts) and any(e < num_experts for e in jax.tree.leaves(held))
 
 
-def on_devices(experts, mesh, x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype):
+def on_devices(experts, mesh, x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype, how: str = "gather"):
     """`experts` run by every device of `mesh` (an abstract mesh with the parallel.sharding axes)
     on its own tokens, under `shard_map`: XLA cannot split the sort-based dispatches, and left to
     itself gathers every token onto every device of the batch axes. Each device's weights come
     gathered over fsdp (the ZeRO-3 gather), its experts' MLP split over `tensor` (partial sums,
     then a psum) and with `expert` > 1 only its E / expert experts: the tokens of its expert
-    group are all-gathered, run through the experts held here and reduce-scattered back
-    (expert parallelism by all-gather; exact, dropless, no capacity factor)."""
+    group reach the devices holding their experts and come back (`exchange.tokens`, `how`: by
+    all-gather and reduce-scatter, or all-to-all; exact, dropless, no capacity factor)."""
     e, f = weight(gate).shape[0], weight(gate).shape[2]
     batch = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
     size = lambda a: mesh.shape.get(a, 1)  # noqa: E731
@@ -287,11 +275,11 @@ def on_devices(experts, mesh, x_NxD, gate, up, down, weights_NxK, ids_NxK, dtype
         return jax.lax.pcast(a, rest, to="varying") if rest else a
 
     def local(x, weights, ids, gate, up, down):
+        back = lambda y: y  # noqa: E731
         if ex:
-            x, weights, ids = gather_tokens(ex, weight(gate).shape[0], x, weights, ids)
+            x, weights, ids, back = exchange.tokens(how, ex, size(ex), weight(gate).shape[0], x, weights, ids)
         y = experts(*jax.tree.map(vary, (x, gate, up, down, weights, ids)), dtype)
-        y = jax.lax.psum(y, tp) if tp else y
-        return jax.lax.psum_scatter(y, ex, scatter_dimension=0, tiled=True) if ex else y
+        return back(jax.lax.psum(y, tp) if tp else y)
 
     rows = P(batch)
     specs = (_specs(gate, ex, tp, False), _specs(up, ex, tp, False), _specs(down, ex, tp, True))

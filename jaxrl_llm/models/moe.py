@@ -10,7 +10,8 @@ half dense's speed (experiments/results/bench_moe_cpu.md has all three against P
 No capacity factor: no token is ever dropped, so the sampler and the learner compute the same
 function of the same routing. On the learner's mesh the dispatch runs per device under
 `shard_map` (`experts.on_devices`), with the experts split over the `expert` axis (expert
-parallelism); a sampler on several devices splits them over the devices of its rows
+parallelism; `ModelConfig.moe_exchange` says how tokens reach their experts' devices, `exchange.py`);
+a sampler on several devices splits them over the devices of its rows
 (`experts.among_devices`, `SamplerConfig.expert_parallel`). LoRA's `gate` / `up` / `down`
 targets adapt the stacked experts (`lora.expert_side`).
 
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm import validation as V
 from jaxrl_llm.models import experts as X, lora
-from jaxrl_llm.models.config import DISPATCH, DTYPES, ModelConfig
+from jaxrl_llm.models.config import DISPATCH, DTYPES, EXCHANGES, ModelConfig
 
 DENSE_UP_TO = 8  # moe_dispatch=auto on GPU / TPU: dense-masked dispatch up to this many experts
 DENSE_UP_TO_CPU = 4  # on CPU: the blocked loop's overhead outweighs E / k for fewer experts
@@ -38,9 +39,11 @@ _init = nn.initializers.normal(stddev=0.02)
 # makes a random Qwen3-MoE-style model of the model section's sizes instead (no hf_path), each
 # expert `intermediate_size` wide (0: model.intermediate_size), the top `top_k` renormalised.
 # sampler_router_dtype: the samplers' router matmul (research: perturbed sampler numerics).
+# exchange: how expert parallelism moves tokens to their experts' devices (`exchange.py`): gather | all_to_all.
 # aux_loss_coef: the learner adds coef x `load_balancing_loss` to every objective's loss (0: off;
 # -1: the checkpoint's router_aux_loss_coef, which transformers applies only with output_router_logits).
 SECTION = V.Section(routing=("recompute", V.one_of("recompute", "replay")), dispatch=("auto", V.one_of(*DISPATCH)),
+                    exchange=("gather", V.one_of(*EXCHANGES)),
                     experts=(0, V.integer(0)), top_k=(2, V.integer(1)), intermediate_size=(0, V.integer(0)),
                     sampler_router_dtype=("float32", V.one_of(*DTYPES)), aux_loss_coef=(0.0, V.at_least(-1.0)))
 
@@ -115,9 +118,9 @@ class MoE(nn.Module):
         experts = {"dense": X.dense_experts, "grouped": X.grouped_experts, "blocked": X.blocked_experts}[dispatch(c)]
         mesh = meshed()
         if mesh is not None:
-            y = X.on_devices(experts, mesh, x.astype(c.dtype), gate, up, down, weights, ids, c.dtype)
+            y = X.on_devices(experts, mesh, x.astype(c.dtype), gate, up, down, weights, ids, c.dtype, c.moe_exchange)
         elif held < e:  # a sampler's rows, its experts split over their devices
-            y = X.among_devices(experts, x.astype(c.dtype), gate, up, down, weights, ids, c.dtype)
+            y = X.among_devices(experts, x.astype(c.dtype), gate, up, down, weights, ids, c.dtype, c.moe_exchange)
         else:
             y = experts(x.astype(c.dtype), gate, up, down, weights, ids, c.dtype)
         if c.shared_expert_intermediate_size:

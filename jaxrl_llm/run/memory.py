@@ -16,7 +16,8 @@ Learner (one step, `num_minibatches` updates over `rows` sequences of `seq_len` 
   A mixture of experts' layer holds, per token, its k experts' four intermediates, the router's
   float32 logits and probabilities, and the dispatched rows in and out; with `expert` = X > 1
   each device runs the tokens of its X-device group (`experts.on_devices`), in buffers sized for
-  the case where all of them pick its experts (dropless, static shapes): X times those.
+  the case where all of them pick its experts (dropless, static shapes): X times those; an
+  all-to-all exchange (`exchange.py`) adds its rows out and back, min(k, X) per token each.
   With LoRA (`models/lora.py`) the float32 master, gradient, moments and update are the
   adapters' alone (replicated; stacked experts' split as the experts' dims), the frozen base is
   held once in the compute dtype, and the activations add each adapted projection's low-rank
@@ -115,6 +116,8 @@ def layer_activations(cfg: ModelConfig, rows: int, length: int, tensor: int = 1,
     per_token = 5 * d * 4 + a * (2 * (h + 2 * k) * hd + h * hd + 4 * _mlp_width(cfg, layer, tensor, expert))
     if cfg.sparse(layer):  # router logits and probabilities; each chosen pair's rows in and out
         per_token += 8 * cfg.num_experts + 2 * a * d * expert * cfg.num_experts_per_tok
+        if expert > 1 and cfg.moe_exchange == "all_to_all":
+            per_token += 2 * a * d * min(cfg.num_experts_per_tok, expert)
     c, kernel = cfg.attention_chunk, attn.kernel(cfg)
     # models.attention's [queries, keys] scores: one block when chunked, none held by the flash
     # kernels (cuDNN's, splash)

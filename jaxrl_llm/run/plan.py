@@ -163,7 +163,8 @@ def model_cfg(m, task) -> models.ModelConfig:
                       lora_targets=models.lora.parse_targets(m.lora.targets))
     moe = m.get("moe")
     if moe is not None:
-        chosen.update(moe_routing=moe.routing, moe_dispatch=moe.dispatch, sampler_router_dtype=moe.sampler_router_dtype)
+        chosen.update(moe_routing=moe.routing, moe_dispatch=moe.dispatch, moe_exchange=moe.exchange,
+                      sampler_router_dtype=moe.sampler_router_dtype)
     if m.hf_path:
         if moe is not None and moe.experts:
             raise ValueError("model.moe.experts sizes a random mixture of experts; with model.hf_path the "

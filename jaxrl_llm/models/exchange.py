@@ -1,0 +1,101 @@
+"""How an expert-parallel group's tokens reach the devices holding their experts and come back
+(`ModelConfig.moe_exchange`), inside `shard_map` over the group's axes: X devices, device i
+holding experts i held ... (i + 1) held - 1.
+
+  gather      every device all-gathers the group's tokens with their routing, runs the pairs for
+              its own experts and reduce-scatters the outputs back: (X - 1) N rows in and as
+              many back per device, whatever the routing.
+  all_to_all  each device sends each of its tokens only to the devices holding one of the
+              token's k experts, once per device however many of them live there, and takes
+              the outputs back the same way, summed per token (the dispatch / combine of
+              Megatron-LM's and DeepEP's expert parallelism): at most min(k, X) - 1 rows per
+              token cross the links, fewer than the gather's X - 1 as X grows past k.
+
+On GPU and TPU `all_to_all` moves its rows by `jax.lax.ragged_all_to_all`, so only the rows sent
+travel; XLA:CPU has no ragged-all-to-all, so there (the tests) the same semantics come from a
+dense all-to-all of slices padded to N rows (`dense_ragged_all_to_all`), as many bytes as the
+gather. Both are exact and dropless with static shapes: a device can receive every token of its
+group, so its buffer holds X N rows either way; a row's experts held elsewhere get id `held` and
+weight 0, which every dispatch leaves out (and the blocked loop skips the blocks past the last
+used one at run time).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def ragged_collective() -> bool:
+    """Whether this backend has XLA's ragged-all-to-all (GPU and TPU do; XLA:CPU does not)."""
+    return jax.default_backend() != "cpu"
+
+
+def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                            axis_name, chunk: int):
+    """`jax.lax.ragged_all_to_all` with one slice per device of `axis_name`, from a dense
+    `jax.lax.all_to_all` of the slices padded to `chunk` rows: exact where none is longer."""
+    pad = jnp.arange(chunk)
+    rows = jnp.clip(input_offsets[:, None] + pad[None], 0, operand.shape[0] - 1)  # [X, chunk]
+    sent = (pad[None] < send_sizes[:, None]).reshape(rows.shape + (1,) * (operand.ndim - 1))
+    got = jax.lax.all_to_all(jnp.where(sent, operand[rows], 0), axis_name, 0, 0, tiled=True)  # slice i: from i
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where each sender writes here
+    dest = jnp.where(pad[None] < recv_sizes[:, None], at[:, None] + pad[None], output.shape[0])  # past the end: dropped
+    return output.at[dest.reshape(-1)].set(got.reshape((-1,) + got.shape[2:]), mode="drop")
+
+
+def gather(axes, devices: int, held: int, x_NxD, weights_NxK, ids_NxK):
+    """(x [X N, D], weights, local ids, back): every device's tokens; `back` reduce-scatters
+    their outputs (summed over the experts here) to their devices -> [N, D]."""
+    del devices
+    x, weights, ids = (jax.lax.all_gather(a, axes, axis=0, tiled=True) for a in (x_NxD, weights_NxK, ids_NxK))
+    ids = ids - jax.lax.axis_index(axes) * held
+    mine = (ids >= 0) & (ids < held)
+    back = lambda y: jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)  # noqa: E731
+    return x, jnp.where(mine, weights, 0), jnp.where(mine, ids, held), back
+
+
+def all_to_all(axes, devices: int, held: int, x_NxD, weights_NxK, ids_NxK):
+    """(x [X N, D], weights, local ids, back): the rows sent here (slice i from device i, in its
+    token order), each with its token's experts held here; `back` returns their outputs (summed
+    over the experts here) to where they came from -> [N, D], each token summed over its devices.
+    An id of E or more (a padding token) goes nowhere."""
+    n, k = ids_NxK.shape
+    cap = n * min(k, devices)  # rows this device can send: one per (token, device of its experts)
+    me = jax.lax.axis_index(axes)
+    need_XxN = jnp.any(ids_NxK[None] // held == jnp.arange(devices)[:, None, None], -1)
+    send = jnp.sum(need_XxN, 1, dtype=jnp.int32)
+    flat = need_XxN.reshape(-1)
+    slot = jnp.where(flat, jnp.cumsum(flat, dtype=jnp.int32) - 1, cap)  # by device, then token order
+    token = jnp.full((cap,), n).at[slot].set(jnp.tile(jnp.arange(n), devices), mode="drop")  # each row's; n: none
+    local = ids_NxK[None] - (jnp.arange(devices) * held)[:, None, None]  # as device j numbers its experts
+    mine = (local >= 0) & (local < held)
+    weights = jnp.where(mine, jnp.broadcast_to(weights_NxK[None], mine.shape), 0)
+    weights, ids = (jnp.full((cap, k), fill, a.dtype).at[slot].set(a.reshape(-1, k), mode="drop")
+                    for a, fill in ((weights, 0), (jnp.where(mine, local, held), held)))
+    counts = jax.lax.all_gather(send, axes)  # [from, to]
+    earlier = jnp.arange(devices) < me
+    offsets, recv = jnp.cumsum(send) - send, counts[:, me]
+    there = jnp.sum(jnp.where(jnp.broadcast_to(earlier[:, None], counts.shape), counts, 0), 0)  # where my slice lands on each device
+    move = jax.lax.ragged_all_to_all if ragged_collective() else \
+        functools.partial(dense_ragged_all_to_all, chunk=n)
+
+    def out(rows, fill):
+        return move(rows, jnp.full((devices * n,) + rows.shape[1:], fill, rows.dtype), offsets, send, there, recv,
+                    axis_name=axes)
+
+    def back(y):
+        home = jnp.sum(jnp.where(jnp.broadcast_to(earlier[None], counts.shape), counts, 0), 1)  # where each device's slice sat in its rows
+        rows = move(y, jnp.zeros((cap, y.shape[1]), y.dtype), jnp.cumsum(recv) - recv, recv, home, send,
+                    axis_name=axes)
+        return jnp.zeros((n, y.shape[1]), y.dtype).at[token].add(rows, mode="drop")
+
+    x = x_NxD.at[token].get(mode="fill", fill_value=0)
+    return out(x, 0), out(weights, 0), out(ids, held), back
+
+
+def tokens(how: str, axes, devices: int, held: int, x_NxD, weights_NxK, ids_NxK):
+    """`gather` or `all_to_all` (`config.EXCHANGES`)."""
+    return {"gather": gather, "all_to_all": all_to_all}[how](axes, devices, held, x_NxD, weights_NxK, ids_NxK)
