@@ -54,6 +54,35 @@ def test_the_dense_stand_in_has_ragged_all_to_alls_semantics():
     np.testing.assert_array_equal(got, want)
 
 
+def test_gather_rows_is_one_all_gather_of_several_arrays_with_all_gathers_gradient():
+    """bfloat16, float32 and int32 rows gathered as one collective equal each array's own
+    `all_gather`, and the gradient (custom VJP) equals autodiff's through the separate gathers."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(X * 3, 4)).astype(np.float32)
+    w = rng.normal(size=(X * 3, 2)).astype(np.float32)
+    ids = rng.integers(-5, 9, (X * 3, 2)).astype(np.int32)
+    c = jnp.asarray(rng.normal(size=(X, X * 3, 6)), jnp.float32)  # each device's weighting of what it gathered
+
+    one = lambda *a: exchange.gather_rows("x", *a)  # noqa: E731
+    each = lambda *a: tuple(jax.lax.all_gather(v, "x", axis=0, tiled=True) for v in a)  # noqa: E731
+
+    def values_and_grads(gather):
+        def fn(x, w, ids, c):
+            def y(x, w):
+                gx, gw, gi = gather(x.astype(jnp.bfloat16), w, ids)
+                return jnp.sum(jnp.concatenate([gx.astype(jnp.float32), gw * gi.astype(jnp.float32)], 1) * c[0])
+
+            gx, gw, gi = gather(x.astype(jnp.bfloat16), w, ids)
+            return gx[None].astype(jnp.float32), gw[None], gi[None], *jax.grad(y, (0, 1))(x, w)
+        return _on_devices(fn, x, w, ids, c)
+
+    got, want = values_and_grads(one), values_and_grads(each)
+    assert got[2].dtype == np.int32 and np.array_equal(got[2][0], ids)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert np.abs(got[3]).max() > 0 and np.abs(got[4]).max() > 0
+
+
 def _routed(n=6, k=3, experts=8, seed=1):
     rng = np.random.default_rng(seed)
     ids = np.stack([np.stack([rng.choice(experts, k, replace=False) for _ in range(n)]) for _ in range(X)])

@@ -111,7 +111,7 @@ def test_few_pairs_run_in_the_fewest_slots_that_hold_them_exact_for_any_load_wit
 
     rng = np.random.default_rng(5)
     n, d, f, e, k, r = 12, 8, 6, 4, 2, 2  # 24 pairs, 6 an expert: slots 8 or 12
-    assert experts.slot_ladder(n, k, e) == [8, 12] and experts.slot_ladder(64, 4, 16) == [16, 32, 64]
+    assert experts.slot_ladder(n, k, e) == [8, 12] and experts.slot_ladder(64, 4, 16) == [16, 24, 32, 40, 56, 64]
     arr = lambda *s: jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)  # noqa: E731
     x, router = arr(n, d), arr(d, e)
     proj = [(arr(e, d, f), arr(e, d, r), arr(e, r, f)), (arr(e, d, f), arr(e, d, r), arr(e, r, f)),

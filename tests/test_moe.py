@@ -221,7 +221,7 @@ def test_auto_dispatch_by_platform_and_expert_count():
 
 
 def _layer_on(mesh_sizes, dispatch, rows=8, length=16, lora_rank=0, exchange="gather", platform=None):
-    """A 16-expert top-4 layer's output and gradients, on one device or on a mesh of 8 (with
+    """A 16-expert top-4 layer's output and gradients (parameters, input), on one device or on a mesh of 8 (with
     `lora_rank`, random adapters on its experts; `exchange`: `ModelConfig.moe_exchange`).
     `platform`: the step on the mesh exported for it (`jax.export`) instead of run."""
     import flax.linen as nn
@@ -242,7 +242,7 @@ def _layer_on(mesh_sizes, dispatch, rows=8, length=16, lora_rank=0, exchange="ga
         lambda p, v: v + 0.2 * jax.random.normal(next(keys), v.shape) if "lora_b" in jax.tree_util.keystr(p) else v,
         params)
     out = lambda p, x: layer.apply(p, x)[0]  # noqa: E731  (the layer's output; [1]: its router logits)
-    step = jax.jit(lambda p, x: (out(p, x), jax.grad(lambda p: jnp.sum(out(p, x) ** 2))(p)))
+    step = jax.jit(lambda p, x: (out(p, x), jax.grad(lambda p, x: jnp.sum(out(p, x) ** 2), (0, 1))(p, x)))
     if mesh_sizes is None:
         return step(params, x), step.lower(params, x).compile(), params
     c = sharding.default_config()
@@ -293,7 +293,7 @@ def test_expert_adapters_on_8_devices_equal_one_device(dispatch):
         np.testing.assert_allclose(y8, y1, atol=1e-5 * float(jnp.abs(y1).max()))
         for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g8)):
             np.testing.assert_allclose(b, a, atol=1e-5 * float(jnp.abs(a).max()))
-        assert float(jnp.abs(g1["params"]["down_lora_a"].unbox()).max()) > 1e-4
+        assert float(jnp.abs(g1[0]["params"]["down_lora_a"].unbox()).max()) > 1e-4
         held = params["params"]["gate_up_lora_a"].unbox().addressable_shards[0].data.shape[0]
         assert held == 16 // sizes["expert"]
 

@@ -272,8 +272,8 @@ def test_experts_split_over_four_devices_sample_what_one_device_does(moe_params,
     """Tokens, recorded routing (zeros past each row's end) and behaviour log-probs equal a
     one-device sampler's, with rows ending at different steps on different devices; each device
     holds 2 of the 8 experts (and the shared expert whole), and the program moves tokens, not
-    weights: one all-gather and one reduce-scatter per sparse layer (or with `moe_exchange=all_to_all`,
-    all-to-alls)."""
+    weights: one all-gather (of tokens, weights and expert ids together) and one reduce-scatter
+    per sparse layer (or with `moe_exchange=all_to_all`, all-to-alls)."""
     split, got = _moe_sampled(moe_params, 4, dispatch, batching, exchange=exchange)
     _, one = _moe_sampled(moe_params, 1, dispatch, batching)
     assert split.splits_experts
@@ -289,7 +289,10 @@ def test_experts_split_over_four_devices_sample_what_one_device_does(moe_params,
     assert moe["shared_gate"].addressable_shards[0].data.shape == moe["shared_gate"].shape
     if batching == "static":
         hlo = split.lower_generate(moe_params, MOE_PROMPTS, jax.random.key(3)).as_text()
-        assert hlo.count("all_gather") >= 3 * MOE_CFG.num_layers and "reduce_scatter" in hlo, hlo.count("all_gather")
+        gathers = [line for line in hlo.splitlines() if '"stablehlo.all_gather"' in line]
+        # prefill's and the decode loop's: tokens, weights and expert ids in one (`exchange.gather_rows`)
+        assert len(gathers) == 2 * MOE_CFG.num_layers and all("xui8>" in line for line in gathers), len(gathers)
+        assert hlo.count('"stablehlo.reduce_scatter"') == 2 * MOE_CFG.num_layers
 
 
 def test_split_off_or_an_indivisible_count_replicates_them(moe_params):

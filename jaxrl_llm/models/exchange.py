@@ -23,6 +23,7 @@ used one at run time).
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -46,11 +47,46 @@ def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_o
     return output.at[dest.reshape(-1)].set(got.reshape((-1,) + got.shape[2:]), mode="drop")
 
 
+def _bytes(a):
+    """[N, ...] -> its bytes [N, B] (uint8)."""
+    return jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(a.shape[0], -1)
+
+
+def _from_bytes(b, like):
+    """`_bytes`' inverse: [M, B] uint8 -> [M, *like.shape[1:]] of like's dtype."""
+    size = jnp.dtype(like.dtype).itemsize
+    return jax.lax.bitcast_convert_type(b.reshape((b.shape[0],) + like.shape[1:] + ((size,) if size > 1 else ())),
+                                        like.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def gather_rows(axes, *arrays):
+    """`jax.lax.all_gather` (tiled, axis 0) of several [N, ...] arrays as one collective over
+    their bytes side by side: one rendezvous where each array would take its own, which on CPU
+    is most of what a small collective costs (a decode step's tokens, weights and expert ids)."""
+    bytes_ = [_bytes(a) for a in arrays]
+    ends = list(itertools.accumulate(b.shape[1] for b in bytes_))
+    got = jax.lax.all_gather(jnp.concatenate(bytes_, 1), axes, axis=0, tiled=True)
+    return tuple(_from_bytes(got[:, end - b.shape[1]:end], a) for a, b, end in zip(arrays, bytes_, ends))
+
+
+def _gather_rows_fwd(axes, *arrays):
+    return gather_rows(axes, *arrays), None
+
+
+def _gather_rows_bwd(axes, _, cotangents):  # all_gather's transpose: each device's rows, summed
+    scatter = functools.partial(jax.lax.psum_scatter, axis_name=axes, scatter_dimension=0, tiled=True)
+    return tuple(None if t.dtype == jax.dtypes.float0 else scatter(t) for t in cotangents)
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
 def gather(axes, devices: int, held: int, x_NxD, weights_NxK, ids_NxK):
-    """(x [X N, D], weights, local ids, back): every device's tokens; `back` reduce-scatters
-    their outputs (summed over the experts here) to their devices -> [N, D]."""
+    """(x [X N, D], weights, local ids, back): every device's tokens (`gather_rows`); `back`
+    reduce-scatters their outputs (summed over the experts here) to their devices -> [N, D]."""
     del devices
-    x, weights, ids = (jax.lax.all_gather(a, axes, axis=0, tiled=True) for a in (x_NxD, weights_NxK, ids_NxK))
+    x, weights, ids = gather_rows(axes, x_NxD, weights_NxK, ids_NxK)
     ids = ids - jax.lax.axis_index(axes) * held
     mine = (ids >= 0) & (ids < held)
     back = lambda y: jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)  # noqa: E731
@@ -76,9 +112,9 @@ def all_to_all(axes, devices: int, held: int, x_NxD, weights_NxK, ids_NxK):
     weights, ids = (jnp.full((cap, k), fill, a.dtype).at[slot].set(a.reshape(-1, k), mode="drop")
                     for a, fill in ((weights, 0), (jnp.where(mine, local, held), held)))
     counts = jax.lax.all_gather(send, axes)  # [from, to]
-    earlier = jnp.arange(devices) < me
+    earlier = jnp.broadcast_to(jnp.arange(devices) < me, counts.shape)  # [i, j]: j < me
     offsets, recv = jnp.cumsum(send) - send, counts[:, me]
-    there = jnp.sum(jnp.where(jnp.broadcast_to(earlier[:, None], counts.shape), counts, 0), 0)  # where my slice lands on each device
+    there = jnp.sum(jnp.where(earlier.T, counts, 0), 0)  # where my slice lands on each device
     move = jax.lax.ragged_all_to_all if ragged_collective() else \
         functools.partial(dense_ragged_all_to_all, chunk=n)
 
@@ -87,7 +123,7 @@ def all_to_all(axes, devices: int, held: int, x_NxD, weights_NxK, ids_NxK):
                     axis_name=axes)
 
     def back(y):
-        home = jnp.sum(jnp.where(jnp.broadcast_to(earlier[None], counts.shape), counts, 0), 1)  # where each device's slice sat in its rows
+        home = jnp.sum(jnp.where(earlier, counts, 0), 1)  # where each device's slice for me sat in its rows
         rows = move(y, jnp.zeros((cap, y.shape[1]), y.dtype), jnp.cumsum(recv) - recv, recv, home, send,
                     axis_name=axes)
         return jnp.zeros((n, y.shape[1]), y.dtype).at[token].add(rows, mode="drop")
