@@ -127,3 +127,7 @@ def test_a_multi_turn_task_decodes_on_one_of_the_sampler_devices_and_says_so():
     p = plan.resolve(_tiny())  # the suite fakes 8 CPU devices, shared by the learner and the samplers
     assert len(jax.devices()) == 8 and p.sampler_devices == (jax.devices()[0],)
     assert any("decode on one device for now" in w and "1 of this process's 8" in w for w in p.warnings)
+    c = _tiny()
+    c.sampler.tensor = 2  # tensor-parallel samplers: refused by name, not silently on one device
+    with pytest.raises(ValueError, match=r"sampler.tensor=2: task '\w+' is multi-turn"):
+        plan.resolve(c)

@@ -320,9 +320,10 @@ def test_the_weight_store_publishes_each_devices_share_and_the_plan_counts_it(mo
 
 
 def test_a_run_splits_its_samplers_experts_and_samples_the_learners_log_probs(tmp_path):
-    """A random 8-expert policy in a run on 8 devices: the samplers split the experts (the run
-    says so), and the sampled log-probs are the learner's (mismatch < 1e-4, float32), as with
-    the experts replicated."""
+    """A random 8-expert policy in a run on 8 devices, its samplers tensor parallel in pairs
+    (`sampler.tensor=2`): the samplers split the experts over the 4 row devices and the rest
+    over each pair (the run says both), and the sampled log-probs are the learner's (mismatch
+    < 1e-4, float32), as with the experts replicated."""
     import json
 
     from jaxrl_llm.run import experiment
@@ -331,8 +332,10 @@ def test_a_run_splits_its_samplers_experts_and_samples_the_learners_log_probs(tm
     c = _tiny("ppo", mode="async")
     c.model.moe.update(experts=8, top_k=2, intermediate_size=16)
     c.train.update(steps=2, eval_every=2, save_every=2)
+    c.sampler.tensor = 2
     lines = []
     assert experiment.run(c, str(tmp_path), log=lines.append)["version"] == 2
-    assert "samplers: each of 8 devices holds 1 of every layer's experts" in "\n".join(lines)
+    assert "samplers: each of 4 devices holds 2 of every layer's experts" in "\n".join(lines)
+    assert "samplers: tensor parallel, each group of 2 devices splits" in "\n".join(lines)
     steps = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"loss"' in x]
     assert len(steps) == 2 and max(s["mismatch/abs_logp_max"] for s in steps) < 1e-4

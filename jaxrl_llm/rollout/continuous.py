@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_llm.rollout import decode
+from jaxrl_llm.rollout import decode, devices
 from jaxrl_llm.rollout import turns as turns_lib
 from jaxrl_llm.rollout import slot_state
 from jaxrl_llm.rollout.slot_state import attention_width, pow2
@@ -52,15 +52,16 @@ class SlotEngine:
     def __init__(self, sampler, slots: int):
         self.sampler = sampler
         mcfg, scfg, mesh = sampler.model_cfg, sampler.cfg, sampler.mesh
-        self.groups = mesh.size if mesh is not None else 1
+        self.groups = sampler.row_devices
         self.slots = -(-slots // self.groups) * self.groups
         self.seg = min(scfg.decode_segment or scfg.max_new_tokens, scfg.max_new_tokens)
         self.occupancy = []  # per stream: generated tokens / (slots x decode steps run)
-        rows = mesh and tuple(mesh.axis_names)
+        rows = sampler.rows
         specs, pool_specs = (decode.DecodeState.specs(rows, per_row=True, routing=scfg.record_routing),
                              decode.DecodeState.specs(rows, routing=scfg.record_routing))
         r, rep = PartitionSpec(rows), PartitionSpec()
-        local, ps = functools.partial(decode.per_device, mesh), sampler.param_specs
+        local = functools.partial(decode.per_device, mesh, rows)
+        ps = lambda params: devices.manual(rows, sampler.param_specs(params))  # noqa: E731
         self._rows = None if mesh is None else NamedSharding(mesh, r)
         shard = None if mesh is None else jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 

@@ -68,12 +68,13 @@ class DecodeState:
                       "routing": r if routing else None})
 
 
-def per_device(mesh, f, in_specs, out_specs):
-    """`f` run by each device of `mesh` on its own block of rows (`shard_map`; no collective),
-    or `f` itself without a mesh."""
+def per_device(mesh, rows, f, in_specs, out_specs):
+    """`f` run by each device of `mesh` on its own block of rows (`shard_map` manual over the
+    axes `rows`; no collective of its own, a tensor axis left to XLA: `devices.py`), or `f`
+    itself without a mesh."""
     if mesh is None:
         return f
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(rows), check_vma=False)
 
 
 def row_keys(key, row_ids_B):
@@ -153,13 +154,16 @@ def decode_segment(params, st: DecodeState, version, p: int, end, mcfg: ModelCon
 
 
 def all_done(done_B, params, mcfg: ModelConfig):
-    """Whether every row is done: this device's rows, or with a mixture's experts split over the
-    sampler's devices (`experts.among_devices`) every device's, since each decode step's MoE
-    layers exchange tokens between them: all must run the same steps."""
+    """Whether every row is done: this device's rows, or every device's where each decode step
+    runs collectives across them, so all must run the same steps: a mixture's experts split over
+    the sampler's devices (`experts.among_devices`), or a tensor axis (`devices.py`), whose
+    collectives XLA:CPU rendezvouses over every device of the program."""
     done = jnp.all(done_B)
-    if not experts.splits_experts(params, mcfg.num_experts):
+    mesh = jax.sharding.get_abstract_mesh()
+    tensor = any(mesh.shape[a] > 1 for a in mesh.axis_names if a not in mesh.manual_axes)
+    if not (tensor or experts.splits_experts(params, mcfg.num_experts)):
         return done
-    return jax.lax.pmin(done.astype(jnp.int32), tuple(jax.sharding.get_abstract_mesh().manual_axes)) > 0
+    return jax.lax.pmin(done.astype(jnp.int32), tuple(mesh.manual_axes)) > 0
 
 
 def until_done(more, body, carry, done_of, params, mcfg: ModelConfig):

@@ -19,7 +19,7 @@ from jaxrl_llm.parallel import sharding
 from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.models import experts
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.rollout import continuous, decode
+from jaxrl_llm.rollout import continuous, decode, devices
 from jaxrl_llm.rollout.decode import DecodeState
 from jaxrl_llm.rollout.sampling import SamplerConfig
 
@@ -35,18 +35,21 @@ class Sampler:
     """
 
     def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Optional[Mesh] = None):
-        self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
+        self.model_cfg, self.cfg = model_cfg, cfg
         self._slots = None
         self._static_slots = {}  # multi-turn static batches: one slot engine per batch size
         # turn_cache="recompute", over every engine: rows resumed, drawn tokens re-scored, sum and
         # max |log-prob gap| to the recorded behaviour log-probs (`continuous.SlotEngine._rebuilt`)
         self.reprefill = dict(rows=0, tokens=0, abs_sum=0.0, abs_max=0.0)
-        rows = mesh and tuple(mesh.axis_names)
-        local = functools.partial(decode.per_device, mesh)
+        # rows over the mesh's devices, with `cfg.tensor` > 1 over its data axis (`devices.py`)
+        self.mesh, self.rows = mesh, rows = devices.grid(mesh, cfg.tensor)
+        self.row_devices = devices.row_devices(mesh)
+        local = functools.partial(decode.per_device, mesh, rows)
         r, rep = PartitionSpec(rows), PartitionSpec()
         # a mixture of experts on several devices: each holds E / devices of the experts (`place_params`)
-        self.splits_experts = mesh is not None and experts.splits(model_cfg.num_experts, mesh.size, cfg.expert_parallel)
-        ps = self.param_specs
+        self.splits_experts = mesh is not None and experts.splits(model_cfg.num_experts, self.row_devices,
+                                                                  cfg.expert_parallel)
+        ps = lambda params: devices.manual(rows, self.param_specs(params))  # noqa: E731
 
         def generate(params, prompt, mask, limit, key, version, mcfg, scfg):
             f = functools.partial(decode.generate, mcfg=mcfg, scfg=scfg, rows=rows)
@@ -136,22 +139,20 @@ class Sampler:
         return self._slots
 
     def param_specs(self, params):
-        """The params' PartitionSpecs on the sampler mesh: replicated, or with `splits_experts`
-        every MoE layer's stacked experts split over the devices (`experts.expert_specs`)."""
-        return experts.expert_specs(params, tuple(self.mesh.axis_names)) if self.splits_experts else PartitionSpec()
+        """The params' PartitionSpecs on the sampler mesh (`devices.specs`): replicated, stacked
+        experts split over the row devices (`splits_experts`), heads / MLP / vocab over tensor."""
+        return devices.specs(self.model_cfg, params, self.mesh, self.rows, self.splits_experts)
 
     def shardings(self, params):
         """Where `place_params` puts `params`: a NamedSharding per leaf (the weight store's placement)."""
-        specs = self.param_specs(params)
-        specs = jax.tree.map(lambda _: specs, params) if isinstance(specs, PartitionSpec) else specs
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+        return devices.shardings(self.mesh, self.param_specs(params))
 
     def place_params(self, params):
         """Params on the sampler mesh (`shardings`) unless already there (`sharding.put`: CPU
         devices share one host copy of what is replicated)."""
         if self.mesh is None:
             return params
-        if self.splits_experts:
+        if self.splits_experts or self.row_devices < self.mesh.size:
             want = self.shardings(params)
             if not all(getattr(x, "sharding", None) is not None and x.sharding.is_equivalent_to(w, x.ndim)
                        for x, w in zip(jax.tree.leaves(params), jax.tree.leaves(want))):
@@ -167,8 +168,8 @@ class Sampler:
         last row, dropped again by `to_batch`) and params replicated."""
         if self.mesh is None:
             return tuple(jnp.asarray(x) for x in arrays), params
-        extra = -len(arrays[0]) % self.mesh.size
-        rows = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names))
+        extra = -len(arrays[0]) % self.row_devices
+        rows = NamedSharding(self.mesh, PartitionSpec(self.rows))
         pad = lambda x: np.concatenate([x, np.repeat(x[-1:], extra, 0)])
         return tuple(jax.device_put(pad(x), rows) for x in arrays), self.place_params(params)
 

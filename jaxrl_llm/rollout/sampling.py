@@ -37,6 +37,9 @@ SECTION = V.Section(  # the experiment's `sampler` section (the plan turns it in
     # experts and the tokens move to them (expert parallelism); off, or where the devices do not
     # divide E: every device holds every expert
     expert_parallel=(True, V.boolean()),
+    # tensor parallelism: each group of this many sampler devices splits every layer's heads, KV
+    # cache, MLP width and vocabulary (`devices.py`); the rows split over the groups
+    tensor=(1, V.integer(1)),
 )
 default_config = SECTION.config
 RULES = SECTION.rules
@@ -67,6 +70,7 @@ class SamplerConfig:
     turn_cache: str = _DEFAULT["turn_cache"]  # multi-turn, continuous: keep | recompute a waiting row's cache
     record_routing: bool = False  # a mixture of experts: record each position's experts (R3)
     expert_parallel: bool = _DEFAULT["expert_parallel"]  # a mixture of experts: split them over the devices
+    tensor: int = _DEFAULT["tensor"]  # devices per tensor-parallel group (`devices.py`)
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.capture_topk < 0:

@@ -94,8 +94,11 @@ def _run(config, workdir: str, log, compiles: xla.CompileLog) -> dict:
                      f"{m.num_params / 1e6:.1f}M parameters, {m.active_params / 1e6:.1f}M active per token")
         rollout = b.orchestrator.sampler
         if getattr(rollout, "splits_experts", False):  # sampler.expert_parallel
-            n = rollout.mesh.size
+            n = rollout.row_devices
             notes.append(f"samplers: each of {n} devices holds {m.num_experts // n} of every layer's experts")
+    if b.plan.sampler.tensor > 1:
+        notes.append(f"samplers: tensor parallel, each group of {b.plan.sampler.tensor} devices splits every layer's "
+                     "heads, KV cache, MLP width and vocabulary")
     ckpt = _checkpointer(config, workdir, notes)
     state, resumed, changed, shape = _resume_or_init(b, user_config, workdir, ckpt, notes)
     _record_start(b, workdir, resumed)

@@ -62,6 +62,7 @@ class Layout:
     tensor: int = 1
     expert: int = 1
     samplers: int = 1
+    sampler_tensor: int = 1  # sampler.tensor: devices per tensor-parallel sampler group
     shared: bool = True
     local: int = 1  # the learner's devices in this process (a CPU host's RAM holds their shares)
     platform: Optional[str] = None  # None: JAX's default backend
@@ -82,13 +83,14 @@ class Layout:
         return (self.platform or jax.default_backend()) == "cpu"
 
     @classmethod
-    def of(cls, mesh, sampler_devices, shared: bool) -> "Layout":
+    def of(cls, mesh, sampler_devices, shared: bool, sampler_tensor: int = 1) -> "Layout":
         """From the learner's mesh (`sharding.make_mesh`) and the samplers' devices."""
         import jax
 
         local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
         sizes = {a: mesh.shape.get(a, 1) for a in ("data", "fsdp", "expert", "tensor")}
-        return cls(**sizes, samplers=max(1, len(sampler_devices)), shared=shared, local=max(1, local),
+        return cls(**sizes, samplers=max(1, len(sampler_devices)), sampler_tensor=sampler_tensor, shared=shared,
+                   local=max(1, local),
                    platform=mesh.devices.flat[0].platform)
 
 
@@ -182,11 +184,14 @@ def learner(cfg: ModelConfig, rows: int, seq_len: int, minibatches: int = 1, chu
 
 
 def sampler(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int, cache_dtype: str = "float32",
-            weights_dtype: Optional[str] = None, platform: Optional[str] = None, split_experts: int = 1) -> dict:
-    """Bytes of one sampler call over `rows` rows, by part. On CPU, XLA computes bfloat16
+            weights_dtype: Optional[str] = None, platform: Optional[str] = None, split_experts: int = 1,
+            tensor: int = 1) -> dict:
+    """Bytes of one sampler device over its `rows` rows, by part. On CPU, XLA computes bfloat16
     matmuls in float32 from float32 copies of the weights, one layer at a time. `split_experts`
     > 1: a mixture's stacked experts split over that many sampler devices (`Sampler.splits_experts`),
-    their share as `experts` beside the replicated `weights`."""
+    their share as `experts` beside the other `weights`. `tensor` > 1 (`sampler.tensor`,
+    `rollout/devices.py`): the weights but the stacked experts, the KV cache, the logits and
+    the attention scores split that many ways (norms too, which are whole: a few kB)."""
     import jax
 
     w = nbytes(weights_dtype or cfg.dtype)
@@ -194,12 +199,16 @@ def sampler(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int, cache
     unembed = cfg.hidden_size * cfg.vocab_size * 4
     copies_unembed = cfg.tie_word_embeddings or w != 4
     positions = prompt_len + new_tokens
-    cache = 2 * cfg.num_layers * rows * cfg.num_kv_heads * cfg.head_dim * positions * nbytes(cache_dtype)
+    kv = cfg.num_kv_heads // tensor if cfg.num_kv_heads % tensor == 0 else cfg.num_kv_heads
+    cache = 2 * cfg.num_layers * rows * kv * cfg.head_dim * positions * nbytes(cache_dtype)
     split = cfg.expert_params if split_experts > 1 else 0
-    parts = {"weights": (cfg.num_params - split) * w, "cpu_f32_layer": upcast,
-             "unembed_f32": unembed if copies_unembed else 0, "kv_cache": 2 * cache,
-             "logits": 4 * rows * cfg.vocab_size * 4,
-             "prefill": rows * cfg.num_heads * prompt_len * prompt_len * 8 + rows * prompt_len * cfg.hidden_size * 16}
+    whole = cfg.expert_params - split  # stacked experts kept whole along their width
+    per = lambda x: -(-x // tensor)  # noqa: E731
+    parts = {"weights": (per(cfg.num_params - split - whole) + whole) * w, "cpu_f32_layer": per(upcast),
+             "unembed_f32": per(unembed) if copies_unembed else 0, "kv_cache": 2 * cache,
+             "logits": per(4 * rows * cfg.vocab_size * 4),
+             "prefill": rows * per(cfg.num_heads) * prompt_len * prompt_len * 8
+             + rows * prompt_len * cfg.hidden_size * 16}
     return {**parts, "experts": -(-split // split_experts) * w} if split else parts
 
 
@@ -215,8 +224,8 @@ def need(plan: dict, layout: Layout) -> int:
     learner = total(plan) - sampler
     if not layout.on_cpu:
         return learner + sampler if layout.shared else max(learner, sampler)
-    weights = plan.get("sampler_weights", 0)
-    return learner * layout.local + weights + (sampler - weights) * layout.samplers
+    weights = plan.get("sampler_weights", 0)  # one device's share: `sampler_tensor` shares make the whole
+    return learner * layout.local + weights * layout.sampler_tensor + (sampler - weights) * layout.samplers
 
 
 def available() -> tuple[int, str]:
@@ -278,9 +287,10 @@ def estimate(config, task, mcfg, acfg=None, obj=None, layout: Layout = Layout())
     sampler_rows = (s.slots or rows) + rows if s.batching == "continuous" else rows
     samplers = r.num_samplers if r.mode == "async" else 1
     cache = s.cache_dtype if s.cache_dtype != "auto" else mcfg.dtype  # the resolved compute dtype
-    split = layout.samplers if experts.splits(rollout.num_experts, layout.samplers, s.expert_parallel) else 1
-    one = sampler(rollout, -(-sampler_rows // layout.samplers), prompt, new, cache, rollout.dtype, layout.platform,
-                  split)
+    t = s.get("tensor", 1)
+    groups = max(1, layout.samplers // t)  # the devices the rows split over
+    split = groups if experts.splits(rollout.num_experts, groups, s.expert_parallel) else 1
+    one = sampler(rollout, -(-sampler_rows // groups), prompt, new, cache, rollout.dtype, layout.platform, split, t)
     plan["sampler_weights"] = keep * one.pop("weights")
     if "experts" in one:  # each device's share of the experts (its own, counted per device on a CPU host too)
         plan["sampler_experts"] = keep * one.pop("experts")

@@ -72,11 +72,12 @@ def resolve(config) -> RunPlan:
     mesh = sharding.make_mesh(config.mesh, learner_devices)
     check_layout(config, mcfg, acfg, mesh)
     warnings = tuple(getattr(task, "warnings", ()))
+    check_sampler_tensor(config, sampler_devices)
     if config.task.name in tasks.MULTI_TURN + ("agent",) and len(sampler_devices) > 1:
         warnings += (f"task {config.task.name!r} is multi-turn, whose episodes decode on one device for now: the "
                      f"samplers use 1 of this process's {len(sampler_devices)} sampler devices",)
         sampler_devices = sampler_devices[:1]
-    layout = memory.Layout.of(mesh, sampler_devices, not config.runtime.sampler_devices)
+    layout = memory.Layout.of(mesh, sampler_devices, not config.runtime.sampler_devices, config.sampler.tensor)
     parts = memory.estimate(config, task, mcfg, acfg, objective, layout)
     memory.check_run(config, task, mcfg, acfg, parts, layout)
     return RunPlan(config=ml_collections.FrozenConfigDict(config), task=task, model=mcfg, aux_model=acfg,
@@ -194,6 +195,18 @@ def check_replay(config, task, mcfg: models.ModelConfig) -> None:
         raise ValueError("model.moe.routing=replay needs a mixture of experts (here: the model is dense)")
 
 
+def check_sampler_tensor(config, sampler_devices) -> None:
+    """`sampler.tensor` must divide the samplers' devices; multi-turn episodes decode on one device."""
+    t = config.sampler.tensor
+    if t > 1 and config.task.name in tasks.MULTI_TURN + ("agent",):
+        raise ValueError(f"sampler.tensor={t}: task {config.task.name!r} is multi-turn, whose episodes decode on one "
+                         "device for now (set --config.sampler.tensor=1)")
+    if len(sampler_devices) % t:
+        n = len(sampler_devices)
+        raise ValueError(f"sampler.tensor={t} must divide the sampler's devices ({n}): set --config.sampler.tensor "
+                         f"to one of {[d for d in range(1, n + 1) if n % d == 0]}")
+
+
 def sampler_cfg(config, task, greedy: bool = False, record_routing: bool = False) -> SamplerConfig:
     """The `sampler` section as the sampler's frozen config (greedy: evaluation's)."""
     s = config.sampler
@@ -201,7 +214,7 @@ def sampler_cfg(config, task, greedy: bool = False, record_routing: bool = False
               pad_token_id=task.pad_id, prompt_buckets=tuple(task.prompt_buckets),
               cache_dtype=s.cache_dtype if s.cache_dtype != "auto" else config.model.dtype,
               turn_stop_ids=tuple(getattr(task, "turn_stop_ids", ())), backend=s.backend,
-              expert_parallel=s.expert_parallel)
+              expert_parallel=s.expert_parallel, tensor=s.tensor)
     if greedy:
         return SamplerConfig(temperature=0.0, num_samples=1, capture_topk=0, **kw)
     return SamplerConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, capture_topk=s.capture_topk,

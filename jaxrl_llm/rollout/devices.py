@@ -1,0 +1,81 @@
+"""How a sampler lays out its devices (`Sampler`): rows split over them (data parallel), a
+mixture's stacked experts split over the rows' devices (`SamplerConfig.expert_parallel`,
+`experts.among_devices`), and with `SamplerConfig.tensor` = T > 1 tensor parallelism: the devices
+form a (data, tensor) grid, and within each group of T devices every attention layer's heads (and
+KV heads, and so the KV cache), every dense MLP's width and the vocabulary are split T ways, as
+the learner's `tensor` axis splits them (`parallel.sharding.DEFAULT_RULES`). A model too large
+for one device's memory then samples on T of them.
+
+The sampler's `shard_map` is manual over the row axes only (`decode.per_device`); XLA partitions
+the tensor axis from the weights' shardings (GSPMD), inserting the reductions of Megatron-style
+tensor parallelism, so the decoder's code is the same on every layout. A mixture's stacked
+experts stay whole along their width (they split over the row devices instead).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxrl_llm.models import decoder, experts
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.parallel import sharding
+
+TENSOR = "tensor"
+
+
+def grid(mesh, tensor: int):
+    """(mesh, row axes): the sampler's devices as (data, tensor) when `tensor` > 1, else as given."""
+    if tensor == 1:
+        return mesh, mesh and tuple(mesh.axis_names)
+    n = 1 if mesh is None else mesh.size
+    if n % tensor:
+        raise ValueError(f"sampler.tensor={tensor} must divide the sampler's devices ({n}): set "
+                         f"--config.sampler.tensor to one of {[t for t in range(1, n + 1) if n % t == 0]}")
+    return Mesh(np.asarray(mesh.devices).reshape(-1, tensor), ("data", TENSOR)), ("data",)
+
+
+def row_devices(mesh) -> int:
+    """How many devices the rows split over (each runs its own rows)."""
+    return 1 if mesh is None else mesh.size // dict(mesh.shape).get(TENSOR, 1)
+
+
+def _split_names(cfg: ModelConfig, tensor: int) -> set:
+    """The logical axes split over `tensor`: those the learner's rules map to it, where it divides them."""
+    mlp = cfg.intermediate_size if cfg.shared_expert_intermediate_size % tensor == 0 else 1  # both MLPs' width
+    sizes = dict(heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, mlp=mlp, vocab=cfg.vocab_size)
+    return {name for name, axis in sharding.DEFAULT_RULES
+            if axis == TENSOR and sizes.get(name, 0) % tensor == 0 and name in sizes}
+
+
+def specs(cfg: ModelConfig, params, mesh, rows, split_experts: bool):
+    """PartitionSpecs of `params` on the sampler's mesh: stacked experts split on E over the row
+    axes (`split_experts`), with a tensor axis the heads / MLP / vocab dims over it, the rest
+    replicated."""
+    tensor = 1 if mesh is None else dict(mesh.shape).get(TENSOR, 1)
+    ex = experts.expert_specs(params, rows) if split_experts else jax.tree.map(lambda _: P(), params)
+    if tensor == 1:
+        return ex
+    split = _split_names(cfg, tensor)
+    logical = decoder.logical_axes(cfg)
+
+    def spec(path, e, names):
+        if e != P() or "expert" in tuple(names):  # stacked experts: over the row devices or whole
+            return e
+        return P(*(TENSOR if name in split else None for name in names))
+
+    return jax.tree_util.tree_map_with_path(spec, ex, logical, is_leaf=lambda x: isinstance(x, P))
+
+
+def manual(rows, params_specs):
+    """`specs` as a `shard_map` manual over the row axes reads them: the tensor axis left to XLA."""
+    def keep(a):
+        return a if a is not None and all(n in rows for n in (a if isinstance(a, tuple) else (a,))) else None
+
+    return jax.tree.map(lambda s: P(*map(keep, s)), params_specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def shardings(mesh, params_specs):
+    """A NamedSharding per leaf: where the weight store publishes and `Sampler.place_params` puts them."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), params_specs, is_leaf=lambda x: isinstance(x, P))
