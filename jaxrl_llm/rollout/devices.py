@@ -14,6 +14,8 @@ experts stay whole along their width (they split over the row devices instead).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -49,6 +51,12 @@ def _split_names(cfg: ModelConfig, tensor: int) -> set:
             if axis == TENSOR and sizes.get(name, 0) % tensor == 0 and name in sizes}
 
 
+@functools.lru_cache(maxsize=8)
+def _logical_axes(cfg: ModelConfig):
+    """The model's logical axes, traced once per model (the weight store asks on every publish)."""
+    return decoder.logical_axes(cfg)
+
+
 def specs(cfg: ModelConfig, params, mesh, rows, split_experts: bool):
     """PartitionSpecs of `params` on the sampler's mesh: stacked experts split on E over the row
     axes (`split_experts`), with a tensor axis the heads / MLP / vocab dims over it, the rest
@@ -58,7 +66,7 @@ def specs(cfg: ModelConfig, params, mesh, rows, split_experts: bool):
     if tensor == 1:
         return ex
     split = _split_names(cfg, tensor)
-    logical = decoder.logical_axes(cfg)
+    logical = _logical_axes(cfg)
 
     def spec(path, e, names):
         if e != P() or "expert" in tuple(names):  # stacked experts: over the row devices or whole
