@@ -136,11 +136,13 @@ def test_a_layer_exchanging_by_all_to_all_on_8_devices_equals_one_device(dispatc
 
 def test_on_a_gpu_the_exchange_is_ragged_all_to_all_both_ways(monkeypatch):
     """The layer's step on 8 devices exported for CUDA (lowered, not run: no GPU here): with
-    all_to_all the tokens move by XLA's ragged-all-to-all, forward (three rows out, one back) and
-    backward (their transposes); with gather, none."""
+    all_to_all the tokens move by XLA's ragged-all-to-all. The step runs the layer's forward
+    twice (its value, and under grad), each one call out (tokens, weights and expert ids as
+    bytes, `send_rows`) and one back; the backward pass the transposes of both. With gather, none."""
     monkeypatch.setattr(exchange, "ragged_collective", lambda: True)
     ragged = _layer_on(dict(data=2, expert=4), "grouped", exchange="all_to_all", platform="cuda")
-    assert ragged.count("@ragged_all_to_all") >= 6, ragged.count("@ragged_all_to_all")
+    calls = [line for line in ragged.splitlines() if "@ragged_all_to_all" in line]
+    assert len(calls) == 6 and sum("xui8>" in line for line in calls) == 3, len(calls)
     gathered = _layer_on(dict(data=2, expert=4), "grouped", platform="cuda")
     assert "@ragged_all_to_all" not in gathered and "all_gather" in gathered
 

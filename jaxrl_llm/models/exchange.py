@@ -82,6 +82,54 @@ def _gather_rows_bwd(axes, _, cotangents):  # all_gather's transpose: each devic
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def send_rows(axes, rows_out: int, chunk: int, plan, *arrays):
+    """Ragged all-to-all of several [M, ...] arrays with one `plan` (input offsets, send sizes,
+    output offsets, receive sizes: `jax.lax.ragged_all_to_all`'s) as one collective over their
+    bytes side by side -> each array's [rows_out, ...] received (zeros elsewhere). `chunk` > 0:
+    by `dense_ragged_all_to_all` with slices of that many rows (XLA:CPU)."""
+    return _send(axes, rows_out, chunk, plan, arrays)
+
+
+def _send(axes, rows_out, chunk, plan, arrays):
+    move = functools.partial(dense_ragged_all_to_all, chunk=chunk) if chunk else jax.lax.ragged_all_to_all
+    bytes_ = [_bytes(a) for a in arrays]
+    ends = list(itertools.accumulate(b.shape[1] for b in bytes_))
+    got = move(jnp.concatenate(bytes_, 1), jnp.zeros((rows_out, ends[-1]), jnp.uint8), *plan, axis_name=axes)
+    return tuple(_from_bytes(got[:, end - b.shape[1]:end], a) for a, b, end in zip(arrays, bytes_, ends))
+
+
+def _send_rows_fwd(axes, rows_out, chunk, plan, *arrays):
+    rows_in = jnp.zeros((arrays[0].shape[0], 0), jnp.uint8)  # (its shape: the rows sent from)
+    return send_rows(axes, rows_out, chunk, plan, *arrays), (plan, rows_in, tuple(a[:0] for a in arrays))
+
+
+def _varying(a):
+    return set(jax.typeof(a).manual_axis_type.varying)
+
+
+def _send_rows_bwd(axes, rows_out, chunk, res, cotangents):
+    """ragged_all_to_all's transpose: the rows received go back to where they were sent from (as
+    varying over the manual axes as the arrays sent: `shard_map`'s type check)."""
+    (offsets, sizes, there, received), rows_in, like = res
+    arrived_at = jax.lax.all_to_all(there, axes, 0, 0, tiled=True)  # where each device's slice sits here
+    came_from = jax.lax.all_to_all(offsets, axes, 0, 0, tiled=True)  # where it sat in that device's rows
+    real = [t for t in cotangents if t.dtype != jax.dtypes.float0]
+    back = iter(_send(axes, rows_in.shape[0], chunk, (arrived_at, received, came_from, sizes), real))
+
+    def one(t, primal):
+        if t.dtype == jax.dtypes.float0:
+            return None
+        g = next(back)
+        missing = tuple(sorted(_varying(primal) - _varying(g)))
+        return jax.lax.pcast(g, missing, to="varying") if missing else g
+
+    return ((None,) * 4, *map(one, cotangents, like))
+
+
+send_rows.defvjp(_send_rows_fwd, _send_rows_bwd)
+
+
 def gather(axes, devices: int, held: int, x_NxD, weights_NxK, ids_NxK):
     """(x [X N, D], weights, local ids, back): every device's tokens (`gather_rows`); `back`
     reduce-scatters their outputs (summed over the experts here) to their devices -> [N, D]."""
@@ -115,12 +163,8 @@ def all_to_all(axes, devices: int, held: int, x_NxD, weights_NxK, ids_NxK):
     earlier = jnp.broadcast_to(jnp.arange(devices) < me, counts.shape)  # [i, j]: j < me
     offsets, recv = jnp.cumsum(send) - send, counts[:, me]
     there = jnp.sum(jnp.where(earlier.T, counts, 0), 0)  # where my slice lands on each device
-    move = jax.lax.ragged_all_to_all if ragged_collective() else \
-        functools.partial(dense_ragged_all_to_all, chunk=n)
-
-    def out(rows, fill):
-        return move(rows, jnp.full((devices * n,) + rows.shape[1:], fill, rows.dtype), offsets, send, there, recv,
-                    axis_name=axes)
+    chunk = 0 if ragged_collective() else n  # a slice holds at most n rows (each token once)
+    move = functools.partial(dense_ragged_all_to_all, chunk=n) if chunk else jax.lax.ragged_all_to_all
 
     def back(y):
         home = jnp.sum(jnp.where(earlier, counts, 0), 1)  # where each device's slice for me sat in its rows
@@ -129,7 +173,10 @@ def all_to_all(axes, devices: int, held: int, x_NxD, weights_NxK, ids_NxK):
         return jnp.zeros((n, y.shape[1]), y.dtype).at[token].add(rows, mode="drop")
 
     x = x_NxD.at[token].get(mode="fill", fill_value=0)
-    return out(x, 0), out(weights, 0), out(ids, held), back
+    # tokens, weights and ids in one collective (`send_rows`); the rows past those received hold no expert here
+    x, weights, ids = send_rows(axes, devices * n, chunk, (offsets, send, there, recv), x, weights, ids)
+    ids = jnp.where((jnp.arange(devices * n) < jnp.sum(recv))[:, None], ids, held)
+    return x, weights, ids, back
 
 
 def tokens(how: str, axes, devices: int, held: int, x_NxD, weights_NxK, ids_NxK):
