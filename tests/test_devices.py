@@ -74,8 +74,8 @@ def test_each_device_holds_half_the_cache_and_the_plan_counts_its_share(params):
 
 def test_a_mixture_of_experts_splits_its_experts_over_the_rows_and_the_rest_over_tensor():
     """MoE (a shared expert, top 2 of 8) on data 2 x tensor 2: the tokens, routing and log-probs
-    of one device; the stacked experts split over the 2 row devices (4 each, whole along their
-    width), the shared expert's MLP over tensor."""
+    of one device; the stacked experts split over the 2 row devices (4 each) and their width
+    over tensor, the shared expert's MLP over tensor, as the plan counts them."""
     moe_params = decoder.init_params(MOE_CFG, jax.random.key(0))
     s = _sampler(MOE_CFG, 4, 2, new=12, record=True)
     got = jax.tree.map(np.asarray, s.generate(moe_params, MOE_PROMPTS, jax.random.key(3), limits=MOE_LIMITS))
@@ -85,9 +85,16 @@ def test_a_mixture_of_experts_splits_its_experts_over_the_rows_and_the_rest_over
     np.testing.assert_array_equal(got.routing, one.routing)
     np.testing.assert_allclose(got.behav_logp, one.behav_logp, atol=1e-5)
     assert s.splits_experts
-    held = _held(s.place_params(moe_params), jax.devices()[1])
-    assert held["['layers_0']['moe']['gate']"] == (4, 32, 16)
+    placed = s.place_params(moe_params)
+    held = _held(placed, jax.devices()[1])
+    assert held["['layers_0']['moe']['gate']"] == (4, 32, 8)
     assert held["['layers_0']['moe']['shared_gate']"] == (32, 8)
+    device = jax.devices()[1]
+    nbytes = sum(sh.data.nbytes for x in jax.tree.leaves(placed) for sh in x.addressable_shards if sh.device == device)
+    plan = memory.sampler(MOE_CFG, 6, 8, 12, split_experts=2, tensor=2)
+    # the routers and norms are whole on every device; the plan splits them too (3% of this tiny model)
+    assert plan["weights"] + plan["experts"] == pytest.approx(nbytes, rel=0.04)
+    assert plan["experts"] * 2 * 2 == MOE_CFG.expert_params * 4
 
 
 def test_a_tensor_size_that_does_not_divide_the_devices_is_refused():

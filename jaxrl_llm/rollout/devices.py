@@ -9,7 +9,8 @@ for one device's memory then samples on T of them.
 The sampler's `shard_map` is manual over the row axes only (`decode.per_device`); XLA partitions
 the tensor axis from the weights' shardings (GSPMD), inserting the reductions of Megatron-style
 tensor parallelism, so the decoder's code is the same on every layout. A mixture's stacked
-experts stay whole along their width (they split over the row devices instead).
+experts split over the row devices on E (`experts.among_devices` exchanges the tokens) and over
+tensor along their width; its routers stay whole (every token's top k is over all E).
 """
 
 from __future__ import annotations
@@ -66,11 +67,14 @@ def specs(cfg: ModelConfig, params, mesh, rows, split_experts: bool):
     if tensor == 1:
         return ex
     split = _split_names(cfg, tensor)
+    width = cfg.moe_intermediate_size % tensor == 0
     logical = _logical_axes(cfg)
 
     def spec(path, e, names):
-        if e != P() or "expert" in tuple(names):  # stacked experts: over the row devices or whole
-            return e
+        names = tuple(names)
+        if "expert" in names:  # stacked experts: E over the row devices (or whole), their width over tensor
+            return P(*(e[0] if e and i == 0 else TENSOR if name == "mlp" and width else None
+                       for i, name in enumerate(names)))
         return P(*(TENSOR if name in split else None for name in names))
 
     return jax.tree_util.tree_map_with_path(spec, ex, logical, is_leaf=lambda x: isinstance(x, P))

@@ -190,8 +190,8 @@ def sampler(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int, cache
     matmuls in float32 from float32 copies of the weights, one layer at a time. `split_experts`
     > 1: a mixture's stacked experts split over that many sampler devices (`Sampler.splits_experts`),
     their share as `experts` beside the other `weights`. `tensor` > 1 (`sampler.tensor`,
-    `rollout/devices.py`): the weights but the stacked experts, the KV cache, the logits and
-    the attention scores split that many ways (norms too, which are whole: a few kB)."""
+    `rollout/devices.py`): the weights (stacked experts along their width), the KV cache, the
+    logits and the attention scores split that many ways (norms too, which are whole: a few kB)."""
     import jax
 
     w = nbytes(weights_dtype or cfg.dtype)
@@ -202,14 +202,15 @@ def sampler(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int, cache
     kv = cfg.num_kv_heads // tensor if cfg.num_kv_heads % tensor == 0 else cfg.num_kv_heads
     cache = 2 * cfg.num_layers * rows * kv * cfg.head_dim * positions * nbytes(cache_dtype)
     split = cfg.expert_params if split_experts > 1 else 0
-    whole = cfg.expert_params - split  # stacked experts kept whole along their width
+    width = tensor if cfg.moe_intermediate_size % tensor == 0 else 1  # stacked experts' width over tensor
     per = lambda x: -(-x // tensor)  # noqa: E731
-    parts = {"weights": (per(cfg.num_params - split - whole) + whole) * w, "cpu_f32_layer": per(upcast),
+    parts = {"weights": (per(cfg.num_params - cfg.expert_params) + (cfg.expert_params - split) // width) * w,
+             "cpu_f32_layer": per(upcast),
              "unembed_f32": per(unembed) if copies_unembed else 0, "kv_cache": 2 * cache,
              "logits": per(4 * rows * cfg.vocab_size * 4),
              "prefill": rows * per(cfg.num_heads) * prompt_len * prompt_len * 8
              + rows * prompt_len * cfg.hidden_size * 16}
-    return {**parts, "experts": -(-split // split_experts) * w} if split else parts
+    return {**parts, "experts": -(-split // (split_experts * width)) * w} if split else parts
 
 
 def total(parts: dict) -> int:
