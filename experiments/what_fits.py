@@ -38,13 +38,19 @@ LENGTHS = (1024, 4096, 16384)
 LORA_RANK = 16
 
 
-def plan_gb(shape, rows, seq_len, minibatches, sample_rows, layout, prompt=256, lora_rank=0):
+def qwen25(shape, lora_rank=0) -> ModelConfig:
+    """A Qwen2.5 model of `shape` (layers, hidden, mlp, heads, kv heads, head_dim, tied), bf16,
+    `remat=full`; with `lora_rank`, LoRA on attention + MLP."""
     layers, d, f, h, k, hd, tied = shape
     cfg = ModelConfig(vocab_size=V, hidden_size=d, intermediate_size=f, num_layers=layers, num_heads=h,
                       num_kv_heads=k, head_dim=hd, tie_word_embeddings=tied, dtype="bfloat16", remat="full")
     if lora_rank:
         cfg = cfg.replace(lora_rank=lora_rank, lora_alpha=2.0 * lora_rank, lora_targets=tuple(lora.TARGETS))
-    return sum(parts_gb(cfg, rows, seq_len, minibatches, sample_rows, layout, prompt))
+    return cfg
+
+
+def plan_gb(shape, rows, seq_len, minibatches, sample_rows, layout, prompt=256, lora_rank=0):
+    return sum(parts_gb(qwen25(shape, lora_rank), rows, seq_len, minibatches, sample_rows, layout, prompt))
 
 
 def parts_gb(cfg, rows, seq_len, minibatches, sample_rows, layout, prompt=256) -> tuple:
@@ -116,11 +122,9 @@ def tp_table(a) -> list[str]:
              "cache and logits; the rows split over 8 / T groups).", "",
              "| model | machine | " + " | ".join(f"tensor={t}" for t in sizes) + " |",
              "|---|---|" + "---|" * len(sizes)]
-    for name, (layers, d, f, h, k, hd, tied) in QWEN25_LARGE.items():
-        base = ModelConfig(vocab_size=V, hidden_size=d, intermediate_size=f, num_layers=layers, num_heads=h,
-                           num_kv_heads=k, head_dim=hd, tie_word_embeddings=tied, dtype="bfloat16", remat="full")
-        adapted = base.replace(lora_rank=LORA_RANK, lora_alpha=2.0 * LORA_RANK, lora_targets=tuple(lora.TARGETS))
-        for label, cfg in ((f"Qwen2.5-{name}", base), (f"Qwen2.5-{name}, LoRA r={LORA_RANK}", adapted)):
+    for name, shape in QWEN25_LARGE.items():
+        for label, cfg in ((f"Qwen2.5-{name}", qwen25(shape)), (f"Qwen2.5-{name}, LoRA r={LORA_RANK}",
+                                                                 qwen25(shape, LORA_RANK))):
             for machine, (cap, layout) in TP_MACHINES.items():
                 learner = memory.total(memory.learner(cfg, a.rows, n, a.minibatches, layout=layout)) / memory.GB
                 cells = []

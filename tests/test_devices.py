@@ -24,6 +24,10 @@ def _sampler(cfg, devices, tensor, batching="static", new=12, record=False):
                    mesh=Mesh(np.asarray(jax.devices()[:devices]), ("data",)))
 
 
+def _bytes_on(tree, device):
+    return sum(sh.data.nbytes for x in jax.tree.leaves(tree) for sh in x.addressable_shards if sh.device == device)
+
+
 def _held(tree, device):
     return {jax.tree_util.keystr(p): [s.data.shape for s in x.addressable_shards if s.device == device][0]
             for p, x in jax.tree_util.tree_leaves_with_path(tree)}
@@ -65,8 +69,7 @@ def test_each_device_holds_half_the_cache_and_the_plan_counts_its_share(params):
     assert 0.4 < temp[2] / temp[1] < 0.6, temp
     s = _sampler(CFG, 4, 2)
     placed = s.place_params(params)
-    device = jax.devices()[0]
-    held = sum(sh.data.nbytes for x in jax.tree.leaves(placed) for sh in x.addressable_shards if sh.device == device)
+    held = _bytes_on(placed, jax.devices()[0])
     plan = memory.sampler(CFG, 12, 8, 12, tensor=2)
     assert plan["weights"] == pytest.approx(held, rel=0.02) and plan["weights"] < 0.55 * CFG.num_params * 4
     assert plan["kv_cache"] * 2 == memory.sampler(CFG, 12, 8, 12)["kv_cache"]
@@ -89,8 +92,7 @@ def test_a_mixture_of_experts_splits_its_experts_over_the_rows_and_the_rest_over
     held = _held(placed, jax.devices()[1])
     assert held["['layers_0']['moe']['gate']"] == (4, 32, 8)
     assert held["['layers_0']['moe']['shared_gate']"] == (32, 8)
-    device = jax.devices()[1]
-    nbytes = sum(sh.data.nbytes for x in jax.tree.leaves(placed) for sh in x.addressable_shards if sh.device == device)
+    nbytes = _bytes_on(placed, jax.devices()[1])
     plan = memory.sampler(MOE_CFG, 6, 8, 12, split_experts=2, tensor=2)
     # the routers and norms are whole on every device; the plan splits them too (3% of this tiny model)
     assert plan["weights"] + plan["experts"] == pytest.approx(nbytes, rel=0.04)

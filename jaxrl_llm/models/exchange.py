@@ -59,15 +59,29 @@ def _from_bytes(b, like):
                                         like.dtype)
 
 
+def _packed(arrays):
+    """(the arrays' bytes side by side [N, B] uint8, unpack: [M, B] -> each array's [M, ...])."""
+    bytes_ = [_bytes(a) for a in arrays]
+    ends = list(itertools.accumulate(b.shape[1] for b in bytes_))
+
+    def unpack(got):
+        return tuple(_from_bytes(got[:, end - b.shape[1]:end], a) for a, b, end in zip(arrays, bytes_, ends))
+
+    return jnp.concatenate(bytes_, 1), unpack
+
+
+def _mover(chunk: int):
+    """ragged_all_to_all, or with `chunk` > 0 its dense stand-in with slices of that many rows (XLA:CPU)."""
+    return functools.partial(dense_ragged_all_to_all, chunk=chunk) if chunk else jax.lax.ragged_all_to_all
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def gather_rows(axes, *arrays):
     """`jax.lax.all_gather` (tiled, axis 0) of several [N, ...] arrays as one collective over
     their bytes side by side: one rendezvous where each array would take its own, which on CPU
     is most of what a small collective costs (a decode step's tokens, weights and expert ids)."""
-    bytes_ = [_bytes(a) for a in arrays]
-    ends = list(itertools.accumulate(b.shape[1] for b in bytes_))
-    got = jax.lax.all_gather(jnp.concatenate(bytes_, 1), axes, axis=0, tiled=True)
-    return tuple(_from_bytes(got[:, end - b.shape[1]:end], a) for a, b, end in zip(arrays, bytes_, ends))
+    packed, unpack = _packed(arrays)
+    return unpack(jax.lax.all_gather(packed, axes, axis=0, tiled=True))
 
 
 def _gather_rows_fwd(axes, *arrays):
@@ -92,11 +106,8 @@ def send_rows(axes, rows_out: int, chunk: int, plan, *arrays):
 
 
 def _send(axes, rows_out, chunk, plan, arrays):
-    move = functools.partial(dense_ragged_all_to_all, chunk=chunk) if chunk else jax.lax.ragged_all_to_all
-    bytes_ = [_bytes(a) for a in arrays]
-    ends = list(itertools.accumulate(b.shape[1] for b in bytes_))
-    got = move(jnp.concatenate(bytes_, 1), jnp.zeros((rows_out, ends[-1]), jnp.uint8), *plan, axis_name=axes)
-    return tuple(_from_bytes(got[:, end - b.shape[1]:end], a) for a, b, end in zip(arrays, bytes_, ends))
+    packed, unpack = _packed(arrays)
+    return unpack(_mover(chunk)(packed, jnp.zeros((rows_out, packed.shape[1]), jnp.uint8), *plan, axis_name=axes))
 
 
 def _send_rows_fwd(axes, rows_out, chunk, plan, *arrays):
@@ -164,11 +175,10 @@ def all_to_all(axes, devices: int, held: int, x_NxD, weights_NxK, ids_NxK):
     offsets, recv = jnp.cumsum(send) - send, counts[:, me]
     there = jnp.sum(jnp.where(earlier.T, counts, 0), 0)  # where my slice lands on each device
     chunk = 0 if ragged_collective() else n  # a slice holds at most n rows (each token once)
-    move = functools.partial(dense_ragged_all_to_all, chunk=n) if chunk else jax.lax.ragged_all_to_all
 
     def back(y):
         home = jnp.sum(jnp.where(earlier, counts, 0), 1)  # where each device's slice for me sat in its rows
-        rows = move(y, jnp.zeros((cap, y.shape[1]), y.dtype), jnp.cumsum(recv) - recv, recv, home, send,
+        rows = _mover(chunk)(y, jnp.zeros((cap, y.shape[1]), y.dtype), jnp.cumsum(recv) - recv, recv, home, send,
                     axis_name=axes)
         return jnp.zeros((n, y.shape[1]), y.dtype).at[token].add(rows, mode="drop")
 

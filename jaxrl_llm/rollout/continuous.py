@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_llm.rollout import decode, devices
+from jaxrl_llm.rollout import decode
 from jaxrl_llm.rollout import turns as turns_lib
 from jaxrl_llm.rollout import slot_state
 from jaxrl_llm.rollout.slot_state import attention_width, pow2
@@ -60,8 +60,7 @@ class SlotEngine:
         specs, pool_specs = (decode.DecodeState.specs(rows, per_row=True, routing=scfg.record_routing),
                              decode.DecodeState.specs(rows, routing=scfg.record_routing))
         r, rep = PartitionSpec(rows), PartitionSpec()
-        local = functools.partial(decode.per_device, mesh, rows)
-        ps = lambda params: devices.manual(rows, sampler.param_specs(params))  # noqa: E731
+        local, ps = functools.partial(decode.per_device, mesh, rows), sampler.manual_specs
         self._rows = None if mesh is None else NamedSharding(mesh, r)
         shard = None if mesh is None else jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 

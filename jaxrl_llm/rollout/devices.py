@@ -32,11 +32,15 @@ def grid(mesh, tensor: int):
     """(mesh, row axes): the sampler's devices as (data, tensor) when `tensor` > 1, else as given."""
     if tensor == 1:
         return mesh, mesh and tuple(mesh.axis_names)
-    n = 1 if mesh is None else mesh.size
-    if n % tensor:
-        raise ValueError(f"sampler.tensor={tensor} must divide the sampler's devices ({n}): set "
-                         f"--config.sampler.tensor to one of {[t for t in range(1, n + 1) if n % t == 0]}")
+    check_tensor(1 if mesh is None else mesh.size, tensor)
     return Mesh(np.asarray(mesh.devices).reshape(-1, tensor), ("data", TENSOR)), ("data",)
+
+
+def check_tensor(devices: int, tensor: int) -> None:
+    """`sampler.tensor` must divide the sampler's devices: refused naming the sizes that do."""
+    if devices % tensor:
+        raise ValueError(f"sampler.tensor={tensor} must divide the sampler's devices ({devices}): set "
+                         f"--config.sampler.tensor to one of {[t for t in range(1, devices + 1) if devices % t == 0]}")
 
 
 def row_devices(mesh) -> int:

@@ -49,7 +49,8 @@ class Sampler:
         # a mixture of experts on several devices: each holds E / devices of the experts (`place_params`)
         self.splits_experts = mesh is not None and experts.splits(model_cfg.num_experts, self.row_devices,
                                                                   cfg.expert_parallel)
-        ps = lambda params: devices.manual(rows, self.param_specs(params))  # noqa: E731
+        # the params' specs as the `shard_map` over the rows reads them (the continuous engine's too)
+        self.manual_specs = ps = lambda params: devices.manual(rows, self.param_specs(params))  # noqa: E731
 
         def generate(params, prompt, mask, limit, key, version, mcfg, scfg):
             f = functools.partial(decode.generate, mcfg=mcfg, scfg=scfg, rows=rows)

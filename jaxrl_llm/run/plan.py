@@ -17,7 +17,7 @@ from jaxrl_llm import models, objectives, tasks
 from jaxrl_llm.gateway import agents
 from jaxrl_llm.parallel import distributed, sharding
 from jaxrl_llm.run import memory, paths
-from jaxrl_llm.rollout import SamplerConfig
+from jaxrl_llm.rollout import SamplerConfig, devices as sampler_devices_lib
 
 _MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 
@@ -201,10 +201,7 @@ def check_sampler_tensor(config, sampler_devices) -> None:
     if t > 1 and config.task.name in tasks.MULTI_TURN + ("agent",):
         raise ValueError(f"sampler.tensor={t}: task {config.task.name!r} is multi-turn, whose episodes decode on one "
                          "device for now (set --config.sampler.tensor=1)")
-    if len(sampler_devices) % t:
-        n = len(sampler_devices)
-        raise ValueError(f"sampler.tensor={t} must divide the sampler's devices ({n}): set --config.sampler.tensor "
-                         f"to one of {[d for d in range(1, n + 1) if n % d == 0]}")
+    sampler_devices_lib.check_tensor(len(sampler_devices), t)
 
 
 def sampler_cfg(config, task, greedy: bool = False, record_routing: bool = False) -> SamplerConfig:
