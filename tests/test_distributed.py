@@ -265,6 +265,30 @@ def test_launcher_forwards_sigterm_and_lets_every_process_save():
     assert out.count("saved") == 2 and "stopped by SIGTERM" in out, out
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_children_die_with_a_killed_launcher():
+    """kill -9 of the launcher ends its processes too: an orphan would go on training and writing
+    the checkpoints a resumed run reads."""
+    child = "import os, time; print(os.getpid(), flush=True); time.sleep(120)"
+    parent = (f"import sys; from jaxrl_llm.parallel import launch; child = {child!r}\n"
+              "sys.exit(launch.run([[sys.executable, '-c', child] for i in range(2)]))")
+    p = subprocess.Popen([sys.executable, "-c", parent], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+    pids = [int(p.stdout.readline().split()[-1]) for _ in range(2)]
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), pids
+
+
 def test_core_sets_split_the_cores_into_equal_disjoint_blocks():
     assert launch.core_sets(2, {0, 1, 2, 3}) == [{0, 1}, {2, 3}]
     assert launch.core_sets(3, range(7)) == [{0, 1}, {2, 3}, {4, 5}]  # equal shares; core 6 unused

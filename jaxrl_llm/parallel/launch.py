@@ -7,7 +7,8 @@ Each process gets `--config.distributed.*` (coordinator on a free local port, it
 (`--config.distributed.local_device_ids`: process i the i-th block of K), so no two processes
 preallocate memory on the same device. Output lines are prefixed with the process index; Ctrl-C
 is forwarded to every process; when one exits non-zero (or is killed) the others are ended and the launcher
-exits non-zero, naming the process that died first. Each process is bound to its own equal
+exits non-zero, naming the process that died first; when the launcher itself is killed (-9), so are they
+(`PR_SET_PDEATHSIG` on Linux), so no orphan goes on writing the run's checkpoints. Each process is bound to its own equal
 share of the launcher's cores (`core_sets`; `--cpu_bind=False` leaves them shared), as a host
 has its own. On a cluster, start the main command once per host instead (docs/many_hosts.md).
 """
@@ -15,6 +16,7 @@ has its own. On a cluster, start the main command once per host instead (docs/ma
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import socket
@@ -55,6 +57,20 @@ def core_sets(processes: int, cores=None):
     return [set(cores[i * k:(i + 1) * k]) for i in range(processes)]
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _child_setup(cores, parent: int) -> None:
+    """In each child before it runs (`preexec_fn`): its cores, and SIGKILL once the launcher dies,
+    unless that happened already (then its parent is no longer `parent`)."""
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
 def _pump(i: int, stream, out) -> None:
     for line in iter(stream.readline, ""):
         out.write(f"[{i}] {line}")
@@ -65,8 +81,9 @@ def run(cmds: list, out=sys.stdout, cores=None) -> int:
     """Run `cmds` concurrently (command i on the cores `cores[i]`, when given); returns 0 when
     all succeed, else the first failure's code."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    me = os.getpid()
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              preexec_fn=None if cores is None else (lambda i=i: os.sched_setaffinity(0, cores[i])))
+                              preexec_fn=lambda i=i: _child_setup(None if cores is None else cores[i], me))
              for i, c in enumerate(cmds)]
     pumps = [threading.Thread(target=_pump, args=(i, p.stdout, out), daemon=True) for i, p in enumerate(procs)]
     for t in pumps:
