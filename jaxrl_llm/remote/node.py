@@ -378,11 +378,22 @@ def _serve(a) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    try:
-        node.run()
-    except Exception as e:
-        log.error("node %s stops: %s", node.name, e)
-        return 2
+    failed = []
+
+    def work():
+        try:
+            node.run()
+        except Exception as e:
+            failed.append(e)
+
+    worker = threading.Thread(target=work, name="node", daemon=True)
+    worker.start()
+    try:  # Python runs a signal's handler in the main thread between bytecodes: kept free here, it
+        while worker.is_alive():  # returns the leases while a decode call is in flight
+            worker.join(0.5)
     finally:
         node.close()
+    if failed:
+        log.error("node %s stops: %s", node.name, failed[0])
+        return 2
     return 0
