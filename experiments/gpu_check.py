@@ -1,4 +1,4 @@
-"""The GPU check: one command for a lent H100 / H200 (at most ~9 minutes), not a test.
+"""The GPU check: one command for a lent H100 / H200 (about 9 minutes before `moe`), not a test.
 
     python experiments/gpu_check.py [--out experiments/results/gpu_check_<kind>.json] [--wheels DIR]
     python experiments/gpu_check.py --dry          # every stage at tiny shapes on CPU (a test runs this)
@@ -25,6 +25,10 @@ earlier ones; a stage that raises records its error and the next one runs):
   prox_pass    the prox pass's compiled temporaries vs the plan's step temporaries (V = 152k)
   end_to_end   the default config (embedded task, no downloads), 20 steps, static and continuous
                batching: wall seconds, trained tokens/s, last reward
+  moe          a Qwen3-30B-A3B-shaped mixture (128 experts of width 768, top 8; 2 layers, vocab
+               32k) per dispatch (grouped: `auto`'s choice on GPU; blocked): learner and decode
+               tokens/s, compiled peaks, and the largest float32 log-prob difference from
+               grouped on one batch
 
 `--dry` (the default off an accelerator) runs the same code at tiny shapes on CPU; no MFU or
 roofline figure is reported there. `--wheels DIR` installs what the device image lacks first.
@@ -259,11 +263,31 @@ def end_to_end(s) -> dict:
     return out
 
 
+def moe(s) -> dict:
+    import jax
+    import numpy as np
+
+    from jaxrl_llm.models import decoder, heads, moe as moe_layer
+
+    base = s.moe_cfg
+    tokens = np.random.default_rng(3).integers(1, base.vocab_size, (2, 64))
+    out, ref = {"auto": moe_layer.dispatch(base)}, None
+    for d in ("grouped", "blocked"):  # dense: E / k = 16x the experts' FLOPs
+        cfg, r = base.replace(moe_dispatch=d), {}
+        r.update(bench_gpu.learner_step(cfg, s.rows, s.seq_len, s.repeats)[0])
+        r.update(bench_gpu.decode(cfg, s.sample_rows, s.prompt_len, s.new_tokens, s.repeats))
+        c32 = cfg.replace(dtype="float32")
+        logp = np.asarray(heads.sequence_logprobs(decoder.init_params(c32, jax.random.key(0)), c32, tokens)["logp"])
+        ref = logp if ref is None else ref
+        out[d] = {**r, "logp_max_abs_diff_from_grouped": float(np.abs(logp - ref).max())}
+    return out
+
+
 def two_steps(s) -> dict:
     return {"bitwise_equal": two_steps_equal(s)}
 
 
-STAGES = [backend, init, vocab, attention, head, decode, logp_gap, learner, determinism, prox_pass, end_to_end]
+STAGES = [backend, init, vocab, attention, head, decode, logp_gap, learner, determinism, prox_pass, end_to_end, moe]
 CHILD_STAGES = [two_steps]  # run by `determinism` in its child process, never by default
 
 
@@ -282,8 +306,12 @@ def settings(a):
         else dict(rows=4, seq_len=64, sample_rows=4, prompt_len=16, new_tokens=16, vocab=4096, steps=2)
     import types
 
-    return types.SimpleNamespace(cfg=ModelConfig(**shapes, dtype="bfloat16"), accelerator=accelerator, kind=kind,
-                                 repeats=a.repeats, **sizes)
+    experts = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768) if big else \
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    moe_cfg = ModelConfig(**{**shapes, "num_layers": 2, "vocab_size": 32768 if big else shapes["vocab_size"]},
+                          **experts, model_type="qwen3_moe", norm_topk_prob=True, qk_norm=True, dtype="bfloat16")
+    return types.SimpleNamespace(cfg=ModelConfig(**shapes, dtype="bfloat16"), moe_cfg=moe_cfg, accelerator=accelerator,
+                                 kind=kind, repeats=a.repeats, **sizes)
 
 
 def main():

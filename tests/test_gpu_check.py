@@ -25,3 +25,6 @@ def test_every_stage_runs_dry_and_writes_its_json(tmp_path):
     assert r["prox_pass"]["prox_pass_temp_vs_plan"] <= 1.3
     assert [r["end_to_end"][b]["steps"] for b in ("static", "continuous")] == [2, 2]
     assert "mfu" not in r["learner"] and "fraction_of_roofline" not in r["decode"]  # no peak figures on a CPU
+    assert r["moe"]["auto"] == "blocked" and r["moe"]["blocked"]["logp_max_abs_diff_from_grouped"] < 1e-5
+    speeds = ("learner_tokens_per_s", "decode_tokens_per_s")
+    assert all(r["moe"][d][k] > 0 for d in ("grouped", "blocked") for k in speeds)
