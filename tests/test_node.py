@@ -192,7 +192,7 @@ def test_a_stopping_node_waits_for_its_leases_release_a_bounded_time():
         server.shutdown()
 
 
-def test_sigterm_returns_the_leases_while_a_call_to_the_learner_hangs(tmp_path):
+def test_sigterm_returns_the_leases_while_a_call_to_the_learner_hangs():
     """Python runs a signal's handler in the main thread, between bytecodes, and a Flight call
     does not give it back until it ends (up to the client's 30 s timeout, against a learner under
     load): the node's work runs beside the main thread, so SIGTERM returns the leases and exits

@@ -7,10 +7,10 @@ Each process gets `--config.distributed.*` (coordinator on a free local port, it
 (`--config.distributed.local_device_ids`: process i the i-th block of K), so no two processes
 preallocate memory on the same device. Output lines are prefixed with the process index; Ctrl-C
 is forwarded to every process; when one exits non-zero (or is killed) the others are ended and the launcher
-exits non-zero, naming the process that died first; when the launcher itself is killed (-9), so are they
-(`PR_SET_PDEATHSIG` on Linux), so no orphan goes on writing the run's checkpoints. Each process is bound to its own equal
-share of the launcher's cores (`core_sets`; `--cpu_bind=False` leaves them shared), as a host
-has its own. On a cluster, start the main command once per host instead (docs/many_hosts.md).
+exits non-zero, naming the process that died first; when the launcher itself is killed (-9), so
+are they (`PR_SET_PDEATHSIG` on Linux): no orphan goes on writing the run's checkpoints. Each
+process is bound to its own equal share of the launcher's cores (`core_sets`; `--cpu_bind=False`
+leaves them shared), as a host has its own. On a cluster, start the main command once per host instead (docs/many_hosts.md).
 """
 
 from __future__ import annotations
