@@ -10,7 +10,8 @@ is forwarded to every process; when one exits non-zero (or is killed) the others
 exits non-zero, naming the process that died first; when the launcher itself is killed (-9), so
 are they (`PR_SET_PDEATHSIG` on Linux): no orphan goes on writing the run's checkpoints. Each
 process is bound to its own equal share of the launcher's cores (`core_sets`; `--cpu_bind=False`
-leaves them shared), as a host has its own. On a cluster, start the main command once per host instead (docs/many_hosts.md).
+leaves them shared), as a host has its own. On a cluster, start the main command once per host
+instead (docs/many_hosts.md).
 """
 
 from __future__ import annotations
