@@ -271,13 +271,13 @@ def moe(s) -> dict:
 
     base = s.moe_cfg
     tokens = np.random.default_rng(3).integers(1, base.vocab_size, (2, 64))
+    params32 = decoder.init_params(base.replace(dtype="float32"), jax.random.key(0))
     out, ref = {"auto": moe_layer.dispatch(base)}, None
     for d in ("grouped", "blocked"):  # dense: E / k = 16x the experts' FLOPs
         cfg, r = base.replace(moe_dispatch=d), {}
         r.update(bench_gpu.learner_step(cfg, s.rows, s.seq_len, s.repeats)[0])
         r.update(bench_gpu.decode(cfg, s.sample_rows, s.prompt_len, s.new_tokens, s.repeats))
-        c32 = cfg.replace(dtype="float32")
-        logp = np.asarray(heads.sequence_logprobs(decoder.init_params(c32, jax.random.key(0)), c32, tokens)["logp"])
+        logp = np.asarray(heads.sequence_logprobs(params32, cfg.replace(dtype="float32"), tokens)["logp"])
         ref = logp if ref is None else ref
         out[d] = {**r, "logp_max_abs_diff_from_grouped": float(np.abs(logp - ref).max())}
     return out

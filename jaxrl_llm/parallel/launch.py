@@ -59,16 +59,17 @@ def core_sets(processes: int, cores=None):
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# looked up at import, before any fork: no dynamic loading in a child forked from a process with threads
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
 
 
-def _child_setup(cores, parent: int, prctl) -> None:
+def _child_setup(cores, parent: int) -> None:
     """In each child before it runs (`preexec_fn`): its cores, and SIGKILL once the launcher dies,
-    unless that happened already (then its parent is no longer `parent`). `prctl` is looked up
-    before the fork: no dynamic loading in a child forked from a process with threads."""
+    unless that happened already (then its parent is no longer `parent`)."""
     if cores is not None:
         os.sched_setaffinity(0, cores)
-    if prctl is not None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:
             os._exit(1)
 
@@ -83,9 +84,9 @@ def run(cmds: list, out=sys.stdout, cores=None) -> int:
     """Run `cmds` concurrently (command i on the cores `cores[i]`, when given); returns 0 when
     all succeed, else the first failure's code."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    me, prctl = os.getpid(), ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+    me = os.getpid()
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              preexec_fn=lambda i=i: _child_setup(None if cores is None else cores[i], me, prctl))
+                              preexec_fn=lambda i=i: _child_setup(None if cores is None else cores[i], me))
              for i, c in enumerate(cmds)]
     pumps = [threading.Thread(target=_pump, args=(i, p.stdout, out), daemon=True) for i, p in enumerate(procs)]
     for t in pumps:

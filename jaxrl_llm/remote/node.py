@@ -389,7 +389,7 @@ def _serve(a) -> int:
     worker = threading.Thread(target=work, name="node", daemon=True)
     worker.start()
     try:  # Python runs a signal's handler in the main thread between bytecodes: kept free here, it
-        while worker.is_alive():  # returns the leases while a decode call is in flight
+        while worker.is_alive():  # returns the leases even while a Flight call to the learner hangs
             worker.join(0.5)
     finally:
         node.close()
