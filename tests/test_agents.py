@@ -178,7 +178,7 @@ def test_external_agents_take_their_sessions_from_rl_prompts(tmp_path):
     c.sampler.slots, c.task.max_turns, c.gateway.concurrency = 3, 3, 4
     c.task.agent, c.runtime.mode = "", "sync"
     c.gateway.update(external=True, token="s3cret", port=port)
-    stop, played, auth = threading.Event(), [], {"Authorization": "Bearer s3cret"}
+    stop, played, probes, auth = threading.Event(), [], [], {"Authorization": "Bearer s3cret"}
     base = f"http://127.0.0.1:{port}"
 
     async def elsewhere():
@@ -189,6 +189,15 @@ def test_external_agents_take_their_sessions_from_rl_prompts(tmp_path):
                 r = await http.post(f"{base}/rl/sessions/{item['session']}/reward", json={"reward": reward},
                                     headers=auth)
                 played.append((item["session"], r.status_code))
+                if not probes:  # a made-up session, and one played already: neither opens a row
+                    probes.append(item["session"])
+                    ask = [{"role": "user", "content": "1+1="}]
+                    for name in ("intruder", item["session"]):
+                        other = openai.AsyncOpenAI(base_url=f"{base}/s/{name}/v1", api_key="s3cret", max_retries=0)
+                        try:
+                            await other.chat.completions.create(model="policy", messages=ask)
+                        except openai.APIStatusError as e:
+                            probes.append((name, e.status_code, e.message))
 
             tasks = []
             while not stop.is_set():
@@ -212,6 +221,9 @@ def test_external_agents_take_their_sessions_from_rl_prompts(tmp_path):
     step = next(r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r)
     assert step["episode/count"] == 2 * 4 and step["gateway/sessions_closed"] >= 8
     assert len(played) >= 8 and all(code == 200 for _, code in played)
+    (_, intruder, again) = probes
+    assert intruder[:2] == ("intruder", 404) and "not one this run handed out" in intruder[2]
+    assert again[1] in (400, 404) and ("closed" in again[2] or "handed out" in again[2])
     assert json.load(open(tmp_path / "config.json"))["gateway"]["token"] == "***"  # never written out
 
 

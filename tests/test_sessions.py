@@ -147,3 +147,28 @@ def test_a_prompt_past_the_largest_bucket_is_refused_before_any_row_exists():
     assert t.rows == {} and t.latest == {} and t.counts["opened"] == 0
     _, row = t.request("long", [USER])  # 3 ids: fits
     assert row is not None and t.counts["opened"] == 1
+
+
+def test_a_run_that_names_its_sessions_opens_no_other():
+    """`named`: a made-up name, a name the run stopped waiting for, and the name of a session
+    already handed over open nothing (no row for the slots, none left unclaimed); a name handed
+    out opens once, and a refused first request (too long) does not use it up."""
+    t = sessions.Sessions(Format(), 4, 10.0, max_prompt=3, named=True)
+    t.expect(["a", "b"])
+    with pytest.raises(chat.UnknownSession, match="'intruder'"):
+        t.request("intruder", [USER])
+    with pytest.raises(chat.ChatError, match="exceed"):
+        t.request("a", [{"role": "user", "content": "abc"}])
+    _, row = t.request("a", [USER])
+    assert row is not None and t.expected == {"b"}
+    t.respond(row.id, [ord("k"), 99], [False, False])
+    _, branch = t.request("a", [{"role": "user", "content": "yo"}])  # its own session goes on (a branch)
+    assert branch is not None and branch.branched
+    t.forget(["b"])
+    with pytest.raises(chat.UnknownSession):
+        t.request("b", [USER])
+    t.reward("a", 1.0)
+    del t.latest["a"], t.rewards["a"]  # handed over (`service.Gateway._settle`)
+    with pytest.raises(chat.UnknownSession):
+        t.request("a", [USER])
+    assert t.rows.keys() == {row.id, branch.id} and t.counts["opened"] == 1

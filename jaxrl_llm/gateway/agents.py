@@ -116,7 +116,8 @@ class AgentTask:
         c = self.cfg
         self.gateway = service.Gateway(sampler, self.format, params, version, slots=sampler.cfg.slots or c.concurrency,
                                        max_turns=self.max_turns,
-                                       timeout_s=c.session_timeout_s, max_obs=c.max_obs_tokens, seed=c.seed)
+                                       timeout_s=c.session_timeout_s, max_obs=c.max_obs_tokens, seed=c.seed,
+                                       named=True)
         token = getattr(c, "token", "") or secrets.token_urlsafe(24)
         self.server = server_lib.Server(self.gateway, c.host, c.port, token=token,
                                         prompts=self.take if self.external else None)
@@ -144,6 +145,7 @@ class AgentTask:
             if not todo:
                 break
             names = {f"d{next(self._ids)}-{i}-{k}-{attempt}": (i, k) for i, k in todo}
+            self.gateway.expect(names)  # no other name opens a session
             if self.runner is None:  # external agents take them
                 with self._lock:
                     self._waiting.update((s, self.problem(prompts[i])) for s, (i, _) in names.items())
@@ -154,6 +156,7 @@ class AgentTask:
             with self._lock:  # not taken in time: played again under a new name
                 for s in names:
                     self._waiting.pop(s, None)
+            self.gateway.forget(names)
         missing = [w for w in want if w not in got]
         if missing:
             raise RuntimeError(f"{len(missing)} of {len(want)} agent sessions failed {self.cfg.max_attempts} times "

@@ -26,6 +26,10 @@ class ChatError(ValueError):
     """A request the session cannot take, with the field that is wrong."""
 
 
+class UnknownSession(ChatError):
+    """A request naming a session the run did not hand out (or one already handed over)."""
+
+
 def _content(msg: dict, where: str) -> str:
     c = msg.get("content")
     if c is None:

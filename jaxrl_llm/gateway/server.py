@@ -131,6 +131,8 @@ async def _answer(gateway, request: Request, session: Optional[str], kind: str):
     try:
         body = await _body(request)
         future = (gateway.chat if kind == "chat" else gateway.complete)(session, body)
+    except chat.UnknownSession as e:
+        return _error(404, str(e), "session")
     except chat.ChatError as e:
         return _error(409 if "in flight" in str(e) else 400, str(e), _param(str(e)))
     head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),

@@ -50,7 +50,7 @@ class Gateway:
 
     def __init__(self, sampler, format: chat.ChatFormat, params, version: int = 0, *, model: str = "policy",
                  slots: int = 8, max_turns: int = 8, timeout_s: float = 300.0, max_obs: int = 256, seed: int = 0,
-                 clock=None):
+                 clock=None, named: bool = False):
         cfg = sampler.cfg
         if format.stop_id not in cfg.turn_stop_ids:
             raise ValueError(f"the sampler's turn_stop_ids {cfg.turn_stop_ids} must hold the chat turn's closing "
@@ -60,7 +60,7 @@ class Gateway:
         self.sampler, self.format, self.model, self.max_obs = sampler, format, model, max_obs
         kw = {} if clock is None else {"clock": clock}
         self.width = sampler.cfg.prompt_buckets[-1]
-        self.sessions = sessions_lib.Sessions(format, max_turns, timeout_s, max_prompt=self.width, **kw)
+        self.sessions = sessions_lib.Sessions(format, max_turns, timeout_s, max_prompt=self.width, named=named, **kw)
         self._lock = threading.RLock()
         self._new: list = []  # rows whose first request came, not yet fed
         self._outputs: dict[int, dict] = {}  # row -> its outputs once it left the slots
@@ -101,6 +101,16 @@ class Gateway:
             if row is not None:
                 self._new.append(row)
         return answer
+
+    def expect(self, names) -> None:
+        """`named`: the sessions the run hands out; each may open once (any other name is refused)."""
+        with self._lock:
+            self.sessions.expect(names)
+
+    def forget(self, names) -> None:
+        """`named`: sessions no longer waited for; those not opened yet are refused from now on."""
+        with self._lock:
+            self.sessions.forget(names)
 
     def watch(self, session: str) -> int:
         """A client streams the turn `session` just asked for: from the next segment on, the turn's

@@ -14,6 +14,10 @@ and the row may end from the model's side (EOS, its token budget, the turn limit
 that does not extend the row (history edited or dropped, or a row that has ended) opens a new
 row of the same session, flagged `branched` and counted: the new row's prompt is the whole
 conversation as sent, and nothing is spliced into the old row, which closes.
+
+With `named=True` only the sessions the run handed out (`expect`) open, each once: a name
+anyone else makes up, or one whose session was already handed over, opens nothing (no slot, no
+row that no draw would ever take).
 """
 
 from __future__ import annotations
@@ -52,14 +56,23 @@ class Sessions:
     """Every session's rows; `format` renders and parses messages (`chat.ChatFormat`)."""
 
     def __init__(self, format: chat.ChatFormat, max_turns: int, timeout_s: float, max_prompt: int = 1 << 30,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, named: bool = False):
         self.format, self.max_turns, self.timeout_s, self.clock = format, max_turns, timeout_s, clock
         self.max_prompt = max_prompt  # ids a row's prompt may have (the sampler's largest bucket)
         self.rows: dict[int, Row] = {}
         self.latest: dict[str, int] = {}  # session -> its newest row
         self.rewards: dict[str, Optional[float]] = {}  # None: the task scores it; nan: dropped
         self.counts = dict.fromkeys(COUNTERS, 0)
+        self.expected: Optional[set] = set() if named else None  # named: handed out, not yet opened
         self._next = 0
+
+    def expect(self, names) -> None:
+        """Sessions the run hands out (`named`): each may open once."""
+        self.expected.update(names)
+
+    def forget(self, names) -> None:
+        """Sessions the run no longer waits for: those not opened yet never will be."""
+        self.expected.difference_update(names)
 
     def request(self, session: str, messages, tools=None) -> tuple[Future, Optional[Row]]:
         """A chat request of `session` -> (the future of its answer, the new row to start or None
@@ -82,6 +95,8 @@ class Sessions:
             raise chat.ChatError(f"session {session!r} is closed (its reward was given)")
         answer: Future = Future()
         row = self.rows.get(self.latest.get(session, -1))
+        if row is None and self.expected is not None and session not in self.expected:
+            raise chat.UnknownSession(f"session {session!r}: not one this run handed out, or already over")
         if row is not None and row.state == "generating":
             raise chat.ChatError(f"session {session!r} has a request in flight; send the next one after its answer")
         if row is not None and row.state == "waiting" and not row.ended and tools == row.tools and \
@@ -105,6 +120,8 @@ class Sessions:
         else:
             self.counts["opened"] += 1
         self.rows[new.id], self.latest[session] = new, new.id
+        if self.expected is not None:
+            self.expected.discard(session)  # open now: it goes on by its row, or not at all once handed over
         return answer, new
 
     def respond(self, row_id: int, tokens, obs) -> Future:
