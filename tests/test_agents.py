@@ -123,11 +123,30 @@ def test_an_agent_that_fails_before_asking_is_dropped_at_once():
     assert "no network" in task.runner.errors[0][1]
 
 
-def _settings():
+def test_a_session_still_open_at_the_draws_deadline_is_closed_and_its_hand_over_dropped():
+    """An agent that never ends its session (e.g. one asking forever elsewhere) would hold its
+    slot for the rest of the run: at the draw's deadline the session is abandoned, counted as
+    dropped, and its later hand-over is not kept."""
+    import time
+    from concurrent.futures import Future
+
+    task = agents.AgentTask(ta.ToolArithmetic(), "examples.calculator_agent:agent", _settings(session_timeout_s=0.1))
+    task.GRACE_S, task.gateway, task.runner = 0.3, _Gateway(), type("R", (), {"errors": []})()
+    start = time.monotonic()
+    assert task._collect({"s1": (0, 0)}, {"s1": Future()}) == {}  # the agent never returns
+    assert 0.5 <= time.monotonic() - start < 5 and task.gateway.abandoned == ["s1"] and task.counts["dropped"] == 1
+    task.gateway.closed = lambda: ["s1"]  # its rows left the slots: handed over as dropped, seen by the next draw
+    failed = Future()
+    failed.set_exception(ValueError("no network"))
+    task._collect({"s2": (0, 0)}, {"s2": failed})
+    assert task._handed == {} and task._given_up == set() and task.counts["dropped"] == 2
+
+
+def _settings(session_timeout_s=300.0):
     import types
 
-    return types.SimpleNamespace(host="127.0.0.1", port=0, concurrency=2, session_timeout_s=300.0, max_attempts=1,
-                                 seed=0, max_obs_tokens=8)
+    return types.SimpleNamespace(host="127.0.0.1", port=0, concurrency=2, session_timeout_s=session_timeout_s,
+                                 max_attempts=1, seed=0, max_obs_tokens=8)
 
 
 def test_agent_worker_processes_leave_with_a_run_killed_with_sigkill():

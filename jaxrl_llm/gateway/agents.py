@@ -52,6 +52,8 @@ class AgentTask:
     """`source` (a task) whose rows come from agents' sessions through a gateway (`rollouts`);
     every other attribute is the source's (prompts, evaluation, rewards)."""
 
+    GRACE_S = 60.0  # a draw waits for its sessions twice gateway.session_timeout_s and this long
+
     def __init__(self, source, agent: str, cfg, format=None):
         self.source, self.agent_spec, self.cfg = source, agent, cfg
         self.external = bool(getattr(cfg, "external", False))  # the gateway section's fields, or a test's
@@ -66,6 +68,7 @@ class AgentTask:
         self.counts = {"dropped": 0, "branch_rows": 0, "agent_errors": 0, "scored_after_failure": 0,
                        "check_failures": 0}
         self.scorer = None  # the run's scoring stage, when it gives one (`run/parts.py`)
+        self._given_up: set = set()  # sessions a draw stopped waiting for: their hand-over is dropped
 
     def __getattr__(self, name):
         if name == "source":
@@ -167,7 +170,7 @@ class AgentTask:
         """Wait for the sessions `names`: each is handed over (its `Closed`) or dropped; `last`:
         a failed session with a row is handed over too, for the task to score."""
         out, open_, settled = {}, set(names), set()
-        deadline = time.monotonic() + 2 * self.cfg.session_timeout_s + 60
+        deadline = time.monotonic() + 2 * self.cfg.session_timeout_s + self.GRACE_S
         while open_ and time.monotonic() < deadline:
             self.gateway.check()
             for s in [s for s in open_ if s in plays and plays[s].done() and s not in settled]:
@@ -184,7 +187,11 @@ class AgentTask:
                         self.counts["dropped"] += 1
             with self._lock:  # other sampler threads' sessions stay for them
                 for c in self.gateway.closed():
-                    self._handed[c if isinstance(c, str) else c.session] = c
+                    name = c if isinstance(c, str) else c.session
+                    if name in self._given_up:
+                        self._given_up.discard(name)
+                    else:
+                        self._handed[name] = c
                 mine = [s for s in open_ if s in self._handed]
                 for name in mine:
                     c = self._handed.pop(name)
@@ -194,6 +201,12 @@ class AgentTask:
                     else:
                         out[names[name]] = c
             time.sleep(0.005)
+        if open_:  # still open at the deadline (an agent that never ends its session): closed, dropped
+            with self._lock:
+                self._given_up.update(open_)
+            for s in open_:
+                self.gateway.abandon(s)
+            self.counts["dropped"] += len(open_)
         return out
 
     def _task_scores(self, session: str) -> bool:
