@@ -135,9 +135,10 @@ def test_three_tool_call_turns_round_trip_and_train_exactly_as_sampled(served):
     is the first request rendered, then each turn's drawn ids and each tool result's rendered
     ids (loss 0, version -1); the learner's forward over it gives every behaviour log-prob."""
     gw, srv = served
-    client, msgs = _client(srv, "s-three"), list(QUESTION)
+    client, msgs, usage, slots = _client(srv, "s-three"), list(QUESTION), [], gw.slot_use()
     for turn in range(3):
         out = client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
+        usage.append((out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens))
         choice = out.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "calc"
         assert choice.message.tool_calls[0].function.arguments == '{"x": 2}'
@@ -156,17 +157,47 @@ def test_three_tool_call_turns_round_trip_and_train_exactly_as_sampled(served):
     row = b.tokens[0][real].tolist()
     want = prompt + turn + ext + turn + ext + turn
     assert row[:len(want)] == want  # the fourth turn was decoding when the reward came
+    # each turn read the prompt and the turns and tool results before it; it drew its 4 ids
+    before = [len(prompt) + t * (len(turn) + len(ext)) for t in range(3)]
+    assert usage == [(n, len(turn), n + len(turn)) for n in before]
     p = 32
     drawn = b.loss_mask[0] > 0
     obs = real & ~drawn
     obs[:p] = False
     assert obs.sum() == 2 * len(ext) and (b.versions[0][obs] == -1).all() and (b.versions[0][drawn] == 3).all()
+    # the slots' counters (`gateway/slot_occupancy`): this row's every position past its prompt,
+    # drawn or forced, against 4 slots times the decode steps run
+    tokens, capacity = (now - then for now, then in zip(gw.slot_use(), slots))
+    assert tokens == real[p:].sum() and capacity % 4 == 0 and tokens <= capacity
     stats = forward.batch_stats(forward.Forward(CFG, PolicyDist(1.0), 16, None), params(),
                                 jax.tree.map(jnp.asarray, done.batch), None, gather=False)
     # log(1 + ~3e-6) in float32 is a few dozen ulps of 1: equal within 20%; a token read at the
     # wrong position would be off by a factor of 1e6 (its logit 16 lower)
     np.testing.assert_allclose(np.asarray(stats["logp"])[0][drawn], b.behav_logp[0][drawn], rtol=0.2, atol=0)
     assert (b.behav_logp[0][drawn] < 0).all()
+
+
+def test_a_turn_asked_for_logprobs_carries_those_its_row_is_trained_with(served):
+    """`logprobs=True, top_logprobs=2` through the stock client: each drawn id of the turn, in
+    order, with the behaviour log-prob and top-K the learner's row holds for it, bit for bit."""
+    gw, srv = served
+    client = _client(srv, "s-logprobs")
+    for bad, field in (({"top_logprobs": 3, "logprobs": True}, "top_logprobs"), ({"top_logprobs": 1}, "top_logprobs"),
+                       ({"logprobs": True, "stream": True}, "logprobs")):
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.chat.completions.create(model="policy", messages=QUESTION, **bad)
+    out = client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    _reward(srv, "s-logprobs", 0.0)
+    (done,) = _closed(gw)
+    b = jax.tree.map(np.asarray, done.batch)
+    drawn = np.flatnonzero(b.loss_mask[0] > 0)[:len(content)]
+    assert len(content) == out.usage.completion_tokens == 4
+    assert [c.token for c in content] == [tokenizer().decode([t]) for t in b.tokens[0][drawn]]
+    np.testing.assert_array_equal([c.logprob for c in content], b.behav_logp[0][drawn])
+    top = [[(x.token, x.logprob) for x in c.top_logprobs] for c in content]
+    assert top == [[(tokenizer().decode([int(i)]), float(q)) for i, q in zip(ids_, qs)]
+                   for ids_, qs in zip(b.topk_ids[0][drawn], b.topk_logp[0][drawn])]
 
 
 def test_requests_outside_the_runs_distribution_or_token_are_refused_by_name(served):
@@ -224,10 +255,14 @@ def test_an_edited_history_is_a_flagged_branch_never_spliced(served):
 def test_a_streamed_answer_is_the_same_turn_as_events(served):
     gw, srv = served
     client = _client(srv, "s-stream")
-    chunks = list(client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS, stream=True))
+    chunks = list(client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS, stream=True,
+                                                 stream_options={"include_usage": True}))
     calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
     assert calls and calls[0][0].function.name == "calc" and calls[0][0].function.arguments == '{"x": 2}'
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert chunks[-2].choices[0].finish_reason == "tool_calls"
+    prompt = len(gw.format.prompt([chat.normal(m) for m in QUESTION], TOOLS))
+    assert chunks[-1].choices == [] and (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        prompt, 4)  # <tool_call> CALL </tool_call> <|im_end|>
     _reward(srv, "s-stream", 0.0)
     assert _closed(gw)[0].session == "s-stream"
 

@@ -444,6 +444,7 @@ def test_heartbeats_carry_the_nodes_gateway_counters_and_latencies():
     hub.heartbeat({**s[1], "version": 0, "gateway": {"counts": (2 * counts).tolist(), "ms": [40.0]}})
     m = hub.metrics()
     assert [m[f"gateway/{k}"] for k in tally.COUNTS] == (3 * counts).tolist()
+    assert m["gateway/slot_occupancy"] == counts[-2] / counts[-1]  # every node's slots: their tokens / capacity
     assert m["gateway/request_p50_ms"] == 25.0 and m["gateway/request_p99_ms"] == np.percentile([10, 20, 30, 40], 99)
     hub.heartbeat({**s[0], "version": 0, "gateway": {"counts": [0.0] * len(counts), "ms": []}})
     m = hub.metrics()  # latencies are the step's, counters the run's so far

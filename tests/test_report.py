@@ -146,6 +146,7 @@ def test_gateway_and_moe_plots_when_their_metrics_are_logged(tmp_path):
     steps = [{"step": i, "time_s": float(i), "gateway/sessions_closed": 8.0 * i, "gateway/sessions_timed_out": 0.0,
               "gateway/sessions_dropped": float(i > 2), "gateway/sessions_branched": 0.0,
               "gateway/request_p50_ms": 40.0 + i, "gateway/request_p99_ms": 90.0 + 3 * i,
+              "gateway/slot_occupancy": 0.5 + 0.05 * i,
               "moe/routing_differs_tokens": 0.1 * i, "moe/routing_differs_pairs": 0.04 * i,
               "moe/expert_load_max_over_mean": 1.2, "moe/expert_load_worst_layer": 1.5 + 0.1 * i} for i in range(1, 6)]
     paths = report.plot([{"name": "agent", "steps": steps, "evals": []}], str(tmp_path))

@@ -1,6 +1,7 @@
 """`gateway/sessions.py`: the session protocol with an injected clock and a stub format (no
 slots, no HTTP): extension, branch, the model's side ending a row, rewards and timeouts."""
 
+import numpy as np
 import pytest
 
 from jaxrl_llm.gateway import chat, sessions
@@ -47,13 +48,16 @@ def test_a_session_extends_its_row_and_a_reward_closes_it():
     answer, row = t.request("a", [USER])
     assert row.prompt == [4, ord("h"), ord("i")] and not row.branched
     reply = t.respond(row.id, [ord("o"), ord("k"), 99], [False] * 3)
-    assert answer.result() == ({"role": "assistant", "content": "ok"}, "stop")
+    # usage: the prompt's 3 ids were read, "o" "k" and the closing 99 drawn
+    assert answer.result() == sessions.Answer({"role": "assistant", "content": "ok"}, "stop",
+                                              {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6})
     nxt, again = t.request("a", [USER, {"role": "assistant", "content": "ok"}, {"role": "tool", "content": "5"}])
     assert again is None and reply.result().obs_ids == (-1, 4, ord("5")) and not reply.result().done
     with pytest.raises(chat.ChatError, match="in flight"):  # one request at a time per session
         t.request("a", [USER])
     t.respond(row.id, [ord("o"), ord("k"), 99, -1, 4, 53, ord("x"), 99], [False] * 3 + [True] * 3 + [False] * 2)
     assert nxt.result()[0]["content"] == "x" and row.turns == 2
+    assert nxt.result()[2] == {"prompt_tokens": 3 + 6, "completion_tokens": 2, "total_tokens": 11}  # after 3 obs
     assert t.reward("a", 1.0) == [row.id] and row.state == "closed" and t.counts["closed"] == 1
     with pytest.raises(chat.ChatError, match="closed"):
         t.request("a", [USER])
@@ -85,7 +89,8 @@ def test_the_turn_limit_ends_the_row_and_the_model_side_answers_a_waiting_reques
     assert t.respond(row.id, [ord("a"), 99], [False, False]).result().done and row.ended
     answer2, row2 = t.request("d", [USER])
     t.finished(row2.id, [ord("z")] * 3, [False] * 3, eos=False)  # the budget ran out mid-turn
-    assert answer2.result() == ({"role": "assistant", "content": "zzz"}, "length")
+    assert answer2.result() == sessions.Answer({"role": "assistant", "content": "zzz"}, "length",
+                                               {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6})
 
 
 def test_idle_sessions_time_out_and_are_dropped_counted():
@@ -128,11 +133,12 @@ def test_a_text_session_goes_on_when_its_prompt_extends_the_text_so_far():
     answer, row = t.complete("t", "2+2=")
     assert row.prompt == [ord(c) for c in "2+2="]
     reply = t.respond(row.id, [ord("4"), 99], [False, False])
-    assert answer.result() == ("4", "stop") and row.messages == "2+2=4"
+    assert answer.result()[:2] == ("4", "stop") and row.messages == "2+2=4"
     nxt, same = t.complete("t", "2+2=4 and 3+3=")
     assert same is None and reply.result().obs_ids == tuple(ord(c) for c in " and 3+3=")
     t.respond(row.id, [ord("4"), 99] + [ord(c) for c in " and 3+3="] + [ord("6"), 99], [False] * 2 + [True] * 9 + [False] * 2)
-    assert nxt.result() == ("6", "stop")
+    assert nxt.result() == sessions.Answer("6", "stop",
+                                           {"prompt_tokens": 4 + 11, "completion_tokens": 2, "total_tokens": 17})
     _, branch = t.complete("t", "2+2=5 and")
     assert branch is not None and branch.branched and t.counts["branched"] == 1
     with pytest.raises(chat.ChatError, match="prompt"):
@@ -172,3 +178,23 @@ def test_a_run_that_names_its_sessions_opens_no_other():
     with pytest.raises(chat.UnknownSession):
         t.request("a", [USER])
     assert t.rows.keys() == {row.id, branch.id} and t.counts["opened"] == 1
+
+
+def test_a_turn_asked_for_logprobs_gets_the_recorded_ones():
+    """Each id the turn drew (not the observation before it), with its recorded log-prob and the
+    top ids asked for; ids of probability 0 (top-p) are left out, and a request that does not ask
+    gets none."""
+    t, _ = _table()
+    inf = float("inf")
+    answer, row = t.request("lp", [USER], logprobs=1)
+    scores = ([-0.5, -0.25], [[ord("o"), ord("x")], [99, ord("y")]], [[-0.5, -1.0], [-inf, -inf]])
+    reply = t.respond(row.id, [ord("o"), 99], [False, False], scores)
+    content = answer.result().logprobs["content"]
+    assert content == [{"token": "o", "logprob": -0.5, "bytes": [ord("o")], "top_logprobs": [
+                           {"token": "o", "logprob": -0.5, "bytes": [ord("o")]}]},
+                       {"token": "c", "logprob": -0.25, "bytes": [ord("c")], "top_logprobs": []}]
+    plain, _ = t.request("lp", [USER, {"role": "assistant", "content": "o"}, USER])
+    more = [ord("o"), 99, -1, 4, 104, 105, ord("z"), 99]
+    t.respond(row.id, more, [False] * 2 + [True] * 4 + [False] * 2,
+              tuple(np.zeros((8, 2)) if i else np.zeros(8) for i in range(3)))
+    assert reply.result().obs_ids and plain.result().logprobs is None

@@ -253,12 +253,13 @@ class AgentTask:
         return rewards
 
     def counters(self) -> np.ndarray:
-        """`tally.COUNTS` so far: the gateway's sessions by outcome (none before it starts), then
-        this task's own counts."""
+        """`tally.COUNTS` so far: the gateway's sessions by outcome (none before it starts), this
+        task's own counts, then its slots' tokens and capacity."""
         c = self.gateway.counts() if self.gateway is not None else {}
+        slots = self.gateway.slot_use() if self.gateway is not None else (0, 0)
         mine = ("agent_errors", "branch_rows", "scored_after_failure", "check_failures", "dropped")
         return np.asarray([c.get(k, 0) for k in ("opened", "closed", "timed_out", "abandoned", "branched", "refused")]
-                          + [self.counts[k] for k in mine], np.float64)
+                          + [self.counts[k] for k in mine] + list(slots), np.float64)
 
     def latencies(self) -> np.ndarray:
         """Milliseconds of the gateway's requests answered since the last call."""

@@ -15,6 +15,7 @@ inside the assistant's turn, parsed into OpenAI `tool_calls` (`parse_turn`).
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Optional, Sequence
 
@@ -168,6 +169,19 @@ class ChatFormat:
         """The model's turn (`ids`, the closing token included if it was drawn) -> `parse_turn`."""
         body = list(ids[:-1]) if len(ids) and ids[-1] == self.stop_id else list(ids)
         return parse_turn(self.tokenizer.decode(body), turn_id)
+
+
+def logprobs(format, ids, logp, top_ids, top_logp, top: int) -> dict:
+    """OpenAI's `choices[].logprobs` of a turn: each id it drew (its closing token too: every id
+    is trained) with the log-prob the sampler recorded for it, and the `top` likeliest ids of the
+    distribution it was drawn from (those of probability 0 under top-p / top-k left out)."""
+    def entry(t, lp):
+        text = format.decode([int(t)])
+        return {"token": text, "logprob": float(lp), "bytes": list(text.encode())}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, q) for i, q in zip(ti[:top], tq[:top])
+                                                          if math.isfinite(q)]}
+                        for t, lp, ti, tq in zip(ids, logp, top_ids, top_logp)]}
 
 
 def first_difference(a: Sequence[dict], b: Sequence[dict]) -> Optional[int]:

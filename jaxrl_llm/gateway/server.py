@@ -138,18 +138,19 @@ async def _answer(gateway, request: Request, session: Optional[str], kind: str):
     head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": gateway.model}
     if body.get("stream"):
-        return StreamingResponse(_streamed(gateway, gateway.watch(session), future, head, kind, start),
+        usage = isinstance(body.get("stream_options"), dict) and bool(body["stream_options"].get("include_usage"))
+        return StreamingResponse(_streamed(gateway, gateway.watch(session), future, head, kind, start, usage),
                                  media_type="text/event-stream")
     try:
-        message, finish = await asyncio.wrap_future(future)
+        got = await asyncio.wrap_future(future)
     except chat.ChatError as e:
         return _error(409, str(e))
     gateway.answered(1e3 * (time.perf_counter() - start))
     if kind == "text":
-        choice = {"index": 0, "text": message, "finish_reason": finish, "logprobs": None}
-        return JSONResponse({**head, "object": "text_completion", "choices": [choice]})
-    return JSONResponse({**head, "object": "chat.completion",
-                         "choices": [{"index": 0, "message": message, "finish_reason": finish}]})
+        choice = {"index": 0, "text": got.message, "finish_reason": got.finish, "logprobs": None}
+        return JSONResponse({**head, "object": "text_completion", "choices": [choice], "usage": got.usage})
+    choice = {"index": 0, "message": got.message, "finish_reason": got.finish, "logprobs": got.logprobs}
+    return JSONResponse({**head, "object": "chat.completion", "usage": got.usage, "choices": [choice]})
 
 
 async def _reward(gateway, session: str, request: Request):
@@ -192,9 +193,10 @@ def _event(head: dict, kind: str, delta, reason=None) -> str:
     return f"data: {json.dumps(c)}\n\n"
 
 
-async def _streamed(gateway, row: int, future, head: dict, kind: str, start: float):
+async def _streamed(gateway, row: int, future, head: dict, kind: str, start: float, usage: bool = False):
     """A turn as server-sent events while the slots decode it: its text as it grows (each
-    segment's tokens), then the rest of its content, each tool call, the finish reason and
+    segment's tokens), then the rest of its content, each tool call, the finish reason, the
+    turn's usage (`stream_options.include_usage`: a chunk of no choices, as OpenAI sends it) and
     [DONE]. A client that leaves stops the events; its turn still ends in the slots."""
     sent = ""
     try:
@@ -207,7 +209,7 @@ async def _streamed(gateway, row: int, future, head: dict, kind: str, start: flo
                 sent = text
             await asyncio.sleep(0.01)
         try:
-            message, finish = future.result()
+            message, finish, counted, _ = future.result()
         except chat.ChatError as e:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error'}})}\n\n"
             yield "data: [DONE]\n\n"
@@ -221,6 +223,9 @@ async def _streamed(gateway, row: int, future, head: dict, kind: str, start: flo
         for i, call in enumerate(message.get("tool_calls", ()) if kind == "chat" else ()):
             yield _event(head, kind, {"tool_calls": [{"index": i, **call}]})
         yield _event(head, kind, {} if kind == "chat" else "", finish)
+        if usage:
+            chunk = "chat.completion.chunk" if kind == "chat" else "text_completion"
+            yield f"data: {json.dumps({**head, 'object': chunk, 'choices': [], 'usage': counted})}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         gateway.unwatch(row)

@@ -27,7 +27,8 @@ from jaxrl_llm.rollout.turns import Turns
 # taken, and what is ignored; any other field is refused by name.
 FIXED = ("temperature", "top_p", "top_k")
 TAKEN = ("model", "messages", "prompt", "tools", "tool_choice", "stream", "stream_options", "max_tokens",
-         "max_completion_tokens", "n", "parallel_tool_calls")
+         "max_completion_tokens", "n", "parallel_tool_calls", "logprobs", "top_logprobs")
+SCORES = ("logp_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK")  # a row's outputs a turn's `logprobs` come from
 IGNORED = ("user", "metadata", "store")
 ZERO = ("presence_penalty", "frequency_penalty")  # accepted at their neutral value only
 
@@ -79,11 +80,11 @@ class Gateway:
     # -- requests (any thread) ------------------------------------------------------------------
 
     def chat(self, session: str, body: dict) -> Future:
-        """A chat completion request -> Future[(assistant message, finish reason)]."""
+        """A chat completion request -> Future[`sessions.Answer`] (its message the assistant's)."""
         return self._open(session, body, "messages")
 
     def complete(self, session: str, body: dict) -> Future:
-        """A text completion request -> Future[(text, finish reason)]."""
+        """A text completion request -> Future[`sessions.Answer`] (its message the text)."""
         return self._open(session, body, "prompt")
 
     def _open(self, session: str, body: dict, kind: str) -> Future:
@@ -94,7 +95,8 @@ class Gateway:
                 if kind == "prompt":
                     answer, row = self.sessions.complete(session, body.get("prompt"))
                 else:
-                    answer, row = self.sessions.request(session, body.get("messages"), body.get("tools") or None)
+                    top = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
+                    answer, row = self.sessions.request(session, body.get("messages"), body.get("tools") or None, top)
             except chat.ChatError:
                 self.sessions.counts["refused"] += 1
                 raise
@@ -182,6 +184,11 @@ class Gateway:
             out, self._closed = self._closed, []
         return out
 
+    def slot_use(self) -> tuple:
+        """(tokens the slots decoded for rows that left them, slots x decode steps run) so far."""
+        s = self._engine.live
+        return (0, 0) if s is None else (s.useful, self._engine.slots * s.decoded)
+
     def counts(self) -> dict:
         with self._lock:
             return dict(self.sessions.counts)
@@ -221,12 +228,28 @@ class Gateway:
             raise chat.ChatError("n: one choice per request (open more sessions for more samples)")
         if body.get("tool_choice") not in (None, "auto"):
             raise chat.ChatError("tool_choice: only 'auto' (the model decides, as it was sampled)")
+        self._check_logprobs(body, kind)
         budget = self.sampler.cfg.max_new_tokens
         for k in ("max_tokens", "max_completion_tokens"):
             v = body.get(k)
             if v is not None and (not isinstance(v, int) or v < budget):
                 raise chat.ChatError(f"{k}: at least the run's session budget sampler.max_new_tokens={budget} "
                                      "(a turn cannot be cut shorter than the slots decode it)")
+
+    def _check_logprobs(self, body: dict, kind: str) -> None:
+        asked, top = body.get("logprobs"), body.get("top_logprobs")
+        if kind == "prompt" and asked not in (None, 0):
+            raise chat.ChatError("logprobs: chat completions only (/v1/chat/completions)")
+        if asked not in (None, True, False):
+            raise chat.ChatError("logprobs: true or false")
+        if asked and body.get("stream"):
+            raise chat.ChatError("logprobs: not with stream=true (ask without streaming)")
+        k = self.sampler.cfg.capture_topk
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= k):
+            raise chat.ChatError(f"top_logprobs: an integer from 0 to {k} (the top-K the run's samplers record, "
+                                 "sampler.capture_topk)")
+        if top and not asked:
+            raise chat.ChatError("top_logprobs: needs logprobs=true")
 
     # -- the slots (one thread) -----------------------------------------------------------------
 
@@ -244,22 +267,23 @@ class Gateway:
         self._prompts.update({r.id: (toks[i], mask[i]) for i, r in enumerate(rows)})
         return ids, toks, mask, np.full(len(rows), cfg.max_new_tokens), engine.row_keys(key, ids)
 
-    def _respond(self, row: int, tokens, obs) -> Future:
+    def _respond(self, row: int, tokens, obs, **scores) -> Future:
         with self._lock:
-            return self.sessions.respond(row, tokens, obs)
+            return self.sessions.respond(row, tokens, obs, tuple(scores[f] for f in SCORES))
 
     def _run(self, params, version, seed) -> None:
         try:
             engine = self._engine
             key = jax.random.key(seed)
-            turns = Turns(self._respond, release=True, max_obs=self.max_obs)
+            turns = Turns(self._respond, release=True, max_obs=self.max_obs, detail=SCORES)
             for ids, got in engine.stream(params, self.width, version, lambda: self._feed(engine, key),
                                           refresh=self._refresh, stop=self._stop.is_set, turns=turns, progress=self):
                 with self._lock:
                     for i, row in enumerate(ids.tolist()):
                         out = {f: x[i] for f, x in got.items()}
                         real = out["valid_BxN"]
-                        self.sessions.finished(row, out["tokens_BxN"][real], out["obs_BxN"][real], bool(out["eos_B"]))
+                        self.sessions.finished(row, out["tokens_BxN"][real], out["obs_BxN"][real], bool(out["eos_B"]),
+                                               tuple(out[f][real] for f in SCORES))
                         self._outputs[row] = out
                     self._settle()
         except Exception as e:  # surfaced to every waiting request; the server reports it

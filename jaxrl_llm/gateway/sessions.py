@@ -25,10 +25,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from concurrent.futures import Future
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from jaxrl_llm.gateway import chat
 from jaxrl_llm.tasks.envs import Reply
+
+class Answer(NamedTuple):
+    """What a request waits for: the model's turn as OpenAI's response gives it."""
+
+    message: object  # the assistant message (chat), or the text (completions)
+    finish: str  # finish reason: stop | tool_calls | length
+    usage: dict  # prompt / completion / total tokens, in the row's ids
+    logprobs: Optional[dict] = None  # choices[].logprobs when the request asked for them
+
 
 COUNTERS = ("opened", "closed", "timed_out", "abandoned", "branched", "refused", "turns", "tool_calls")
 
@@ -44,7 +53,8 @@ class Row:
     tools: Optional[list]
     branched: bool = False
     state: str = "generating"  # generating | waiting | closed
-    answer: Optional[Future] = None  # the request waiting for the model's turn: (message, finish reason)
+    answer: Optional[Future] = None  # the request waiting for the model's turn: `Answer`
+    logprobs: Optional[int] = None  # the waiting request asked for log-probs, with this many top ids
     reply: Optional[Future] = None  # the slots' wait for this row's next observation (`tasks.envs.Reply`)
     turns: int = 0
     tool_calls: int = 0
@@ -74,12 +84,15 @@ class Sessions:
         """Sessions the run no longer waits for: those not opened yet never will be."""
         self.expected.difference_update(names)
 
-    def request(self, session: str, messages, tools=None) -> tuple[Future, Optional[Row]]:
+    def request(self, session: str, messages, tools=None, logprobs: Optional[int] = None
+                ) -> tuple[Future, Optional[Row]]:
         """A chat request of `session` -> (the future of its answer, the new row to start or None
-        when the request extends a waiting row, which goes on by itself)."""
+        when the request extends a waiting row, which goes on by itself). `logprobs`: the answer
+        carries the turn's log-probs, with this many top ids each (None: not asked)."""
         if not isinstance(messages, list) or not messages:
             raise chat.ChatError("messages: a list of at least one message")
-        return self._request(session, [chat.normal(m, f"messages[{i}]") for i, m in enumerate(messages)], tools)
+        msgs = [chat.normal(m, f"messages[{i}]") for i, m in enumerate(messages)]
+        return self._request(session, msgs, tools, logprobs)
 
     def complete(self, session: str, prompt) -> tuple[Future, Optional[Row]]:
         """A text completion request (`/v1/completions`): it goes on in the session's row when
@@ -89,7 +102,7 @@ class Sessions:
             raise chat.ChatError("prompt: a non-empty string")
         return self._request(session, prompt, None)
 
-    def _request(self, session: str, msgs, tools) -> tuple[Future, Optional[Row]]:
+    def _request(self, session: str, msgs, tools, logprobs=None) -> tuple[Future, Optional[Row]]:
         text = isinstance(msgs, str)
         if session in self.rewards:
             raise chat.ChatError(f"session {session!r} is closed (its reward was given)")
@@ -106,13 +119,15 @@ class Sessions:
             else:
                 ids = self.format.extension(row.messages, msgs[len(row.messages):], tools)
             row.messages, row.state, row.answer, row.seen = msgs, "generating", answer, self.clock()
+            row.logprobs = logprobs
             row.reply.set_result(Reply(obs_ids=tuple(ids)))
             return answer, None
         prompt = self.format.encode(msgs) if text else self.format.prompt(msgs, tools)
         if len(prompt) > self.max_prompt:  # refused before any row exists: nothing to close or hand over
             raise chat.ChatError(f"{'prompt' if text else 'messages'}: {len(prompt)} prompt tokens exceed the largest "
                                  f"sampler.prompt_buckets ({self.max_prompt})")
-        new = Row(self._next, session, prompt, msgs, tools, branched=row is not None, answer=answer, seen=self.clock())
+        new = Row(self._next, session, prompt, msgs, tools, branched=row is not None, answer=answer, seen=self.clock(),
+                  logprobs=logprobs)
         self._next += 1
         if row is not None:  # a branch: the old row closes as it is, counted
             self.counts["branched"] += 1
@@ -124,9 +139,10 @@ class Sessions:
             self.expected.discard(session)  # open now: it goes on by its row, or not at all once handed over
         return answer, new
 
-    def respond(self, row_id: int, tokens, obs) -> Future:
+    def respond(self, row_id: int, tokens, obs, scores=None) -> Future:
         """The slots' side (`rollout.turns.Turns.respond`): the row's turn ended; its message
-        answers the waiting request; the returned future is the row's next observation."""
+        answers the waiting request; the returned future is the row's next observation.
+        `scores`: the row's (log-probs, top-K ids, top-K log-probs) so far, for `logprobs`."""
         row, reply = self.rows[row_id], Future()
         row.reply = reply
         if row.state == "closed":  # the session moved on (branch, timeout) while this turn decoded
@@ -134,13 +150,14 @@ class Sessions:
             return reply
         row.turns += 1
         said = self._turn(row, tokens, obs)
-        self._answer(row, said, "tool_calls" if isinstance(said, dict) and said.get("tool_calls") else "stop")
+        self._answer(row, said, "tool_calls" if isinstance(said, dict) and said.get("tool_calls") else "stop",
+                     tokens, obs, scores)
         if row.turns >= self.max_turns:
             row.ended = True
             reply.set_result(Reply(done=True))
         return reply
 
-    def finished(self, row_id: int, tokens, obs, eos: bool) -> None:
+    def finished(self, row_id: int, tokens, obs, eos: bool, scores=None) -> None:
         """The row left the slots (EOS, budget, turn limit, or closed): a request still waiting
         gets the last turn (finish reason `stop` at EOS, else `length`)."""
         row = self.rows[row_id]
@@ -148,7 +165,8 @@ class Sessions:
         if row.state == "generating" and row.answer is not None and not row.answer.done():
             row.turns += 1
             cut = len(tokens) - 1 if eos else len(tokens)  # EOS is no text of the turn
-            self._answer(row, self._turn(row, tokens[:cut], obs[:cut]), "stop" if eos else "length")
+            self._answer(row, self._turn(row, tokens[:cut], obs[:cut]), "stop" if eos else "length", tokens, obs,
+                         scores)
 
     def reward(self, session: str, value: Optional[float]) -> list:
         """The session's reward (None: the task scores its transcript): its rows close. Returns
@@ -191,7 +209,7 @@ class Sessions:
 
     def _turn(self, row: Row, tokens, obs):
         """The turn that ended the row's tokens: its message (chat) or its text (completions)."""
-        start = max((i + 1 for i, o in enumerate(obs) if o), default=0)
+        start = _turn_start(obs)
         if isinstance(row.messages, str):
             ids = [t for t in tokens[start:] if t != self.format.stop_id]
             said = self.format.decode(ids)
@@ -205,10 +223,13 @@ class Sessions:
         self.counts["tool_calls"] += len(calls)
         return msg
 
-    def _answer(self, row: Row, msg: dict, finish: str) -> None:
+    def _answer(self, row: Row, msg, finish: str, tokens, obs, scores) -> None:
         row.state, row.seen = "waiting", self.clock()
         if row.answer is not None and not row.answer.done():
-            row.answer.set_result((msg, finish))
+            start, lp = _turn_start(obs), None
+            if row.logprobs is not None and scores is not None:
+                lp = chat.logprobs(self.format, tokens[start:], *(x[start:] for x in scores), row.logprobs)
+            row.answer.set_result(Answer(msg, finish, _usage(row, tokens, obs), lp))
 
     def _close(self, row: Row) -> None:
         if row.state == "closed":
@@ -218,6 +239,20 @@ class Sessions:
             row.reply.set_result(Reply(done=True))
         if row.answer is not None and not row.answer.done():
             row.answer.set_exception(chat.ChatError(f"session {row.session!r} closed before its answer"))
+
+
+def _turn_start(obs) -> int:
+    """Where the row's latest turn starts: after its last observation (its prompt's end if none)."""
+    return max((i + 1 for i, o in enumerate(obs) if o), default=0)
+
+
+def _usage(row: Row, tokens, obs) -> dict:
+    """OpenAI's `usage` of the turn that ended `tokens`: the ids the row held before it (its
+    prompt, earlier turns, observations: what the model read) and the ids drawn in it (its
+    closing token included, as the model drew it)."""
+    start = _turn_start(obs)
+    before, drawn = len(row.prompt) + start, len(tokens) - start
+    return {"prompt_tokens": before, "completion_tokens": drawn, "total_tokens": before + drawn}
 
 
 def _extends(before, now) -> bool:

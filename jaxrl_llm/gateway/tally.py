@@ -9,11 +9,12 @@ import threading
 
 import numpy as np
 
-# Counters, as `gateway/<name>`: sessions by outcome (the gateway's) and the rows and checks
-# the run's agent task settled (`agents.AgentTask`), each a total so far.
+# Counters, as `gateway/<name>`: sessions by outcome (the gateway's), the rows and checks the
+# run's agent task settled (`agents.AgentTask`), and the decode slots' tokens against their
+# capacity (slots x decode steps), each a total so far.
 COUNTS = ("sessions_opened", "sessions_closed", "sessions_timed_out", "sessions_abandoned", "sessions_branched",
           "refused", "agent_errors", "branch_rows_dropped", "scored_after_failure", "task_check_failures",
-          "sessions_dropped")
+          "sessions_dropped", "slot_tokens", "slot_capacity")
 MAX_LATENCIES = 1024  # a node reports at most this many of a heartbeat's request latencies (the newest)
 MAX_MS = 1e7  # ... each in [0, MAX_MS] milliseconds
 
@@ -22,6 +23,8 @@ def metrics(counts, ms) -> dict:
     """`gateway/*` from the `COUNTS` totals (in that order) and the request latencies (ms: a
     request's arrival to its answer, decoding included) answered since the last call."""
     out = {f"gateway/{k}": float(v) for k, v in zip(COUNTS, counts)}
+    if out["gateway/slot_capacity"] > 0:  # over the run so far (every node's slots in remote mode)
+        out["gateway/slot_occupancy"] = out["gateway/slot_tokens"] / out["gateway/slot_capacity"]
     ms = np.asarray(ms, np.float64)
     if ms.size:
         out["gateway/request_p50_ms"], out["gateway/request_p99_ms"] = (float(np.percentile(ms, q)) for q in (50, 99))

@@ -285,7 +285,8 @@ EXTRA_PANELS = (
           ("gateway/sessions_branched", "-.")), "sessions so far", "closed (solid), timed out (dashed), dropped "
                                                                   "(dotted), branched (dash-dot)"),
         ((("gateway/request_p50_ms", "-"), ("gateway/request_p99_ms", "--")), "ms", "request latency p50 (solid), "
-                                                                                    "p99 (dashed)"))),
+                                                                                    "p99 (dashed)"),
+        ((("gateway/slot_occupancy", "-"),), "decoded tokens / (slots x steps)", "decode slot occupancy so far"))),
     ("moe", "moe/", (
         ((("moe/routing_differs_tokens", "-"), ("moe/routing_differs_pairs", "--")), "fraction of trained tokens",
          "learner top k != sampler's experts: any layer (solid), per layer (dashed)"),

@@ -56,6 +56,7 @@ class SlotEngine:
         self.slots = -(-slots // self.groups) * self.groups
         self.seg = min(scfg.decode_segment or scfg.max_new_tokens, scfg.max_new_tokens)
         self.occupancy = []  # per stream: generated tokens / (slots x decode steps run)
+        self.live: Optional[_Slots] = None  # the running (or last) stream's slots: its counters as it runs
         rows = sampler.rows
         specs, pool_specs = (decode.DecodeState.specs(rows, per_row=True, routing=scfg.record_routing),
                              decode.DecodeState.specs(rows, routing=scfg.record_routing))
@@ -132,7 +133,7 @@ class SlotEngine:
         nothing waits or decodes."""
         params = self.sampler.place_params(params)
         st, s = self._empty(p), _Slots.idle(self.slots, self.groups)
-        fed_all, first = False, True
+        self.live, fed_all, first = s, False, True
         while True:
             if stop is not None and stop():
                 return
@@ -232,7 +233,8 @@ class SlotEngine:
         where = np.flatnonzero(paused)
         for j, i, slot in zip(where, ids.tolist(), slots.tolist()):
             k = int(got["valid_BxN"][j].sum())
-            reply = turns.respond(i, got["tokens_BxN"][j][:k].copy(), got["obs_BxN"][j][:k].copy())
+            more = {f: got[f][j][:k].copy() for f in turns.detail}
+            reply = turns.respond(i, got["tokens_BxN"][j][:k].copy(), got["obs_BxN"][j][:k].copy(), **more)
             turns.waiting[i] = turns_lib.Waiting(reply, slot=slot)
         if not turns.release:
             s.holding[slots] = True

@@ -17,7 +17,9 @@ log-probs, so the engine logs how far they are from the recorded behaviour log-p
 tokens through a batched pass instead of step by step (and, after an update, other weights).
 
 The environment side is duck-typed: `respond(row_id, tokens, obs_mask) -> Future` of a reply
-with `obs_ids` (token ids to append) and `done` (the episode ends here).
+with `obs_ids` (token ids to append) and `done` (the episode ends here). An environment that
+wants more of the row (the agent gateway: the turn's log-probs for a client asking for them)
+names the outputs in `Turns.detail`; each comes as a keyword, the row's values so far.
 """
 
 from __future__ import annotations
@@ -82,10 +84,11 @@ class Waiting:
 
 class Turns:
     """The slot engine's multi-turn bookkeeping for one stream: `respond` as in the module doc,
-    `release` (free a waiting row's slot), `max_obs` (forced tokens per reply, a static width)."""
+    `release` (free a waiting row's slot), `max_obs` (forced tokens per reply, a static width),
+    `detail` (outputs of `slot_state.OUTPUTS` given to `respond` too, as keywords)."""
 
-    def __init__(self, respond: Callable, release: bool = True, max_obs: int = 64):
-        self.respond, self.release, self.max_obs = respond, release, max_obs
+    def __init__(self, respond: Callable, release: bool = True, max_obs: int = 64, detail: tuple = ()):
+        self.respond, self.release, self.max_obs, self.detail = respond, release, max_obs, tuple(detail)
         self.waiting: dict[int, Waiting] = {}
 
     def ended_turns(self, ids, got, limit_of) -> np.ndarray:
