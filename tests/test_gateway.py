@@ -177,6 +177,34 @@ def test_three_tool_call_turns_round_trip_and_train_exactly_as_sampled(served):
     assert (b.behav_logp[0][drawn] < 0).all()
 
 
+def test_a_turn_cut_at_max_tokens_goes_on_and_trains_as_sampled(served):
+    """Turns capped at 2 (the first, from its prompt) and 1 (a later one, after its observation)
+    of the scripted 4 ids, then one uncapped: the capped ones finish `length`, and the row holds
+    each one's drawn ids, its closing token forced (loss 0, version -1) before the next request's
+    ids, and the last turn whole; the learner reproduces every behaviour log-prob."""
+    gw, srv = served
+    client, msgs = _client(srv, "s-cut"), list(QUESTION)
+    for cap, finish in (({"max_tokens": 2}, "length"), ({"max_completion_tokens": 1}, "length"), ({}, "tool_calls")):
+        out = client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS, **cap)
+        assert out.choices[0].finish_reason == finish and out.usage.completion_tokens == (list(cap.values()) or [4])[0]
+        msgs += [out.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "five"}]
+    _reward(srv, "s-cut", 1.0)
+    (done,) = _closed(gw)
+    b, fmt = jax.tree.map(np.asarray, done.batch), gw.format
+    script, close = ids("<tool_call>", CALL, "</tool_call>", "<|im_end|>"), ids("<|im_end|>")
+    exts = [fmt.extension([chat.normal(m) for m in msgs[:2 * t + 2]], [chat.normal(msgs[2 * t + 2])]) for t in (0, 1)]
+    want = fmt.prompt([chat.normal(m) for m in QUESTION]) + script[:2] + close + exts[0] + script[:1] + close + exts[1]
+    want += script
+    real = b.input_mask[0] > 0
+    assert b.tokens[0][real].tolist() == want
+    drawn, gen = b.loss_mask[0] > 0, np.flatnonzero(real[32:]) + 32  # the positions after the prompt
+    kinds = [True] * 2 + [False] * (1 + len(exts[0])) + [True] + [False] * (1 + len(exts[1])) + [True] * 4
+    assert drawn[gen].tolist() == kinds and (b.versions[0][gen[~np.asarray(kinds)]] == -1).all()
+    stats = forward.batch_stats(forward.Forward(CFG, PolicyDist(1.0), 16, None), params(),
+                                jax.tree.map(jnp.asarray, done.batch), None, gather=False)
+    np.testing.assert_allclose(np.asarray(stats["logp"])[0][drawn], b.behav_logp[0][drawn], rtol=0.2, atol=0)
+
+
 def test_a_turn_asked_for_logprobs_carries_those_its_row_is_trained_with(served):
     """`logprobs=True, top_logprobs=2` through the stock client: each drawn id of the turn, in
     order, with the behaviour log-prob and top-K the learner's row holds for it, bit for bit."""

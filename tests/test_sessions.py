@@ -186,7 +186,7 @@ def test_a_turn_asked_for_logprobs_gets_the_recorded_ones():
     gets none."""
     t, _ = _table()
     inf = float("inf")
-    answer, row = t.request("lp", [USER], logprobs=1)
+    answer, row = t.request("lp", [USER], ask=sessions.Ask(logprobs=1))
     scores = ([-0.5, -0.25], [[ord("o"), ord("x")], [99, ord("y")]], [[-0.5, -1.0], [-inf, -inf]])
     reply = t.respond(row.id, [ord("o"), 99], [False, False], scores)
     content = answer.result().logprobs["content"]
@@ -198,3 +198,19 @@ def test_a_turn_asked_for_logprobs_gets_the_recorded_ones():
     t.respond(row.id, more, [False] * 2 + [True] * 4 + [False] * 2,
               tuple(np.zeros((8, 2)) if i else np.zeros(8) for i in range(3)))
     assert reply.result().obs_ids and plain.result().logprobs is None
+
+
+def test_a_turn_cut_at_max_tokens_answers_length_and_the_session_goes_on_after_its_closing_token():
+    """The turn stopped at `max_tokens` without its closing token (99): finish `length`; the next
+    request's observation closes it first (as the template renders the turn) and carries the new
+    request's limit; a turn that draws its closing token answers as usual."""
+    t, _ = _table()
+    answer, row = t.request("m", [USER], ask=sessions.Ask(max_tokens=2))
+    reply = t.respond(row.id, [ord("o"), ord("k")], [False, False])
+    assert answer.result()[:2] == ({"role": "assistant", "content": "ok"}, "length") and row.cut
+    nxt, same = t.request("m", [USER, {"role": "assistant", "content": "ok"}, USER], ask=sessions.Ask(max_tokens=5))
+    assert same is None and reply.result().obs_ids == (99, -1, 4, ord("h"), ord("i"))
+    assert reply.result().max_tokens == 5
+    t.respond(row.id, [ord("o"), ord("k"), 99, -1, 4, ord("h"), ord("i"), ord("x"), 99],
+              [False] * 2 + [True] * 5 + [False] * 2)
+    assert nxt.result()[:2] == ({"role": "assistant", "content": "x"}, "stop") and not row.cut

@@ -45,6 +45,13 @@ class Closed:
     tool_calls: np.ndarray
 
 
+def _ask(body: dict) -> sessions_lib.Ask:
+    """What a (checked) request asks of its turn: log-probs, and a shorter turn."""
+    caps = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
+    return sessions_lib.Ask(logprobs=(body.get("top_logprobs") or 0) if body.get("logprobs") else None,
+                            max_tokens=min(caps) if caps else None)
+
+
 class Gateway:
     """Sessions over one sampler's slots. `params`/`version`: the weights it decodes with until
     `publish` gives newer ones."""
@@ -93,10 +100,10 @@ class Gateway:
         with self._lock:
             try:
                 if kind == "prompt":
-                    answer, row = self.sessions.complete(session, body.get("prompt"))
+                    answer, row = self.sessions.complete(session, body.get("prompt"), _ask(body))
                 else:
-                    top = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
-                    answer, row = self.sessions.request(session, body.get("messages"), body.get("tools") or None, top)
+                    answer, row = self.sessions.request(session, body.get("messages"), body.get("tools") or None,
+                                                        _ask(body))
             except chat.ChatError:
                 self.sessions.counts["refused"] += 1
                 raise
@@ -229,12 +236,11 @@ class Gateway:
         if body.get("tool_choice") not in (None, "auto"):
             raise chat.ChatError("tool_choice: only 'auto' (the model decides, as it was sampled)")
         self._check_logprobs(body, kind)
-        budget = self.sampler.cfg.max_new_tokens
         for k in ("max_tokens", "max_completion_tokens"):
             v = body.get(k)
-            if v is not None and (not isinstance(v, int) or v < budget):
-                raise chat.ChatError(f"{k}: at least the run's session budget sampler.max_new_tokens={budget} "
-                                     "(a turn cannot be cut shorter than the slots decode it)")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise chat.ChatError(f"{k}: a positive integer (the turn's tokens at most; the session's own budget is "
+                                     f"sampler.max_new_tokens={self.sampler.cfg.max_new_tokens})")
 
     def _check_logprobs(self, body: dict, kind: str) -> None:
         asked, top = body.get("logprobs"), body.get("top_logprobs")
@@ -265,7 +271,9 @@ class Gateway:
         toks, mask = left_pad([r.prompt for r in rows], self.width, cfg.pad_token_id)
         ids = np.asarray([r.id for r in rows], np.int64)
         self._prompts.update({r.id: (toks[i], mask[i]) for i, r in enumerate(rows)})
-        return ids, toks, mask, np.full(len(rows), cfg.max_new_tokens), engine.row_keys(key, ids)
+        budget = np.full(len(rows), cfg.max_new_tokens)
+        first = np.asarray([min(cfg.max_new_tokens, r.ask.max_tokens or cfg.max_new_tokens) for r in rows])
+        return ids, toks, mask, budget, engine.row_keys(key, ids), first
 
     def _respond(self, row: int, tokens, obs, **scores) -> Future:
         with self._lock:

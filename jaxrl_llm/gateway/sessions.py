@@ -39,6 +39,14 @@ class Answer(NamedTuple):
     logprobs: Optional[dict] = None  # choices[].logprobs when the request asked for them
 
 
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """What a request asks of its turn beyond the messages."""
+
+    logprobs: Optional[int] = None  # the answer carries the turn's log-probs, with this many top ids (None: not)
+    max_tokens: Optional[int] = None  # the turn stops after drawing this many (None: the session's budget)
+
+
 COUNTERS = ("opened", "closed", "timed_out", "abandoned", "branched", "refused", "turns", "tool_calls")
 
 
@@ -54,7 +62,8 @@ class Row:
     branched: bool = False
     state: str = "generating"  # generating | waiting | closed
     answer: Optional[Future] = None  # the request waiting for the model's turn: `Answer`
-    logprobs: Optional[int] = None  # the waiting request asked for log-probs, with this many top ids
+    ask: Ask = Ask()  # the waiting request's
+    cut: bool = False  # its last turn stopped at `max_tokens`, before its closing token
     reply: Optional[Future] = None  # the slots' wait for this row's next observation (`tasks.envs.Reply`)
     turns: int = 0
     tool_calls: int = 0
@@ -84,25 +93,23 @@ class Sessions:
         """Sessions the run no longer waits for: those not opened yet never will be."""
         self.expected.difference_update(names)
 
-    def request(self, session: str, messages, tools=None, logprobs: Optional[int] = None
-                ) -> tuple[Future, Optional[Row]]:
+    def request(self, session: str, messages, tools=None, ask: Ask = Ask()) -> tuple[Future, Optional[Row]]:
         """A chat request of `session` -> (the future of its answer, the new row to start or None
-        when the request extends a waiting row, which goes on by itself). `logprobs`: the answer
-        carries the turn's log-probs, with this many top ids each (None: not asked)."""
+        when the request extends a waiting row, which goes on by itself)."""
         if not isinstance(messages, list) or not messages:
             raise chat.ChatError("messages: a list of at least one message")
         msgs = [chat.normal(m, f"messages[{i}]") for i, m in enumerate(messages)]
-        return self._request(session, msgs, tools, logprobs)
+        return self._request(session, msgs, tools, ask)
 
-    def complete(self, session: str, prompt) -> tuple[Future, Optional[Row]]:
+    def complete(self, session: str, prompt, ask: Ask = Ask()) -> tuple[Future, Optional[Row]]:
         """A text completion request (`/v1/completions`): it goes on in the session's row when
         `prompt` starts with the row's text so far (its prompt, then each completion returned);
         the rest is tokenised on its own. Anything else branches, as for chat."""
         if not isinstance(prompt, str) or not prompt:
             raise chat.ChatError("prompt: a non-empty string")
-        return self._request(session, prompt, None)
+        return self._request(session, prompt, None, ask)
 
-    def _request(self, session: str, msgs, tools, logprobs=None) -> tuple[Future, Optional[Row]]:
+    def _request(self, session: str, msgs, tools, ask: Ask) -> tuple[Future, Optional[Row]]:
         text = isinstance(msgs, str)
         if session in self.rewards:
             raise chat.ChatError(f"session {session!r} is closed (its reward was given)")
@@ -116,18 +123,18 @@ class Sessions:
                 isinstance(row.messages, str) == text and _extends(row.messages, msgs):
             if text:
                 ids = self.format.encode(msgs[len(row.messages):])
-            else:
-                ids = self.format.extension(row.messages, msgs[len(row.messages):], tools)
-            row.messages, row.state, row.answer, row.seen = msgs, "generating", answer, self.clock()
-            row.logprobs = logprobs
-            row.reply.set_result(Reply(obs_ids=tuple(ids)))
+            else:  # a turn cut at max_tokens is closed first, as the template closes it
+                ids = [self.format.stop_id] * row.cut + self.format.extension(row.messages, msgs[len(row.messages):],
+                                                                               tools)
+            row.messages, row.state, row.answer, row.seen, row.ask = msgs, "generating", answer, self.clock(), ask
+            row.reply.set_result(Reply(obs_ids=tuple(ids), max_tokens=ask.max_tokens))
             return answer, None
         prompt = self.format.encode(msgs) if text else self.format.prompt(msgs, tools)
         if len(prompt) > self.max_prompt:  # refused before any row exists: nothing to close or hand over
             raise chat.ChatError(f"{'prompt' if text else 'messages'}: {len(prompt)} prompt tokens exceed the largest "
                                  f"sampler.prompt_buckets ({self.max_prompt})")
         new = Row(self._next, session, prompt, msgs, tools, branched=row is not None, answer=answer, seen=self.clock(),
-                  logprobs=logprobs)
+                  ask=ask)
         self._next += 1
         if row is not None:  # a branch: the old row closes as it is, counted
             self.counts["branched"] += 1
@@ -150,8 +157,10 @@ class Sessions:
             return reply
         row.turns += 1
         said = self._turn(row, tokens, obs)
-        self._answer(row, said, "tool_calls" if isinstance(said, dict) and said.get("tool_calls") else "stop",
-                     tokens, obs, scores)
+        # a turn that stops before its closing token stopped at max_tokens
+        row.cut = not len(tokens) or int(tokens[-1]) != self.format.stop_id
+        finish = "length" if row.cut else "tool_calls" if isinstance(said, dict) and said.get("tool_calls") else "stop"
+        self._answer(row, said, finish, tokens, obs, scores)
         if row.turns >= self.max_turns:
             row.ended = True
             reply.set_result(Reply(done=True))
@@ -227,8 +236,8 @@ class Sessions:
         row.state, row.seen = "waiting", self.clock()
         if row.answer is not None and not row.answer.done():
             start, lp = _turn_start(obs), None
-            if row.logprobs is not None and scores is not None:
-                lp = chat.logprobs(self.format, tokens[start:], *(x[start:] for x in scores), row.logprobs)
+            if row.ask.logprobs is not None and scores is not None:
+                lp = chat.logprobs(self.format, tokens[start:], *(x[start:] for x in scores), row.ask.logprobs)
             row.answer.set_result(Answer(msg, finish, _usage(row, tokens, obs), lp))
 
     def _close(self, row: Row) -> None:

@@ -119,7 +119,8 @@ class SlotEngine:
         each segment boundary (outputs: `slot_state.OUTPUTS` fields, one entry per id).
 
         `feed()` -> `(ids, prompt_RxP, mask_RxP, limit_R, keys_Rx2)` of new rows (prompts
-        left-padded to `p`, keys from `row_keys`), `()` for none now (asked again later), or
+        left-padded to `p`, keys from `row_keys`; with `turns`, a sixth array may stop each
+        row's first turn before its budget `limit_R`), `()` for none now (asked again later), or
         None for none ever; it is asked at a boundary whenever fewer rows wait than there are
         slots; while it holds rows back and no slot decodes, `(no ids, {})` is yielded every
         10 ms. `refresh` as in `Sampler.generate`, asked before every segment but the first. `stop()`: end at the
@@ -291,11 +292,16 @@ class SlotEngine:
         """`state` with `rows` [(id, index, reply, room, step)] going on: one resume, its rows
         padded to a power of two with an index past the state's rows (dropped)."""
         obs, lens = turns.obs_arrays([r[2] for r in rows], [r[3] for r in rows])
+        # each row stops at its budget (step + room), or after the next turn's max_tokens
+        caps = [getattr(r[2], "max_tokens", None) for r in rows]  # a reply may have none (duck-typed)
+        limit = [step + (room if cap is None else min(room, n + cap))
+                 for (_, _, _, room, step), n, cap in zip(rows, lens.tolist(), caps)]
         k = pow2(len(rows))
         at = np.full(k, state.done_B.shape[0], np.int32)
         at[:len(rows)] = [r[1] for r in rows]
         obs, lens = np.pad(obs, ((0, k - len(rows)), (0, 0))), np.pad(lens, (0, k - len(rows)))
-        return self._resume(state, self._put(at), self._put(obs), self._put(lens))
+        limit = np.pad(np.asarray(limit, np.int32), (0, k - len(rows)))
+        return self._resume(state, self._put(at), self._put(obs), self._put(lens), self._put(limit))
 
     def _rebuilt(self, params, pool, at: int, row):
         """Row `at` of a cache-less parked pool with its cache rebuilt (`turns.reprefill`), its
@@ -318,7 +324,9 @@ class SlotEngine:
         padded to a power of two with copies (bounded programs) -> [pool, {id: index}]."""
         n = pow2(max(len(q) for q in per_device))
         order = [np.resize(np.asarray(q or [next(iter(rows))]), n) for q in per_device]
-        prompt, mask, limit, keys = (np.stack([rows[int(i)][k] for q in order for i in q]) for k in range(4))
+        prompt, mask, _, keys = (np.stack([rows[int(i)][k] for q in order for i in q]) for k in range(4))
+        # where each row's first turn stops: its budget, or the sooner limit its feed gave (`stream`)
+        limit = np.asarray([(lambda r: r[4] if len(r) > 4 else r[2])(rows[int(i)]) for q in order for i in q])
         pool = self._prefill(params, self._put(prompt), self._put(mask), self._put(limit.astype(np.int32)),
                              self._put(keys), version)
         return [pool, {int(i): j for q in per_device for j, i in enumerate(q)}]
@@ -354,7 +362,7 @@ class _Slots:
     row_of: np.ndarray  # the id each slot holds (-1: idle); slot j is on device j // (slots / devices)
     holding: np.ndarray  # multi-turn, hold: the slot's row waits for its reply
     steps: np.ndarray  # each slot's decode step
-    rows: dict = dataclasses.field(default_factory=dict)  # id -> (prompt, mask, limit, key data)
+    rows: dict = dataclasses.field(default_factory=dict)  # id -> (prompt, mask, limit, key data[, first turn's])
     pools: list = dataclasses.field(default_factory=list)  # [prefilled pool, {id: index in the pool}]
     start: dict = dataclasses.field(default_factory=dict)  # id -> the step a resumed row re-enters its slot at
     decoded: int = 0  # decode steps run (summed over segments)

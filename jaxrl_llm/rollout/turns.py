@@ -17,7 +17,8 @@ log-probs, so the engine logs how far they are from the recorded behaviour log-p
 tokens through a batched pass instead of step by step (and, after an update, other weights).
 
 The environment side is duck-typed: `respond(row_id, tokens, obs_mask) -> Future` of a reply
-with `obs_ids` (token ids to append) and `done` (the episode ends here). An environment that
+with `obs_ids` (token ids to append), `done` (the episode ends here) and optionally `max_tokens`
+(the next turn stops after drawing that many). An environment that
 wants more of the row (the agent gateway: the turn's log-probs for a client asking for them)
 names the outputs in `Turns.detail`; each comes as a keyword, the row's values so far.
 """
@@ -43,15 +44,17 @@ def park(st: DecodeState, slot_I) -> DecodeState:
     return rows.replace(uniforms_NxB=rows.uniforms_NxB.T)
 
 
-def resume(st: DecodeState, row_I, obs_IxM, len_I) -> DecodeState:
-    """Rows `row_I` go on: `obs_IxM[i, :len_I[i]]` are forced at the row's next columns (an index
-    past the state's rows is padding, dropped)."""
+def resume(st: DecodeState, row_I, obs_IxM, len_I, limit_I) -> DecodeState:
+    """Rows `row_I` go on: `obs_IxM[i, :len_I[i]]` are forced at the row's next columns, and the
+    row stops at column `limit_I[i]` (its budget, or sooner: the next turn's `max_tokens`); an
+    index past the state's rows is padding, dropped."""
     m = obs_IxM.shape[1]
     step = jnp.broadcast_to(st.step, st.done_B.shape)[jnp.minimum(row_I, st.done_B.shape[0] - 1)]
     cols = step[:, None] + jnp.arange(m)[None, :]
     rows = jnp.where(jnp.arange(m)[None, :] < len_I[:, None], row_I[:, None], st.done_B.shape[0])
     forced = st.forced_BxN.at[rows, cols].set(obs_IxM, mode="drop")
-    return st.replace(forced_BxN=forced, done_B=st.done_B.at[row_I].set(False, mode="drop"))
+    return st.replace(forced_BxN=forced, done_B=st.done_B.at[row_I].set(False, mode="drop"),
+                      limit_B=st.limit_B.at[row_I].set(limit_I, mode="drop"))
 
 
 def reprefill(params, st: DecodeState, prompt_BxP, prompt_mask_BxP, mcfg, scfg):

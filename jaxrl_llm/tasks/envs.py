@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from concurrent.futures import Future
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -34,6 +34,7 @@ class Reply:
     tool_errors: int = 0  # of those, calls that failed (malformed, raised, or the sandbox failed)
     tool_timeouts: int = 0
     tool_seconds: float = 0.0
+    max_tokens: Optional[int] = None  # tokens the next turn may draw (None: up to the row's budget)
 
 
 class Environment(Protocol):
