@@ -30,6 +30,7 @@ from typing import Callable, NamedTuple, Optional
 from jaxrl_llm.gateway import chat
 from jaxrl_llm.tasks.envs import Reply
 
+
 class Answer(NamedTuple):
     """What a request waits for: the model's turn as OpenAI's response gives it."""
 
