@@ -177,28 +177,34 @@ def test_three_tool_call_turns_round_trip_and_train_exactly_as_sampled(served):
     assert (b.behav_logp[0][drawn] < 0).all()
 
 
-def test_a_turn_cut_at_max_tokens_goes_on_and_trains_as_sampled(served):
-    """Turns capped at 2 (the first, from its prompt) and 1 (a later one, after its observation)
-    of the scripted 4 ids, then one uncapped: the capped ones finish `length`, and the row holds
-    each one's drawn ids, its closing token forced (loss 0, version -1) before the next request's
-    ids, and the last turn whole; the learner reproduces every behaviour log-prob."""
+def test_turns_cut_by_max_tokens_or_a_stop_string_go_on_and_train_as_sampled(served):
+    """Turns of the scripted 4 ids capped at 2 (the first, from its prompt) and 1 (after an
+    observation), one stopped at a string inside its second id (the slots undo the 2 drawn past
+    it in the segment), then one whole: the cut ones finish `length` / `stop`, the stopped one's
+    text ends before the string; the row holds each one's kept ids, its closing token forced
+    (loss 0, version -1) before the next request's ids, and the last turn whole; the learner
+    reproduces every behaviour log-prob."""
     gw, srv = served
     client, msgs = _client(srv, "s-cut"), list(QUESTION)
-    for cap, finish in (({"max_tokens": 2}, "length"), ({"max_completion_tokens": 1}, "length"), ({}, "tool_calls")):
-        out = client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS, **cap)
-        assert out.choices[0].finish_reason == finish and out.usage.completion_tokens == (list(cap.values()) or [4])[0]
+    steps = (({"max_tokens": 2}, "length", 2), ({"max_completion_tokens": 1}, "length", 1),
+             ({"stop": ['"x"']}, "stop", 2), ({}, "tool_calls", 4))
+    for kw, finish, n in steps:
+        out = client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS, **kw)
+        assert (out.choices[0].finish_reason, out.usage.completion_tokens) == (finish, n)
         msgs += [out.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "five"}]
+    assert '"x"' not in msgs[5]["content"] and msgs[5]["content"].startswith("<tool_call>")  # the stopped turn
     _reward(srv, "s-cut", 1.0)
     (done,) = _closed(gw)
     b, fmt = jax.tree.map(np.asarray, done.batch), gw.format
     script, close = ids("<tool_call>", CALL, "</tool_call>", "<|im_end|>"), ids("<|im_end|>")
-    exts = [fmt.extension([chat.normal(m) for m in msgs[:2 * t + 2]], [chat.normal(msgs[2 * t + 2])]) for t in (0, 1)]
-    want = fmt.prompt([chat.normal(m) for m in QUESTION]) + script[:2] + close + exts[0] + script[:1] + close + exts[1]
-    want += script
+    want, kinds = fmt.prompt([chat.normal(m) for m in QUESTION]), []
+    for t, (_, _, n) in enumerate(steps[:-1]):
+        ext = fmt.extension([chat.normal(m) for m in msgs[:2 * t + 2]], [chat.normal(msgs[2 * t + 2])])
+        want, kinds = want + script[:n] + close + ext, kinds + [True] * n + [False] * (len(close) + len(ext))
+    want, kinds = want + script, kinds + [True] * len(script)
     real = b.input_mask[0] > 0
     assert b.tokens[0][real].tolist() == want
     drawn, gen = b.loss_mask[0] > 0, np.flatnonzero(real[32:]) + 32  # the positions after the prompt
-    kinds = [True] * 2 + [False] * (1 + len(exts[0])) + [True] + [False] * (1 + len(exts[1])) + [True] * 4
     assert drawn[gen].tolist() == kinds and (b.versions[0][gen[~np.asarray(kinds)]] == -1).all()
     stats = forward.batch_stats(forward.Forward(CFG, PolicyDist(1.0), 16, None), params(),
                                 jax.tree.map(jnp.asarray, done.batch), None, gather=False)
@@ -211,7 +217,8 @@ def test_a_turn_asked_for_logprobs_carries_those_its_row_is_trained_with(served)
     gw, srv = served
     client = _client(srv, "s-logprobs")
     for bad, field in (({"top_logprobs": 3, "logprobs": True}, "top_logprobs"), ({"top_logprobs": 1}, "top_logprobs"),
-                       ({"logprobs": True, "stream": True}, "logprobs")):
+                       ({"logprobs": True, "stream": True}, "logprobs"), ({"stop": ["a"] * 5}, "stop"),
+                       ({"stop": [""]}, "stop"), ({"stop": "a", "stream": True}, "stop")):
         with pytest.raises(openai.BadRequestError, match=field):
             client.chat.completions.create(model="policy", messages=QUESTION, **bad)
     out = client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS, logprobs=True, top_logprobs=2)

@@ -214,3 +214,18 @@ def test_a_turn_cut_at_max_tokens_answers_length_and_the_session_goes_on_after_i
     t.respond(row.id, [ord("o"), ord("k"), 99, -1, 4, ord("h"), ord("i"), ord("x"), 99],
               [False] * 2 + [True] * 5 + [False] * 2)
     assert nxt.result()[:2] == ({"role": "assistant", "content": "x"}, "stop") and not row.cut
+
+
+def test_a_turn_stopped_by_a_stop_string_answers_up_to_it_and_goes_on_after_its_closing_token():
+    """The slots cut the turn at the id completing "k!" (`chat.stop_cut`, the earliest completion
+    of any of the strings): the answer is its text before the string, finish `stop`; the row keeps
+    what was drawn, and the next request's observation closes the turn first."""
+    assert chat.stop_cut(Format(), [ord(c) for c in "ok!yes"], ("k!", "zz")) == 3
+    assert chat.stop_cut(Format(), [ord(c) for c in "abcd"], ("bc", "c")) == 3 and chat.first_stop("abcd", ("c",)) == 2
+    assert chat.stop_cut(Format(), [ord(c) for c in "ok"], ("k!",)) is None
+    t, _ = _table()
+    answer, row = t.request("st", [USER], ask=sessions.Ask(stop=("k!",)))
+    reply = t.respond(row.id, [ord("o"), ord("k"), ord("!")], [False] * 3)
+    assert answer.result()[:2] == ({"role": "assistant", "content": "o"}, "stop") and row.cut
+    nxt, same = t.request("st", [USER, {"role": "assistant", "content": "o"}, USER])
+    assert same is None and reply.result().obs_ids == (99, -1, 4, ord("h"), ord("i"))

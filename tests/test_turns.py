@@ -164,6 +164,44 @@ def test_a_recomputed_cache_gives_the_same_episodes_and_logs_its_log_prob_gap(pa
     assert engine.reprefill["abs_max"] > 0.01  # its tokens drawn under the old weights score differently
 
 
+class Cut:
+    """`Turns.stops` ending every turn after its third drawn id, as a stop string completed there
+    would (the gateway's `stop`): what the row drew past it in the segment is undone."""
+
+    def wanted(self):
+        return set(range(2 * len(PROMPTS)))  # every row (two samples a prompt)
+
+    def __call__(self, row, ids):
+        return 3 if len(ids) > 3 else None
+
+
+def test_turns_cut_short_at_a_segments_end_rewind_and_go_on_as_if_they_had_stopped_there(params):
+    """Segments of 4 ids and turns cut after 3: each turn's drawn run is at most 3 ids and a cut
+    one is followed by its reply; rows whose caches were rebuilt from their tokens
+    (turn_cache="recompute") sample the same episodes, so no undone draw stayed in a kept cache;
+    the learner's forward reproduces every behaviour log-prob, so positions moved back too."""
+    def run(turn_cache):
+        batch = _sampler("continuous", 2, turn_cache).generate(params[0], PROMPTS, jax.random.key(7), version=0,
+                                                              turns=Turns(Echo(), stops=Cut()))
+        return jax.tree.map(np.asarray, batch)
+
+    b, p = run("keep"), 8
+    runs = []
+    for r in range(len(b.tokens)):
+        drawn, real = b.loss_mask[r, p:] > 0, b.input_mask[r, p:] > 0
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], drawn[real].astype(int), [0]])))
+        runs += (edges[1::2] - edges[::2]).tolist()
+    assert max(runs) == 3 and runs.count(3) >= len(b.tokens)  # cut turns, several per row
+    again = run("recompute")
+    for f in ("tokens", "loss_mask", "input_mask", "versions"):
+        np.testing.assert_array_equal(getattr(again, f), getattr(b, f), err_msg=f)
+    np.testing.assert_allclose(again.behav_logp, b.behav_logp, atol=1e-5)
+    stats = forward.batch_stats(forward.Forward(CFG, PolicyDist(1.0), 16, None), params[0],
+                                jax.tree.map(jnp.asarray, b), None, gather=False)
+    drawn = b.loss_mask > 0
+    np.testing.assert_allclose(np.asarray(stats["logp"])[drawn], b.behav_logp[drawn], atol=2e-4)
+
+
 def test_rows_parked_together_make_a_power_of_two_pool():
     """Three rows ending a turn in one segment are parked as a pool of four (the last row's copy
     pads it), each at its index: the programs on pools compile once per power-of-two size, not

@@ -184,6 +184,21 @@ def logprobs(format, ids, logp, top_ids, top_logp, top: int) -> dict:
                         for t, lp, ti, tq in zip(ids, logp, top_ids, top_logp)]}
 
 
+def first_stop(text: str, stop: Sequence[str]) -> Optional[int]:
+    """Where `text` first holds one of the strings `stop` (None: nowhere)."""
+    found = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(found) if found else None
+
+
+def stop_cut(format, ids, stop: Sequence[str]) -> Optional[int]:
+    """How many of a turn's `ids` to keep when its text holds one of `stop`: up to the id that
+    completes the first (its draws past it are undone); None when none is in it."""
+    ids = [int(i) for i in ids]
+    if not stop or first_stop(format.decode(ids), stop) is None:
+        return None
+    return next(k for k in range(1, len(ids) + 1) if first_stop(format.decode(ids[:k]), stop) is not None)
+
+
 def first_difference(a: Sequence[dict], b: Sequence[dict]) -> Optional[int]:
     """The first index where two normal message lists differ (None: `a` is a prefix of `b`)."""
     for i, m in enumerate(a):

@@ -27,7 +27,8 @@ from jaxrl_llm.rollout.turns import Turns
 # taken, and what is ignored; any other field is refused by name.
 FIXED = ("temperature", "top_p", "top_k")
 TAKEN = ("model", "messages", "prompt", "tools", "tool_choice", "stream", "stream_options", "max_tokens",
-         "max_completion_tokens", "n", "parallel_tool_calls", "logprobs", "top_logprobs")
+         "max_completion_tokens", "n", "parallel_tool_calls", "logprobs", "top_logprobs", "stop")
+MAX_STOPS, MAX_STOP_CHARS = 4, 256  # stop strings a request may give (OpenAI's limit), characters each
 SCORES = ("logp_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK")  # a row's outputs a turn's `logprobs` come from
 IGNORED = ("user", "metadata", "store")
 ZERO = ("presence_penalty", "frequency_penalty")  # accepted at their neutral value only
@@ -48,8 +49,30 @@ class Closed:
 def _ask(body: dict) -> sessions_lib.Ask:
     """What a (checked) request asks of its turn: log-probs, and a shorter turn."""
     caps = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
+    stop = body.get("stop") or ()
     return sessions_lib.Ask(logprobs=(body.get("top_logprobs") or 0) if body.get("logprobs") else None,
-                            max_tokens=min(caps) if caps else None)
+                            max_tokens=min(caps) if caps else None,
+                            stop=(stop,) if isinstance(stop, str) else tuple(stop))
+
+
+class _Stops:
+    """The slots' `Turns.stops`: the rows whose waiting request gave stop strings, and where each
+    one's turn so far first holds one (`chat.stop_cut`)."""
+
+    def __init__(self, gateway: "Gateway"):
+        self.gateway = gateway
+
+    def wanted(self) -> set:
+        g = self.gateway
+        with g._lock:
+            return {r.id for r in g.sessions.rows.values() if r.state == "generating" and r.ask.stop}
+
+    def __call__(self, row: int, ids):
+        g = self.gateway
+        with g._lock:
+            r = g.sessions.rows.get(row)
+            stop = r.ask.stop if r is not None and r.state == "generating" else ()
+        return chat.stop_cut(g.format, ids, stop) if stop else None
 
 
 class Gateway:
@@ -236,11 +259,26 @@ class Gateway:
         if body.get("tool_choice") not in (None, "auto"):
             raise chat.ChatError("tool_choice: only 'auto' (the model decides, as it was sampled)")
         self._check_logprobs(body, kind)
+        self._check_stop(body)
         for k in ("max_tokens", "max_completion_tokens"):
             v = body.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise chat.ChatError(f"{k}: a positive integer (the turn's tokens at most; the session's own budget is "
                                      f"sampler.max_new_tokens={self.sampler.cfg.max_new_tokens})")
+
+    def _check_stop(self, body: dict) -> None:
+        stop = body.get("stop")
+        if stop is None:
+            return
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOPS or not all(
+                isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise chat.ChatError(f"stop: a string or a list of 1 to {MAX_STOPS}, each of 1 to {MAX_STOP_CHARS} "
+                                 "characters")
+        if body.get("stream"):
+            raise chat.ChatError("stop: not with stream=true (ask without streaming)")
+        if not isinstance(self.format, chat.ChatFormat):
+            raise chat.ChatError("stop: not with this task's format (the embedded calculator's ids)")
 
     def _check_logprobs(self, body: dict, kind: str) -> None:
         asked, top = body.get("logprobs"), body.get("top_logprobs")
@@ -283,7 +321,7 @@ class Gateway:
         try:
             engine = self._engine
             key = jax.random.key(seed)
-            turns = Turns(self._respond, release=True, max_obs=self.max_obs, detail=SCORES)
+            turns = Turns(self._respond, release=True, max_obs=self.max_obs, detail=SCORES, stops=_Stops(self))
             for ids, got in engine.stream(params, self.width, version, lambda: self._feed(engine, key),
                                           refresh=self._refresh, stop=self._stop.is_set, turns=turns, progress=self):
                 with self._lock:

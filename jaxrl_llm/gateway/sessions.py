@@ -46,6 +46,7 @@ class Ask:
 
     logprobs: Optional[int] = None  # the answer carries the turn's log-probs, with this many top ids (None: not)
     max_tokens: Optional[int] = None  # the turn stops after drawing this many (None: the session's budget)
+    stop: tuple = ()  # the turn stops at the id that completes one of these strings
 
 
 COUNTERS = ("opened", "closed", "timed_out", "abandoned", "branched", "refused", "turns", "tool_calls")
@@ -64,7 +65,7 @@ class Row:
     state: str = "generating"  # generating | waiting | closed
     answer: Optional[Future] = None  # the request waiting for the model's turn: `Answer`
     ask: Ask = Ask()  # the waiting request's
-    cut: bool = False  # its last turn stopped at `max_tokens`, before its closing token
+    cut: bool = False  # its last turn stopped before its closing token (`max_tokens`, or a stop string)
     reply: Optional[Future] = None  # the slots' wait for this row's next observation (`tasks.envs.Reply`)
     turns: int = 0
     tool_calls: int = 0
@@ -158,9 +159,10 @@ class Sessions:
             return reply
         row.turns += 1
         said = self._turn(row, tokens, obs)
-        # a turn that stops before its closing token stopped at max_tokens
+        # a turn that stops before its closing token stopped at a stop string, or at max_tokens
         row.cut = not len(tokens) or int(tokens[-1]) != self.format.stop_id
-        finish = "length" if row.cut else "tool_calls" if isinstance(said, dict) and said.get("tool_calls") else "stop"
+        calls = isinstance(said, dict) and said.get("tool_calls")
+        finish = "length" if row.cut and not self._stopped(row, tokens, obs) else "tool_calls" if calls else "stop"
         self._answer(row, said, finish, tokens, obs, scores)
         if row.turns >= self.max_turns:
             row.ended = True
@@ -217,16 +219,29 @@ class Sessions:
             self.counts["timed_out"] += 1
         return gone
 
+    def _stopped(self, row: Row, tokens, obs) -> bool:
+        """Whether the row's turn holds one of its request's stop strings."""
+        ids = [t for t in tokens[_turn_start(obs):] if t != self.format.stop_id]
+        return bool(row.ask.stop) and chat.first_stop(self.format.decode(ids), row.ask.stop) is not None
+
     def _turn(self, row: Row, tokens, obs):
-        """The turn that ended the row's tokens: its message (chat) or its text (completions)."""
+        """The turn that ended the row's tokens: its message (chat) or its text (completions),
+        up to the first of its request's stop strings (which the row keeps: it was drawn)."""
         start = _turn_start(obs)
+        if row.ask.stop and not isinstance(row.messages, str):
+            text = self.format.decode([t for t in tokens[start:] if t != self.format.stop_id])
+            msg, calls = chat.parse_turn(text[:chat.first_stop(text, row.ask.stop)], f"{row.id}_{row.turns}")
+            return self._said(row, msg, calls)
         if isinstance(row.messages, str):
             ids = [t for t in tokens[start:] if t != self.format.stop_id]
             said = self.format.decode(ids)
+            said = said[:chat.first_stop(said, row.ask.stop)] if row.ask.stop else said
             row.messages += said
             self.counts["turns"] += 1
             return said
-        msg, calls = self.format.reply(list(tokens[start:]), f"{row.id}_{row.turns}")
+        return self._said(row, *self.format.reply(list(tokens[start:]), f"{row.id}_{row.turns}"))
+
+    def _said(self, row: Row, msg: dict, calls: list) -> dict:
         row.messages = row.messages + [chat.normal(msg)]
         row.tool_calls += len(calls)
         self.counts["turns"] += 1

@@ -87,6 +87,7 @@ class SlotEngine:
         self._park = jax.jit(turns_lib.park)  # multi-turn (one sampler device): a waiting row's state
         self._park_bare = jax.jit(lambda st, slots: turns_lib.park(st.replace(cache=None), slots))
         self._resume = jax.jit(turns_lib.resume)
+        self._rewind = jax.jit(functools.partial(turns_lib.rewind, pad=scfg.pad_token_id))
         self._row = jax.jit(slot_state.row)
         self._reprefill = jax.jit(functools.partial(turns_lib.reprefill, mcfg=mcfg, scfg=scfg))
 
@@ -209,6 +210,8 @@ class SlotEngine:
         st = self._fill(st, s)
         width = p + attention_width(int(s.steps[s.row_of >= 0].max()) + self.seg, self.seg, n)  # one static key
         st = self._segment(params, st, version, p=p, width=width)
+        if turns is not None and turns.stops is not None and turns.stops.wanted():
+            st = self._stopped(st, turns, s)
         before = s.steps.copy()
         done, s.steps = (np.array(x) for x in jax.device_get((st.done_B, st.step)))
         s.decoded += int((s.steps - before)[s.row_of >= 0].max(initial=0))
@@ -227,6 +230,18 @@ class SlotEngine:
             del s.rows[int(i)]
         s.useful += int(got["valid_BxN"].sum())
         return st, ids, got
+
+    def _stopped(self, st, turns, s: "_Slots"):
+        """Rows whose turn so far holds a stop string (`turns.stops`) cut back to where it ends."""
+        slots = np.flatnonzero((s.row_of >= 0) & ~s.holding)
+        toks, valid, obs = (np.asarray(x)[slots] for x in jax.device_get((st.tokens_BxN, st.valid_BxN, st.obs_BxN)))
+        cuts = turns.cuts(s.row_of[slots].tolist(), toks, valid, obs)
+        if not cuts:
+            return st
+        k = pow2(len(cuts))
+        at, col = np.full(k, self.slots, np.int32), np.zeros(k, np.int32)
+        at[:len(cuts)], col[:len(cuts)] = zip(*[(slots[j], c) for j, c in cuts])
+        return self._rewind(st, self._put(at), self._put(col))
 
     def _wait(self, st, turns, ids, slots, got, paused, s: "_Slots"):
         """Rows `ids` (in `slots`) ended a turn: ask their environment, and hold their slots or

@@ -18,7 +18,9 @@ tokens through a batched pass instead of step by step (and, after an update, oth
 
 The environment side is duck-typed: `respond(row_id, tokens, obs_mask) -> Future` of a reply
 with `obs_ids` (token ids to append), `done` (the episode ends here) and optionally `max_tokens`
-(the next turn stops after drawing that many). An environment that
+(the next turn stops after drawing that many). An environment may also end a turn where its
+text first holds a stop string (`Turns.stops`): after each segment the row is cut back to the
+token that completed it (`rewind`), as if it had stopped there; its later draws are undone. An environment that
 wants more of the row (the agent gateway: the turn's log-probs for a client asking for them)
 names the outputs in `Turns.detail`; each comes as a keyword, the row's values so far.
 """
@@ -57,6 +59,34 @@ def resume(st: DecodeState, row_I, obs_IxM, len_I, limit_I) -> DecodeState:
                       limit_B=st.limit_B.at[row_I].set(limit_I, mode="drop"))
 
 
+def rewind(st: DecodeState, slot_I, col_I, pad: int = 0) -> DecodeState:
+    """The rows in slots `slot_I` end their turn at column `col_I[i]`: what they decoded past it
+    is undone (tokens back to `pad`, records and cache positions cleared, the RoPE position moved
+    back by as many), so each stands as if its turn had stopped there, waiting for a reply (an
+    index past the state's rows is padding, dropped). Its draws stay its own: column t still
+    takes uniform t when it decodes again."""
+    n = st.tokens_BxN.shape[1]
+    keep_IxN = jnp.arange(n)[None, :] < col_I[:, None]
+    rows = jnp.minimum(slot_I, st.done_B.shape[0] - 1)
+
+    def cut(x, offset=0, fill=0):  # [B, offset + N, ...]: the row's columns past col_I set to `fill`
+        keep = jnp.concatenate([jnp.ones((len(col_I), offset), bool), keep_IxN], 1)
+        keep = keep.reshape(keep.shape + (1,) * (x.ndim - 2))
+        return x.at[slot_I].set(jnp.where(keep, x[rows], jnp.asarray(fill, x.dtype)), mode="drop")
+
+    undone = jnp.sum(st.valid_BxN[rows] & ~keep_IxN, 1)
+    p = st.key_valid_BxW.shape[1] - n
+    fields = {f: cut(getattr(st, f)) for f in ("valid_BxN", "logp_BxN", "kept_BxN", "topk_ids_BxNxK",
+                                                 "topk_logp_BxNxK", "obs_BxN")}
+    return st.replace(
+        **fields, tokens_BxN=cut(st.tokens_BxN, fill=pad), versions_BxN=cut(st.versions_BxN, fill=-1),
+        key_valid_BxW=cut(st.key_valid_BxW, p), routing=None if st.routing is None else cut(st.routing, p),
+        step=st.step.at[slot_I].set(col_I, mode="drop"),
+        positions_B=st.positions_B.at[slot_I].add(-undone, mode="drop"),
+        done_B=st.done_B.at[slot_I].set(True, mode="drop"),
+        eos_B=st.eos_B.at[slot_I].set(st.eos_B[rows] & (undone == 0), mode="drop"))
+
+
 def reprefill(params, st: DecodeState, prompt_BxP, prompt_mask_BxP, mcfg, scfg):
     """Parked rows `st` (no cache) with their cache rebuilt from their tokens: the prompt, then
     every token so far (drawn and observed) at its own position, in one forward pass. Returns
@@ -88,10 +118,13 @@ class Waiting:
 class Turns:
     """The slot engine's multi-turn bookkeeping for one stream: `respond` as in the module doc,
     `release` (free a waiting row's slot), `max_obs` (forced tokens per reply, a static width),
-    `detail` (outputs of `slot_state.OUTPUTS` given to `respond` too, as keywords)."""
+    `detail` (outputs of `slot_state.OUTPUTS` given to `respond` too, as keywords), `stops`: rows
+    that may end their turn early, `stops.wanted()` naming them and `stops(row id, its turn's ids
+    so far)` the count of those ids to keep (None: go on)."""
 
-    def __init__(self, respond: Callable, release: bool = True, max_obs: int = 64, detail: tuple = ()):
+    def __init__(self, respond: Callable, release: bool = True, max_obs: int = 64, detail: tuple = (), stops=None):
         self.respond, self.release, self.max_obs, self.detail = respond, release, max_obs, tuple(detail)
+        self.stops = stops
         self.waiting: dict[int, Waiting] = {}
 
     def ended_turns(self, ids, got, limit_of) -> np.ndarray:
@@ -99,6 +132,19 @@ class Turns:
         on: not at EOS and short of their budget."""
         steps = got["valid_BxN"].sum(1)
         return ~got["eos_B"] & (steps < np.asarray([limit_of(int(i)) for i in ids]))
+
+    def cuts(self, ids, tokens_BxN, valid_BxN, obs_BxN) -> list:
+        """(index, column) of the rows `ids` (one per line of the arrays) whose turn so far `stops`
+        cuts short: its first ids up to the column kept, the rest to undo."""
+        out, wanted = [], self.stops.wanted()
+        for j, i in enumerate(ids):
+            if i in wanted:
+                cols = np.flatnonzero(valid_BxN[j])  # a row's columns fill from 0, its observations among them
+                start = max((c + 1 for c in cols if obs_BxN[j][c]), default=0)
+                k = self.stops(i, tokens_BxN[j][start:len(cols)])
+                if k is not None and start + k < len(cols):
+                    out.append((j, start + k))
+        return out
 
     def ready(self) -> list:
         """(id, reply) of the waiting rows whose reply has come, in arrival-independent id order."""
