@@ -18,11 +18,11 @@ tokens through a batched pass instead of step by step (and, after an update, oth
 
 The environment side is duck-typed: `respond(row_id, tokens, obs_mask) -> Future` of a reply
 with `obs_ids` (token ids to append), `done` (the episode ends here) and optionally `max_tokens`
-(the next turn stops after drawing that many). An environment may also end a turn where its
-text first holds a stop string (`Turns.stops`): after each segment the row is cut back to the
-token that completed it (`rewind`), as if it had stopped there; its later draws are undone. An environment that
-wants more of the row (the agent gateway: the turn's log-probs for a client asking for them)
-names the outputs in `Turns.detail`; each comes as a keyword, the row's values so far.
+(the next turn stops after drawing that many). An environment that wants more of the row (the
+agent gateway: the turn's log-probs for a client asking for them) names the outputs in
+`Turns.detail`; each comes as a keyword, the row's values so far. It may also end a turn where
+the turn's text first holds a stop string (`Turns.stops`): after each segment such a row is cut
+back to the token that completed it (`rewind`), as if it had stopped there.
 """
 
 from __future__ import annotations
