@@ -218,7 +218,7 @@ def test_a_turn_asked_for_logprobs_carries_those_its_row_is_trained_with(served)
     client = _client(srv, "s-logprobs")
     for bad, field in (({"top_logprobs": 3, "logprobs": True}, "top_logprobs"), ({"top_logprobs": 1}, "top_logprobs"),
                        ({"logprobs": True, "stream": True}, "logprobs"), ({"stop": ["a"] * 5}, "stop"),
-                       ({"stop": [""]}, "stop"), ({"stop": "a", "stream": True}, "stop")):
+                       ({"stop": [""]}, "stop"), ({"stop": "a" * 257}, "stop")):
         with pytest.raises(openai.BadRequestError, match=field):
             client.chat.completions.create(model="policy", messages=QUESTION, **bad)
     out = client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS, logprobs=True, top_logprobs=2)
@@ -298,8 +298,25 @@ def test_a_streamed_answer_is_the_same_turn_as_events(served):
     prompt = len(gw.format.prompt([chat.normal(m) for m in QUESTION], TOOLS))
     assert chunks[-1].choices == [] and (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
         prompt, 4)  # <tool_call> CALL </tool_call> <|im_end|>
-    _reward(srv, "s-stream", 0.0)
-    assert _closed(gw)[0].session == "s-stream"
+    # with a stop string inside the call: the events' text is the answer's, up to the string
+    events = list(_client(srv, "s-stream-stop").chat.completions.create(model="policy", messages=QUESTION,
+                                                                         stream=True, stop='"x"'))
+    text = "".join(c.choices[0].delta.content or "" for c in events if c.choices)
+    assert text == '<tool_call> {"name": "calc", "arguments": {' and events[-1].choices[0].finish_reason == "stop"
+    for name in ("s-stream", "s-stream-stop"):
+        _reward(srv, name, 0.0)
+    assert {c.session for c in _closed(gw, 2)} == {"s-stream", "s-stream-stop"}
+
+
+def test_a_stream_shows_neither_a_stop_string_nor_its_first_characters():
+    """What a stream may send of a turn so far: nothing from a stop string on, and not the first
+    characters of one (or of a tool call's marker) that the next tokens may complete."""
+    v = server_lib._visible
+    stop = ("\nObservation:",)
+    assert v("it is 4\nObs", "text", stop) == v("it is 4\nObservation: x", "text", stop) == "it is 4"
+    assert v("it is 4\nObsolete", "text", stop) == "it is 4\nObsolete"  # no longer a stop's start
+    assert v("so <tool_c", "chat") == v("so <tool_call>{", "chat") == "so " and v("so <tool_c", "text") == "so <tool_c"
+    assert v("a\ufffd", "text") == "a"
 
 
 def test_many_concurrent_sessions_share_the_slots_none_lost_none_twice(served, monkeypatch):

@@ -139,7 +139,9 @@ async def _answer(gateway, request: Request, session: Optional[str], kind: str):
             "model": gateway.model}
     if body.get("stream"):
         usage = isinstance(body.get("stream_options"), dict) and bool(body["stream_options"].get("include_usage"))
-        return StreamingResponse(_streamed(gateway, gateway.watch(session), future, head, kind, start, usage),
+        stop = body.get("stop") or ()
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        return StreamingResponse(_streamed(gateway, gateway.watch(session), future, head, kind, start, usage, stop),
                                  media_type="text/event-stream")
     try:
         got = await asyncio.wrap_future(future)
@@ -170,15 +172,17 @@ async def _reward(gateway, session: str, request: Request):
     return JSONResponse({"session": session, "reward": value})
 
 
-def _visible(text: str, kind: str) -> str:
+def _visible(text: str, kind: str, stop=()) -> str:
     """What of a turn's text so far can be sent: a chat turn's up to its first tool call (sent as
-    `tool_calls` once parsed) and never a marker's first characters; no character a later token
-    may complete (a replacement character)."""
+    `tool_calls` once parsed), nothing from a stop string on, and never a marker's or a stop
+    string's first characters (the next tokens may complete it); no character a later token may
+    complete (a replacement character)."""
+    text = text[:chat.first_stop(text, stop)]
+    marks = ([chat.CALL_OPEN] if kind == "chat" else []) + list(stop)
     if kind == "chat":
         text = text.split(chat.CALL_OPEN, 1)[0]
-        mark = chat.CALL_OPEN
-        text = next((text[:-k] for k in range(len(mark) - 1, 0, -1) if text.endswith(mark[:k])), text)
-    return text.rstrip("\ufffd")
+    held = max((k for m in marks for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+    return text[:len(text) - held].rstrip("\ufffd")
 
 
 def _event(head: dict, kind: str, delta, reason=None) -> str:
@@ -193,7 +197,8 @@ def _event(head: dict, kind: str, delta, reason=None) -> str:
     return f"data: {json.dumps(c)}\n\n"
 
 
-async def _streamed(gateway, row: int, future, head: dict, kind: str, start: float, usage: bool = False):
+async def _streamed(gateway, row: int, future, head: dict, kind: str, start: float, usage: bool = False,
+                    stop: tuple = ()):
     """A turn as server-sent events while the slots decode it: its text as it grows (each
     segment's tokens), then the rest of its content, each tool call, the finish reason, the
     turn's usage (`stream_options.include_usage`: a chunk of no choices, as OpenAI sends it) and
@@ -203,7 +208,7 @@ async def _streamed(gateway, row: int, future, head: dict, kind: str, start: flo
         if kind == "chat":
             yield _event(head, kind, {"role": "assistant", "content": ""})
         while not future.done():
-            text = _visible(gateway.so_far(row), kind)
+            text = _visible(gateway.so_far(row), kind, stop)
             if len(text) > len(sent) and text.startswith(sent):
                 yield _event(head, kind, {"content": text[len(sent):]} if kind == "chat" else text[len(sent):])
                 sent = text

@@ -275,8 +275,6 @@ class Gateway:
                 isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
             raise chat.ChatError(f"stop: a string or a list of 1 to {MAX_STOPS}, each of 1 to {MAX_STOP_CHARS} "
                                  "characters")
-        if body.get("stream"):
-            raise chat.ChatError("stop: not with stream=true (ask without streaming)")
         if not isinstance(self.format, chat.ChatFormat):
             raise chat.ChatError("stop: not with this task's format (the embedded calculator's ids)")
 
