@@ -184,6 +184,11 @@ def logprobs(format, ids, logp, top_ids, top_logp, top: int) -> dict:
                         for t, lp, ti, tq in zip(ids, logp, top_ids, top_logp)]}
 
 
+def stop_strings(value) -> tuple:
+    """A request's `stop` (a string, a list of them, or none) as a tuple of strings."""
+    return () if value is None else (value,) if isinstance(value, str) else tuple(value)
+
+
 def first_stop(text: str, stop: Sequence[str]) -> Optional[int]:
     """Where `text` first holds one of the strings `stop` (None: nowhere)."""
     found = [i for i in (text.find(s) for s in stop) if i >= 0]

@@ -139,8 +139,7 @@ async def _answer(gateway, request: Request, session: Optional[str], kind: str):
             "model": gateway.model}
     if body.get("stream"):
         usage = isinstance(body.get("stream_options"), dict) and bool(body["stream_options"].get("include_usage"))
-        stop = body.get("stop") or ()
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        stop = chat.stop_strings(body.get("stop"))
         return StreamingResponse(_streamed(gateway, gateway.watch(session), future, head, kind, start, usage, stop),
                                  media_type="text/event-stream")
     try:

@@ -22,6 +22,7 @@ from jaxrl_llm.batch import TrajectoryBatch
 from jaxrl_llm.gateway import chat, sessions as sessions_lib
 from jaxrl_llm.rollout.sampler import left_pad, to_batch
 from jaxrl_llm.rollout.turns import Turns
+from jaxrl_llm.tasks.envs import turn_start
 
 # Request fields: what the run's sampling distribution fixes (checked for equality), what is
 # taken, and what is ignored; any other field is refused by name.
@@ -49,10 +50,8 @@ class Closed:
 def _ask(body: dict) -> sessions_lib.Ask:
     """What a (checked) request asks of its turn: log-probs, and a shorter turn."""
     caps = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
-    stop = body.get("stop") or ()
     return sessions_lib.Ask(logprobs=(body.get("top_logprobs") or 0) if body.get("logprobs") else None,
-                            max_tokens=min(caps) if caps else None,
-                            stop=(stop,) if isinstance(stop, str) else tuple(stop))
+                            max_tokens=min(caps) if caps else None, stop=chat.stop_strings(body.get("stop")))
 
 
 class _Stops:
@@ -174,7 +173,7 @@ class Gateway:
                     toks, obs = parts[row]
                     runs = int(np.sum(obs[1:] & ~obs[:-1]) + (len(obs) > 0 and obs[0]))
                     if runs == entry[0]:
-                        entry[1] = toks[max((i + 1 for i, o in enumerate(obs) if o), default=0):].tolist()
+                        entry[1] = toks[turn_start(obs):].tolist()
 
     def reward(self, session: str, value: Optional[float]) -> None:
         """Close `session` with `value` (None: the task will score its transcript)."""
@@ -270,8 +269,8 @@ class Gateway:
         stop = body.get("stop")
         if stop is None:
             return
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOPS or not all(
+        stops = chat.stop_strings(stop) if isinstance(stop, (str, list)) else ()  # anything else: refused
+        if not 1 <= len(stops) <= MAX_STOPS or not all(
                 isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
             raise chat.ChatError(f"stop: a string or a list of 1 to {MAX_STOPS}, each of 1 to {MAX_STOP_CHARS} "
                                  "characters")

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from typing import Callable, NamedTuple, Optional
 
 from jaxrl_llm.gateway import chat
-from jaxrl_llm.tasks.envs import Reply
+from jaxrl_llm.tasks.envs import Reply, turn_start
 
 
 class Answer(NamedTuple):
@@ -221,13 +221,13 @@ class Sessions:
 
     def _stopped(self, row: Row, tokens, obs) -> bool:
         """Whether the row's turn holds one of its request's stop strings."""
-        ids = [t for t in tokens[_turn_start(obs):] if t != self.format.stop_id]
+        ids = [t for t in tokens[turn_start(obs):] if t != self.format.stop_id]
         return bool(row.ask.stop) and chat.first_stop(self.format.decode(ids), row.ask.stop) is not None
 
     def _turn(self, row: Row, tokens, obs):
         """The turn that ended the row's tokens: its message (chat) or its text (completions),
         up to the first of its request's stop strings (which the row keeps: it was drawn)."""
-        start = _turn_start(obs)
+        start = turn_start(obs)
         if row.ask.stop and not isinstance(row.messages, str):
             text = self.format.decode([t for t in tokens[start:] if t != self.format.stop_id])
             msg, calls = chat.parse_turn(text[:chat.first_stop(text, row.ask.stop)], f"{row.id}_{row.turns}")
@@ -251,7 +251,7 @@ class Sessions:
     def _answer(self, row: Row, msg, finish: str, tokens, obs, scores) -> None:
         row.state, row.seen = "waiting", self.clock()
         if row.answer is not None and not row.answer.done():
-            start, lp = _turn_start(obs), None
+            start, lp = turn_start(obs), None
             if row.ask.logprobs is not None and scores is not None:
                 lp = chat.logprobs(self.format, tokens[start:], *(x[start:] for x in scores), row.ask.logprobs)
             row.answer.set_result(Answer(msg, finish, _usage(row, tokens, obs), lp))
@@ -266,16 +266,11 @@ class Sessions:
             row.answer.set_exception(chat.ChatError(f"session {row.session!r} closed before its answer"))
 
 
-def _turn_start(obs) -> int:
-    """Where the row's latest turn starts: after its last observation (its prompt's end if none)."""
-    return max((i + 1 for i, o in enumerate(obs) if o), default=0)
-
-
 def _usage(row: Row, tokens, obs) -> dict:
     """OpenAI's `usage` of the turn that ended `tokens`: the ids the row held before it (its
     prompt, earlier turns, observations: what the model read) and the ids drawn in it (its
     closing token included, as the model drew it)."""
-    start = _turn_start(obs)
+    start = turn_start(obs)
     before, drawn = len(row.prompt) + start, len(tokens) - start
     return {"prompt_tokens": before, "completion_tokens": drawn, "total_tokens": before + drawn}
 

@@ -194,6 +194,7 @@ class SlotEngine:
             if not new:
                 return new is None
             fresh = [collections.deque() for _ in range(g)]
+            new = new if len(new) > 5 else (*new, new[3])  # each row's first turn stops at its budget
             for row in zip(*new):
                 d = min(range(g), key=lambda d: len(s.waiting[d]) + len(fresh[d]))  # balance the devices
                 s.rows[int(row[0])] = row[1:]
@@ -210,8 +211,9 @@ class SlotEngine:
         st = self._fill(st, s)
         width = p + attention_width(int(s.steps[s.row_of >= 0].max()) + self.seg, self.seg, n)  # one static key
         st = self._segment(params, st, version, p=p, width=width)
-        if turns is not None and turns.stops is not None and turns.stops.wanted():
-            st = self._stopped(st, turns, s)
+        wanted = turns.stops.wanted() if turns is not None and turns.stops is not None else ()
+        if wanted:
+            st = self._stopped(st, turns, s, wanted)
         before = s.steps.copy()
         done, s.steps = (np.array(x) for x in jax.device_get((st.done_B, st.step)))
         s.decoded += int((s.steps - before)[s.row_of >= 0].max(initial=0))
@@ -231,11 +233,11 @@ class SlotEngine:
         s.useful += int(got["valid_BxN"].sum())
         return st, ids, got
 
-    def _stopped(self, st, turns, s: "_Slots"):
+    def _stopped(self, st, turns, s: "_Slots", wanted):
         """Rows whose turn so far holds a stop string (`turns.stops`) cut back to where it ends."""
         slots = np.flatnonzero((s.row_of >= 0) & ~s.holding)
         toks, valid, obs = (np.asarray(x)[slots] for x in jax.device_get((st.tokens_BxN, st.valid_BxN, st.obs_BxN)))
-        cuts = turns.cuts(s.row_of[slots].tolist(), toks, valid, obs)
+        cuts = turns.cuts(s.row_of[slots].tolist(), toks, valid, obs, wanted)
         if not cuts:
             return st
         k = pow2(len(cuts))
@@ -339,9 +341,8 @@ class SlotEngine:
         padded to a power of two with copies (bounded programs) -> [pool, {id: index}]."""
         n = pow2(max(len(q) for q in per_device))
         order = [np.resize(np.asarray(q or [next(iter(rows))]), n) for q in per_device]
-        prompt, mask, _, keys = (np.stack([rows[int(i)][k] for q in order for i in q]) for k in range(4))
-        # where each row's first turn stops: its budget, or the sooner limit its feed gave (`stream`)
-        limit = np.asarray([(lambda r: r[4] if len(r) > 4 else r[2])(rows[int(i)]) for q in order for i in q])
+        # the first turn's limit (the budget, or sooner: `stream`) in place of the budget
+        prompt, mask, limit, keys = (np.stack([rows[int(i)][k] for q in order for i in q]) for k in (0, 1, 4, 3))
         pool = self._prefill(params, self._put(prompt), self._put(mask), self._put(limit.astype(np.int32)),
                              self._put(keys), version)
         return [pool, {int(i): j for q in per_device for j, i in enumerate(q)}]
@@ -377,7 +378,7 @@ class _Slots:
     row_of: np.ndarray  # the id each slot holds (-1: idle); slot j is on device j // (slots / devices)
     holding: np.ndarray  # multi-turn, hold: the slot's row waits for its reply
     steps: np.ndarray  # each slot's decode step
-    rows: dict = dataclasses.field(default_factory=dict)  # id -> (prompt, mask, limit, key data[, first turn's])
+    rows: dict = dataclasses.field(default_factory=dict)  # id -> (prompt, mask, limit, key data, first turn's limit)
     pools: list = dataclasses.field(default_factory=list)  # [prefilled pool, {id: index in the pool}]
     start: dict = dataclasses.field(default_factory=dict)  # id -> the step a resumed row re-enters its slot at
     decoded: int = 0  # decode steps run (summed over segments)

@@ -133,10 +133,11 @@ class Turns:
         steps = got["valid_BxN"].sum(1)
         return ~got["eos_B"] & (steps < np.asarray([limit_of(int(i)) for i in ids]))
 
-    def cuts(self, ids, tokens_BxN, valid_BxN, obs_BxN) -> list:
-        """(index, column) of the rows `ids` (one per line of the arrays) whose turn so far `stops`
-        cuts short: its first ids up to the column kept, the rest to undo."""
-        out, wanted = [], self.stops.wanted()
+    def cuts(self, ids, tokens_BxN, valid_BxN, obs_BxN, wanted) -> list:
+        """(index, column) of the rows `ids` (one per line of the arrays) among `wanted` (what
+        `stops.wanted()` named) whose turn so far `stops` cuts short: its first ids up to the
+        column kept, the rest to undo."""
+        out = []
         for j, i in enumerate(ids):
             if i in wanted:
                 cols = np.flatnonzero(valid_BxN[j])  # a row's columns fill from 0, its observations among them
