@@ -212,27 +212,34 @@ def test_turns_cut_by_max_tokens_or_a_stop_string_go_on_and_train_as_sampled(ser
 
 
 def test_a_turn_asked_for_logprobs_carries_those_its_row_is_trained_with(served):
-    """`logprobs=True, top_logprobs=2` through the stock client: each drawn id of the turn, in
-    order, with the behaviour log-prob and top-K the learner's row holds for it, bit for bit."""
+    """`logprobs=True, top_logprobs=2` through the stock client, answered whole or streamed: each
+    drawn id of the turn, in order, with the behaviour log-prob and top-K the learner's row holds
+    for it, bit for bit."""
     gw, srv = served
     client = _client(srv, "s-logprobs")
     for bad, field in (({"top_logprobs": 3, "logprobs": True}, "top_logprobs"), ({"top_logprobs": 1}, "top_logprobs"),
-                       ({"logprobs": True, "stream": True}, "logprobs"), ({"stop": ["a"] * 5}, "stop"),
-                       ({"stop": [""]}, "stop"), ({"stop": "a" * 257}, "stop")):
+                       ({"stop": ["a"] * 5}, "stop"), ({"stop": [""]}, "stop"), ({"stop": "a" * 257}, "stop")):
         with pytest.raises(openai.BadRequestError, match=field):
             client.chat.completions.create(model="policy", messages=QUESTION, **bad)
-    out = client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS, logprobs=True, top_logprobs=2)
-    content = out.choices[0].logprobs.content
-    _reward(srv, "s-logprobs", 0.0)
-    (done,) = _closed(gw)
-    b = jax.tree.map(np.asarray, done.batch)
-    drawn = np.flatnonzero(b.loss_mask[0] > 0)[:len(content)]
-    assert len(content) == out.usage.completion_tokens == 4
-    assert [c.token for c in content] == [tokenizer().decode([t]) for t in b.tokens[0][drawn]]
-    np.testing.assert_array_equal([c.logprob for c in content], b.behav_logp[0][drawn])
-    top = [[(x.token, x.logprob) for x in c.top_logprobs] for c in content]
-    assert top == [[(tokenizer().decode([int(i)]), float(q)) for i, q in zip(ids_, qs)]
-                   for ids_, qs in zip(b.topk_ids[0][drawn], b.topk_logp[0][drawn])]
+    asked = dict(model="policy", messages=QUESTION, tools=TOOLS, logprobs=True, top_logprobs=2)
+    out = client.chat.completions.create(**asked)
+    chunks = list(_client(srv, "s-logprobs-streamed").chat.completions.create(
+        **asked, stream=True, stream_options={"include_usage": True}))
+    # OpenAI's chunks: `usage` null but in the last; log-probs as lists a client joins
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1]) and chunks[-1].usage
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    for name, content in (("s-logprobs", out.choices[0].logprobs.content), ("s-logprobs-streamed", streamed)):
+        _reward(srv, name, 0.0)
+        (done,) = _closed(gw)
+        assert done.session == name
+        b = jax.tree.map(np.asarray, done.batch)
+        drawn = np.flatnonzero(b.loss_mask[0] > 0)[:len(content)]
+        assert len(content) == out.usage.completion_tokens == chunks[-1].usage.completion_tokens == 4
+        assert [c.token for c in content] == [tokenizer().decode([t]) for t in b.tokens[0][drawn]]
+        np.testing.assert_array_equal([c.logprob for c in content], b.behav_logp[0][drawn])
+        top = [[(x.token, x.logprob) for x in c.top_logprobs] for c in content]
+        assert top == [[(tokenizer().decode([int(i)]), float(q)) for i, q in zip(ids_, qs)]
+                       for ids_, qs in zip(b.topk_ids[0][drawn], b.topk_logp[0][drawn])]
 
 
 def test_requests_outside_the_runs_distribution_or_token_are_refused_by_name(served):

@@ -184,11 +184,12 @@ def _visible(text: str, kind: str, stop=()) -> str:
     return text[:len(text) - held].rstrip("\ufffd")
 
 
-def _event(head: dict, kind: str, delta, reason=None) -> str:
+def _event(head: dict, kind: str, delta, reason=None, logprobs=None) -> str:
     """One server-sent event: a chat.completion.chunk (`delta` a dict) or a text_completion
-    (`delta` the text)."""
+    (`delta` the text). `head` carries `usage: null` when the stream ends with its usage, as
+    OpenAI's chunks do."""
     if kind == "chat":
-        c = {**head, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta,
+        c = {**head, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                                                       "finish_reason": reason}]}
     else:
         c = {**head, "object": "text_completion", "choices": [{"index": 0, "text": delta, "finish_reason": reason,
@@ -199,10 +200,13 @@ def _event(head: dict, kind: str, delta, reason=None) -> str:
 async def _streamed(gateway, row: int, future, head: dict, kind: str, start: float, usage: bool = False,
                     stop: tuple = ()):
     """A turn as server-sent events while the slots decode it: its text as it grows (each
-    segment's tokens), then the rest of its content, each tool call, the finish reason, the
-    turn's usage (`stream_options.include_usage`: a chunk of no choices, as OpenAI sends it) and
-    [DONE]. A client that leaves stops the events; its turn still ends in the slots."""
-    sent = ""
+    segment's tokens), then the rest of its content, each tool call, the finish reason (with the
+    turn's `logprobs` when asked: every drawn id's, in that one chunk, since the text streamed is
+    the decoded text so far and not cut at ids), the turn's usage (`stream_options.include_usage`:
+    a chunk of no choices, the others `usage: null`, as OpenAI sends it) and [DONE]. A client that
+    leaves stops the events; its turn still ends in the slots."""
+    sent, final = "", head
+    head = {**head, "usage": None} if usage else head
     try:
         if kind == "chat":
             yield _event(head, kind, {"role": "assistant", "content": ""})
@@ -213,7 +217,7 @@ async def _streamed(gateway, row: int, future, head: dict, kind: str, start: flo
                 sent = text
             await asyncio.sleep(0.01)
         try:
-            message, finish, counted, _ = future.result()
+            message, finish, counted, logprobs = future.result()
         except chat.ChatError as e:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error'}})}\n\n"
             yield "data: [DONE]\n\n"
@@ -226,10 +230,10 @@ async def _streamed(gateway, row: int, future, head: dict, kind: str, start: flo
             yield _event(head, kind, {"content": content[len(sent):]} if kind == "chat" else content[len(sent):])
         for i, call in enumerate(message.get("tool_calls", ()) if kind == "chat" else ()):
             yield _event(head, kind, {"tool_calls": [{"index": i, **call}]})
-        yield _event(head, kind, {} if kind == "chat" else "", finish)
+        yield _event(head, kind, {} if kind == "chat" else "", finish, logprobs)
         if usage:
             chunk = "chat.completion.chunk" if kind == "chat" else "text_completion"
-            yield f"data: {json.dumps({**head, 'object': chunk, 'choices': [], 'usage': counted})}\n\n"
+            yield f"data: {json.dumps({**final, 'object': chunk, 'choices': [], 'usage': counted})}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         gateway.unwatch(row)

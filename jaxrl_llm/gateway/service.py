@@ -283,8 +283,6 @@ class Gateway:
             raise chat.ChatError("logprobs: chat completions only (/v1/chat/completions)")
         if asked not in (None, True, False):
             raise chat.ChatError("logprobs: true or false")
-        if asked and body.get("stream"):
-            raise chat.ChatError("logprobs: not with stream=true (ask without streaming)")
         k = self.sampler.cfg.capture_topk
         if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= k):
             raise chat.ChatError(f"top_logprobs: an integer from 0 to {k} (the top-K the run's samplers record, "
