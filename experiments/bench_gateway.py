@@ -17,6 +17,15 @@ pairs of runs (3): each figure is the median over them, the ratio taken within e
 range beside it). Writes
 experiments/results/bench_gateway_cpu.{json,md}; the goal is `gateway_vs_builtin_trained` >= 0.8
 (`fraction_of_goal`).
+
+The stock client's own cost is measured in the same run (`client_floor`): the agent's request
+(its history and `tools`) sent `--client-requests` times, 64 in flight, by `openai.AsyncOpenAI`
+and by plain `httpx` to a server that answers every one with the same tool call, the client
+process's CPU per request (`agent_client_ms_per_request`, `http_client_ms_per_request`). Times
+the gateway run's requests per thousand trained tokens, it is the core-milliseconds per thousand
+tokens that agents on the stock client spend whatever serves them; `gateway_vs_builtin_client_bound`
+is the per-core ratio if the gateway's serving cost nothing beyond the built-in run's own work
+and the agents nothing beyond their client.
 """
 
 from __future__ import annotations
@@ -55,6 +64,8 @@ def measure(workdir: str, skip: int, rows: int) -> dict:
     out = {"steps": len(steps), "trained_tokens": tokens, "seconds": rest[-1]["time_s"] - first["time_s"],
            "final_reward": steps[-1]["reward/mean"], "turns_per_episode": steps[-1].get("episode/turns")}
     out["trained_tokens_per_s"] = tokens / out["seconds"]
+    if out["turns_per_episode"]:  # a turn is a request to the gateway
+        out["requests_per_ktoken"] = 1e3 * out["turns_per_episode"] * rows * len(rest) / tokens
     p50 = [r["gateway/request_p50_ms"] for r in rest if "gateway/request_p50_ms" in r]
     if p50:
         out["request_p50_ms"] = sum(p50) / len(p50)
@@ -112,6 +123,90 @@ def _cores(proc, metrics: str, skip: int, steps: int):
     return {**cores, "total": sum(cores.values())}
 
 
+ANSWER = {"id": "chatcmpl-0", "object": "chat.completion", "created": 0, "model": "policy", "usage": {
+    "prompt_tokens": 20, "completion_tokens": 7, "total_tokens": 27}, "choices": [{
+        "index": 0, "finish_reason": "tool_calls", "logprobs": None, "message": {
+            "role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
+                "name": "calculator", "arguments": '{"expression": "37*48"}'}}]}}]}
+
+
+def _static(port: int) -> None:
+    """A server answering every request with `ANSWER` (a raw ASGI app on uvicorn: no work of its own)."""
+    import uvicorn
+
+    body = json.dumps(ANSWER).encode()
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", access_log=False)
+
+
+async def _client_ms(url: str, n: int, stock: bool) -> float:
+    """CPU milliseconds of this process per request, `n` requests 64 in flight, after 200 to warm up."""
+    import asyncio
+
+    import openai
+
+    from examples.calculator_agent import CALCULATOR
+
+    call = ANSWER["choices"][0]["message"]
+    body = {"model": "policy", "tools": [CALCULATOR], "messages": [
+        {"role": "user", "content": "37*48*91="}, call, {"role": "tool", "tool_call_id": "call_0", "content": "1776"}]}
+    http, gate = openai.DefaultAsyncHttpxClient(), asyncio.Semaphore(64)
+
+    async def one():
+        async with gate:
+            if stock:  # as the run's agents do: a client per session over one shared pool
+                client = openai.AsyncOpenAI(base_url=url, api_key="k", max_retries=0, http_client=http)
+                reply = await client.chat.completions.create(**body)
+                reply.choices[0].message.model_dump(exclude_none=True)
+            else:
+                (await http.post(f"{url}/chat/completions", json=body, headers={"Authorization": "Bearer k"})).json()
+
+    await asyncio.gather(*[one() for _ in range(200)])
+    t0 = time.process_time()
+    await asyncio.gather(*[one() for _ in range(n)])
+    cpu = time.process_time() - t0
+    await http.aclose()
+    return 1e3 * cpu / n
+
+
+def client_floor(n: int) -> dict:
+    """The agent's request by the stock client and by plain httpx: client CPU ms per request."""
+    import asyncio
+    import multiprocessing
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = multiprocessing.get_context("spawn").Process(target=_static, args=(port,), daemon=True)
+    server.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", data=b"{}", timeout=5).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline or not server.is_alive():
+                    raise
+                time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}/s/x/v1"
+        return {"agent_client_ms_per_request": asyncio.run(_client_ms(url, n, True)),
+                "http_client_ms_per_request": asyncio.run(_client_ms(url, n, False))}
+    finally:
+        server.terminate()
+        server.join(10)
+
+
 def run_pair(args, repeat: int) -> dict:
     """One gateway run and one built-in run, the first of the two alternating with `repeat` so a
     drift in machine load does not always favour the same side."""
@@ -154,7 +249,19 @@ def summary(pairs: list) -> dict:
             **{f"{side}_core_ms_per_ktoken_{k}": med(side, f"core_ms_per_ktoken_{k}")
                for side in ("gateway", "builtin") for k in ("run", "helpers")},
             **{f"{side}_cores": med(side, "cores_total") for side in ("gateway", "builtin")},
-            "gateway_vs_builtin_per_core": float(np.median(per_core)) if per_core else None}
+            "gateway_vs_builtin_per_core": float(np.median(per_core)) if per_core else None,
+            "gateway_requests_per_ktoken": med("gateway", "requests_per_ktoken")}
+
+
+def bound(result: dict, floor: dict) -> dict:
+    """The agents' client cost per thousand trained tokens, and the per-core ratio it alone allows."""
+    per_k, builtin = result["gateway_requests_per_ktoken"], (result["builtin_core_ms_per_ktoken_run"] or 0) + (
+        result["builtin_core_ms_per_ktoken_helpers"] or 0)
+    if not per_k or not builtin:
+        return floor
+    client = floor["agent_client_ms_per_request"] * per_k
+    return {**floor, "agent_client_core_ms_per_ktoken": client,
+            "gateway_vs_builtin_client_bound": builtin / (builtin + client)}
 
 
 def main(argv=None):
@@ -165,11 +272,13 @@ def main(argv=None):
     ap.add_argument("--slots", type=int, default=64,
                     help="decode slots of both runs and the gateway's concurrent sessions (0: each config's own)")
     ap.add_argument("--repeats", type=int, default=3, help="pairs of runs; figures are their medians")
+    ap.add_argument("--client-requests", type=int, default=3000, help="requests timing the stock client")
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args(argv)
     pairs = [run_pair(args, i) for i in range(args.repeats)]
-    result = {**summary(pairs), "steps": args.steps, "skip": args.skip, "slots": args.slots, "repeats": args.repeats,
-              "runs": pairs, **cpu_kind()}
+    result = summary(pairs)
+    result = {**result, **bound(result, client_floor(args.client_requests)), "steps": args.steps, "skip": args.skip,
+              "slots": args.slots, "repeats": args.repeats, "runs": pairs, **cpu_kind()}
     os.makedirs(args.out, exist_ok=True)
     report(result, os.path.join(args.out, "bench_gateway_cpu.json"))
 
