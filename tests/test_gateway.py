@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
+from hypothesis import given, strategies as st
 
 from jaxrl_llm.gateway import chat, server as server_lib, service
 from jaxrl_llm.learner import forward
@@ -270,6 +271,58 @@ def test_requests_outside_the_runs_distribution_or_token_are_refused_by_name(ser
             get(path, key)
     with pytest.raises(urllib.error.HTTPError, match="400"):  # null is the task's check; text is no reward
         _reward(srv, "s-none", "high")
+    deep = urllib.request.Request(f"{srv.url('s-deep')}/chat/completions", data=b"[" * 10**5 + b"]" * 10**5,
+                                  headers={"Authorization": "Bearer sesame"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError, match="400") as refused:
+        urllib.request.urlopen(deep, timeout=30)
+    assert "body: nested too deeply" in refused.value.read().decode()
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 70) | st.floats() | st.text(max_size=4),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                 max_size=3), max_leaves=6)
+_FIELDS = (("temperature",), ("top_k",), ("n",), ("stream",), ("stream_options",), ("max_tokens",), ("stop",),
+           ("logprobs",), ("top_logprobs",), ("tool_choice",), ("model",), ("parallel_tool_calls",), ("tools",),
+           ("tools", 0), ("tools", 0, "function"), ("tools", 0, "function", "name"),
+           ("tools", 0, "function", "parameters"), ("messages",), ("messages", 0), ("messages", 0, "role"),
+           ("messages", 0, "content"), ("messages", 0, "tool_call_id"), ("messages", 0, "tool_calls"))
+
+
+_LATER = (("messages", 1, "content"), ("messages", 1, "tool_calls", 0, "function", "arguments"),
+          ("messages", 1, "tool_calls", 0, "id"), ("messages", 2), ("messages", 2, "role"), ("messages", 2, "content"),
+          ("messages", 2, "tool_call_id"), ("tools", 0, "function", "description"))
+
+
+@given(field=st.sampled_from(_FIELDS + _LATER), value=_JSON)
+def test_any_value_at_any_field_is_answered_or_refused_by_name(served, field, value):
+    """Whatever JSON a client puts at a field of a session's first request, or of its second
+    (the first turn and a tool result after it), the gateway answers the turn or refuses it with
+    an error that starts with that field's name; nothing else escapes (a template's or a float()'s
+    exception was a 500 before)."""
+    import copy
+    import uuid
+
+    gw, _ = served
+    session = f"s-any-{uuid.uuid4().hex[:8]}"
+    body = {"model": "policy", "messages": copy.deepcopy(QUESTION), "tools": copy.deepcopy(TOOLS)}
+    if field in _LATER:  # a tool result after the session's first turn
+        first = gw.chat(session, copy.deepcopy(body)).result(timeout=60).message
+        body["messages"] += [first, {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": "5"}]
+    where = body
+    for k in field[:-1]:
+        where = where[k]
+    where[field[-1]] = value
+    try:
+        answer = gw.chat(session, body).result(timeout=60)
+    except chat.ChatError as e:
+        assert str(e).startswith(field[0]), (field, value, str(e))
+        if field not in _LATER:
+            return  # no session was opened
+    else:
+        assert answer.finish in ("tool_calls", "stop", "length")
+    gw.reward(session, 0.0)
+    (done,) = _closed(gw)
+    assert done.session == session
 
 
 def test_an_edited_history_is_a_flagged_branch_never_spliced(served):

@@ -47,6 +47,37 @@ def _content(msg: dict, where: str) -> str:
     raise ChatError(f"{where}.content: a string or a list of text parts")
 
 
+MAX_TOOLS, MAX_TOOL_DEPTH = 128, 32  # tools a request may declare (OpenAI's limit), nesting of each
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+
+
+def _depth(x: Any) -> int:
+    items = x.values() if isinstance(x, dict) else x if isinstance(x, list) else ()
+    return 1 + max(map(_depth, items), default=0)
+
+
+def check_tools(tools: Any) -> Optional[list]:
+    """A request's `tools` as OpenAI takes them (function tools: a name, an optional description
+    and JSON-schema `parameters`), or None for none; anything else refused at its position, before
+    the chat template sees it."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ChatError(f"tools: a list of at most {MAX_TOOLS} function tools")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ChatError(f"tools[{i}]: a function tool ({{\"type\": \"function\", \"function\": {{...}}}})")
+        if not isinstance(fn.get("name"), str) or not TOOL_NAME.fullmatch(fn["name"]):
+            raise ChatError(f"tools[{i}].function.name: 1 to 64 of A-Z a-z 0-9 _ -")
+        if not isinstance(fn.get("description", ""), str):
+            raise ChatError(f"tools[{i}].function.description: a string")
+        if not isinstance(fn.get("parameters", {}), dict) or _depth(fn.get("parameters", {})) > MAX_TOOL_DEPTH:
+            raise ChatError(f"tools[{i}].function.parameters: a JSON schema object, nested at most {MAX_TOOL_DEPTH} "
+                            "deep")
+    return tools
+
+
 def _arguments(raw: Any, where: str):
     if isinstance(raw, str):
         try:
@@ -64,7 +95,7 @@ def normal(msg: Any, where: str = "messages") -> dict:
         raise ChatError(f"{where}: a message object")
     role = msg.get("role")
     if role not in ("system", "developer", "user", "assistant", "tool"):
-        raise ChatError(f"{where}.role: one of system, developer, user, assistant, tool (got {role!r})")
+        raise ChatError(f"{where}.role: one of system, developer, user, assistant, tool (got {repr(role)[:40]})")
     out = {"role": "system" if role == "developer" else role, "content": _content(msg, where)}
     if role == "assistant" and msg.get("tool_calls"):
         calls = []
@@ -75,7 +106,9 @@ def normal(msg: Any, where: str = "messages") -> dict:
             calls.append({"name": fn["name"], "arguments": _arguments(fn.get("arguments"), f"{where}.tool_calls[{i}]")})
         out["tool_calls"] = calls
     if role == "tool":
-        out["tool_call_id"] = str(msg.get("tool_call_id") or "")
+        if not isinstance(msg.get("tool_call_id", ""), (str, type(None))):
+            raise ChatError(f"{where}.tool_call_id: a string")
+        out["tool_call_id"] = msg.get("tool_call_id") or ""
     return out
 
 

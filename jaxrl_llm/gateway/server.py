@@ -120,6 +120,8 @@ async def _body(request: Request) -> dict:
         return json.loads(raw)
     except ValueError:
         raise chat.ChatError("body: not JSON") from None
+    except RecursionError:  # arrays or objects nested deeper than Python's parser goes
+        raise chat.ChatError("body: nested too deeply") from None
 
 
 async def _answer(gateway, request: Request, session: Optional[str], kind: str):

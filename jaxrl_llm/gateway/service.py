@@ -32,6 +32,7 @@ TAKEN = ("model", "messages", "prompt", "tools", "tool_choice", "stream", "strea
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # stop strings a request may give (OpenAI's limit), characters each
 SCORES = ("logp_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK")  # a row's outputs a turn's `logprobs` come from
 IGNORED = ("user", "metadata", "store")
+BOOLS = ("stream", "parallel_tool_calls", "logprobs")
 ZERO = ("presence_penalty", "frequency_penalty")  # accepted at their neutral value only
 
 
@@ -124,8 +125,8 @@ class Gateway:
                 if kind == "prompt":
                     answer, row = self.sessions.complete(session, body.get("prompt"), _ask(body))
                 else:
-                    answer, row = self.sessions.request(session, body.get("messages"), body.get("tools") or None,
-                                                        _ask(body))
+                    answer, row = self.sessions.request(session, body.get("messages"), chat.check_tools(
+                        body.get("tools")), _ask(body))
             except chat.ChatError:
                 self.sessions.counts["refused"] += 1
                 raise
@@ -246,6 +247,8 @@ class Gateway:
         for k, v in body.items():
             if k in FIXED:
                 run = getattr(self.sampler.cfg, k)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                    raise chat.ChatError(f"{k}: a number (this run samples with {k}={run})")
                 if v is not None and not math.isclose(float(v), float(run), rel_tol=0, abs_tol=1e-9):
                     raise chat.ChatError(f"{k}: this run samples with {k}={run}; its tokens are trained as drawn")
             elif k in ZERO:
@@ -253,6 +256,15 @@ class Gateway:
                     raise chat.ChatError(f"{k}: only 0 (the run's sampling distribution)")
             elif k not in TAKEN and k not in IGNORED:
                 raise chat.ChatError(f"{k}: not supported by this gateway")
+            elif k in BOOLS and v not in (None, True, False):
+                raise chat.ChatError(f"{k}: true or false")
+        options = body.get("stream_options")
+        if options is not None and (not isinstance(options, dict) or any(
+                k not in ("include_usage", "include_obfuscation") or v not in (None, True, False)
+                for k, v in options.items())):
+            raise chat.ChatError("stream_options: an object of include_usage (true or false)")
+        if not isinstance(body.get("model", ""), str):
+            raise chat.ChatError("model: a string")
         if body.get("n") not in (None, 1):
             raise chat.ChatError("n: one choice per request (open more sessions for more samples)")
         if body.get("tool_choice") not in (None, "auto"):
