@@ -276,6 +276,8 @@ def test_requests_outside_the_runs_distribution_or_token_are_refused_by_name(ser
     with pytest.raises(urllib.error.HTTPError, match="400") as refused:
         urllib.request.urlopen(deep, timeout=30)
     assert "body: nested too deeply" in refused.value.read().decode()
+    sent, status = _endless_chunked_body(srv, "/s/s-endless/v1/chat/completions")
+    assert status.split()[1] == "400" and sent < 4 * server_lib.MAX_BODY  # refused once past the limit
 
 
 _JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 70) | st.floats() | st.text(max_size=4),
@@ -323,6 +325,26 @@ def test_any_value_at_any_field_is_answered_or_refused_by_name(served, field, va
     gw.reward(session, 0.0)
     (done,) = _closed(gw)
     assert done.session == session
+
+
+def _endless_chunked_body(srv, path: str, cap: int = 256 << 20):
+    """Bytes of a chunked body (which names no length, and never ends) sent before the server
+    answered, and its status line."""
+    import select
+    import socket
+
+    s = socket.create_connection((srv.host, srv.port), timeout=30)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sesame\r\nTransfer-Encoding: chunked\r\n"
+              "Content-Type: application/json\r\n\r\n".encode())
+    chunk, sent = b"%x\r\n%s\r\n" % (1 << 16, b" " * (1 << 16)), 0
+    try:
+        while sent < cap and not select.select([s], [], [], 0)[0]:
+            s.sendall(chunk)
+            sent += 1 << 16
+    except OSError:  # the server closed the connection after answering
+        pass
+    with s:
+        return sent, s.recv(200).split(b"\r\n", 1)[0].decode()
 
 
 def test_an_edited_history_is_a_flagged_branch_never_spliced(served):

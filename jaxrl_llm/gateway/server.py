@@ -113,9 +113,12 @@ def app(gateway, token: Optional[str] = None, prompts=None):
 
 
 async def _body(request: Request) -> dict:
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
-        raise chat.ChatError(f"body: over {MAX_BODY} bytes")
+    """The request's JSON, read no further than `MAX_BODY` bytes (a chunked body names no length)."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY:
+            raise chat.ChatError(f"body: over {MAX_BODY} bytes")
     try:
         return json.loads(raw)
     except ValueError:
