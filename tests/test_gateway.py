@@ -16,7 +16,7 @@ import openai
 import pytest
 from hypothesis import given, strategies as st
 
-from jaxrl_llm.gateway import chat, server as server_lib, service
+from jaxrl_llm.gateway import chat, responses, server as server_lib, service
 from jaxrl_llm.learner import forward
 from jaxrl_llm.models import decoder
 from jaxrl_llm.models.config import ModelConfig
@@ -176,6 +176,50 @@ def test_three_tool_call_turns_round_trip_and_train_exactly_as_sampled(served):
     # wrong position would be off by a factor of 1e6 (its logit 16 lower)
     np.testing.assert_allclose(np.asarray(stats["logp"])[0][drawn], b.behav_logp[0][drawn], rtol=0.2, atol=0)
     assert (b.behav_logp[0][drawn] < 0).all()
+
+
+def test_the_responses_api_plays_the_same_row_as_chat_completions(served):
+    """An agent on `client.responses.create` (the OpenAI Agents SDK's default), its function calls
+    answered by `function_call_output` items, three turns: each answer a `function_call` item, and
+    the session's row the very row the same conversation through chat completions holds: ids,
+    loss mask, versions. What the endpoint cannot serve is refused by its Responses name."""
+    gw, srv = served
+    client = _client(srv, "s-responses")
+    tools = [{"type": "function", **TOOLS[0]["function"], "strict": False}]
+    for bad, field in (({"stream": True}, "stream"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+                       ({"input": [{"type": "reasoning", "summary": []}]}, r"input\[0\].type"),
+                       ({"tools": [{"type": "web_search"}]}, r"tools\[0\].type"),
+                       ({"text": {"format": {"type": "json_object"}}}, "text.format"), ({"temperature": 0.5},
+                                                                                         "temperature")):
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.responses.create(**{"model": "policy", "input": "what is two plus three", **bad})
+    items, msgs = [{"role": "user", "content": "what is two plus three"}], list(QUESTION)
+    chat_client = _client(srv, "s-responses-chat")
+    for turn in range(3):
+        out = client.responses.create(model="policy", input=items, tools=tools)
+        (call,) = out.output
+        assert (out.status, call.type, call.name, call.arguments) == ("completed", "function_call", "calc", '{"x": 2}')
+        assert out.usage.output_tokens == 4
+        items += [call.model_dump(exclude_none=True), {"type": "function_call_output", "call_id": call.call_id,
+                                                        "output": "five"}]
+        said = chat_client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS).choices[0].message
+        msgs += [said.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": said.tool_calls[0].id,
+                                                      "content": "five"}]
+    # the same conversation and tools as chat messages (this test's template renders no tools)
+    same = responses.to_chat({"input": items, "tools": tools})
+    def said(conversation):  # the tool call ids are each session's own
+        return [{k: v for k, v in chat.normal(m).items() if k != "tool_call_id"} for m in conversation]
+
+    assert said(same["messages"]) == said(msgs) and len(same["messages"]) == 7
+    assert same["tools"] == [{"type": "function", "function": {**TOOLS[0]["function"], "strict": False}}]
+    for name in ("s-responses", "s-responses-chat"):
+        _reward(srv, name, 1.0)
+    rows = {c.session: jax.tree.map(np.asarray, c.batch) for c in _closed(gw, 2)}
+    a, b = rows["s-responses"], rows["s-responses-chat"]
+    for field in ("tokens", "input_mask", "loss_mask", "versions"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+    np.testing.assert_allclose(a.behav_logp, b.behav_logp, rtol=0.2, atol=0)  # as drawn in other slots
+    assert (a.loss_mask[0] > 0).sum() == 12  # three turns of 4 drawn ids
 
 
 def test_turns_cut_by_max_tokens_or_a_stop_string_go_on_and_train_as_sampled(served):

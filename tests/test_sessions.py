@@ -110,7 +110,10 @@ def test_messages_are_checked_by_field():
                        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]"),
                        ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f",
                                                                                           "arguments": "{"}}]}],
-                        "messages[0].tool_calls[0].function.arguments"), ([], "messages")):
+                        "messages[0].tool_calls[0].function.arguments"), ([], "messages"),
+                       ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f",
+                                                                                          "arguments": "[" * 10**5}}]}],
+                        "messages[0].tool_calls[0].function.arguments")):
         with pytest.raises(chat.ChatError, match=field.replace("[", r"\[").replace("]", r"\]")):
             t.request("g", bad)
 

@@ -78,12 +78,13 @@ def check_tools(tools: Any) -> Optional[list]:
     return tools
 
 
-def _arguments(raw: Any, where: str):
+def arguments(raw: Any, where: str):
+    """A tool call's `arguments` (JSON text, or already parsed), parsed."""
     if isinstance(raw, str):
         try:
             return json.loads(raw)
-        except ValueError:
-            raise ChatError(f"{where}.function.arguments: not JSON") from None
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than Python's parser goes
+            raise ChatError(f"{where}: not JSON") from None
     return raw
 
 
@@ -103,7 +104,8 @@ def normal(msg: Any, where: str = "messages") -> dict:
             fn = c.get("function") if isinstance(c, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise ChatError(f"{where}.tool_calls[{i}].function.name: missing")
-            calls.append({"name": fn["name"], "arguments": _arguments(fn.get("arguments"), f"{where}.tool_calls[{i}]")})
+            said = arguments(fn.get("arguments"), f"{where}.tool_calls[{i}].function.arguments")
+            calls.append({"name": fn["name"], "arguments": said})
         out["tool_calls"] = calls
     if role == "tool":
         if not isinstance(msg.get("tool_call_id", ""), (str, type(None))):

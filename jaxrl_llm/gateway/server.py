@@ -8,6 +8,7 @@ the run's token, sent as the bearer key (`api_key=` of the stock client).
 
   POST /v1/chat/completions          one assistant turn (`stream=true`: server-sent events, the text
                                      as the slots decode it, segment by segment; tool calls once parsed)
+  POST /v1/responses                 one assistant turn, OpenAI's Responses API (`responses.py`; no streaming)
   POST /v1/completions               one text turn (the session's text so far, then new text; streams too)
   GET  /v1/models                    the one model served
   POST /rl/sessions/{id}/reward      {"reward": r} (null: the task's check): the session closes, is trained
@@ -28,7 +29,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from jaxrl_llm.gateway import chat
+from jaxrl_llm.gateway import chat, responses
 
 SESSION_HEADER = "x-session-id"
 MAX_BODY = 4 << 20  # bytes a request body may have
@@ -73,6 +74,14 @@ def app(gateway, token: Optional[str] = None, prompts=None):
     @api.post("/s/{session}/v1/chat/completions")
     async def named(session: str, request: Request):
         return await completions(request, session)
+
+    @api.post("/v1/responses")
+    async def plain_responses(request: Request):
+        return await completions(request, None, "responses")
+
+    @api.post("/s/{session}/v1/responses")
+    async def named_responses(session: str, request: Request):
+        return await completions(request, session, "responses")
 
     @api.post("/v1/completions")
     async def plain_text(request: Request):
@@ -135,7 +144,10 @@ async def _answer(gateway, request: Request, session: Optional[str], kind: str):
     start = time.perf_counter()
     try:
         body = await _body(request)
-        future = (gateway.chat if kind == "chat" else gateway.complete)(session, body)
+        if kind == "responses":
+            future = gateway.chat(session, responses.to_chat(body))
+        else:
+            future = (gateway.chat if kind == "chat" else gateway.complete)(session, body)
     except chat.UnknownSession as e:
         return _error(404, str(e), "session")
     except chat.ChatError as e:
@@ -152,6 +164,8 @@ async def _answer(gateway, request: Request, session: Optional[str], kind: str):
     except chat.ChatError as e:
         return _error(409, str(e))
     gateway.answered(1e3 * (time.perf_counter() - start))
+    if kind == "responses":
+        return JSONResponse(responses.response(got, body, gateway.model))
     if kind == "text":
         choice = {"index": 0, "text": got.message, "finish_reason": got.finish, "logprobs": None}
         return JSONResponse({**head, "object": "text_completion", "choices": [choice], "usage": got.usage})

@@ -1,0 +1,146 @@
+"""OpenAI's Responses API (`POST /v1/responses`, what the OpenAI Agents SDK sends by default) as
+the chat completions the gateway serves. No I/O.
+
+A request's `instructions` and `input` items become chat messages (`to_chat`): a message item
+its role and text; the `function_call` items after an assistant turn that turn's tool calls; a
+`function_call_output` a tool message. The turn is then played as a chat turn of the session,
+with the same rule (each request repeats the conversation so far, then adds to it), so a session
+driven through this endpoint holds exactly the row the same conversation through chat completions
+would. The answer becomes a `response` (`response`): the turn's text as a `message` item, each
+tool call as a `function_call` item whose `call_id` the next request's output answers.
+
+Not served: streaming, `previous_response_id` (the gateway keeps no responses: send the whole
+input, as the Agents SDK does unless told otherwise), reasoning items and built-in tools; each
+is refused by name.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from jaxrl_llm.gateway import chat
+
+# Responses fields the chat check takes as they are, and those only allowed at a neutral value
+PASSED = ("model", "temperature", "top_p", "tool_choice", "parallel_tool_calls", "store", "metadata", "user")
+NEUTRAL = {"stream": (None, False), "previous_response_id": (None,), "reasoning": (None,), "include": (None, []),
+           "truncation": (None, "disabled"), "background": (None, False)}
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def to_chat(body: Any) -> dict:
+    """A Responses request -> the chat completions body of the same turn; anything this gateway
+    cannot serve refused by its Responses name."""
+    if not isinstance(body, dict):
+        raise chat.ChatError("body: a JSON object")
+    for k, v in body.items():
+        if k in NEUTRAL and v not in NEUTRAL[k]:
+            raise chat.ChatError(f"{k}: not served by this gateway's /v1/responses (only {NEUTRAL[k][-1]!r}); send "
+                                 "the whole input each time, without streaming")
+        if k not in NEUTRAL and k not in PASSED and k not in ("input", "instructions", "tools", "max_output_tokens",
+                                                              "text"):
+            raise chat.ChatError(f"{k}: not supported by this gateway")
+    fmt = body.get("text")
+    if fmt is not None and fmt not in ({}, {"format": {"type": "text"}}):
+        raise chat.ChatError("text.format: only text (structured outputs constrain what is sampled)")
+    out = {k: body[k] for k in PASSED if k in body}
+    out["messages"] = messages(body.get("instructions"), body.get("input"))
+    if body.get("tools") is not None:
+        out["tools"] = tools(body["tools"])
+    cap = body.get("max_output_tokens")
+    if cap is not None:
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise chat.ChatError("max_output_tokens: a positive integer")
+        out["max_tokens"] = cap
+    return out
+
+
+def tools(value: Any) -> list:
+    """Responses function tools ({type, name, description, parameters, strict}) as chat tools."""
+    if not isinstance(value, list):
+        raise chat.ChatError("tools: a list of function tools")
+    out = []
+    for i, t in enumerate(value):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise chat.ChatError(f"tools[{i}].type: only function tools (built-in tools run at OpenAI)")
+        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
+                                                     if k in t}})
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise chat.ChatError(f"{where}: a string or a list of text parts")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise chat.ChatError(f"{where}[{j}]: only text parts (input_text, output_text)")
+    return "".join(p["text"] for p in content)
+
+
+def messages(instructions: Any, items: Any) -> list:
+    """`instructions` and the `input` items as chat messages; a turn's function calls join the
+    assistant message before them (or open one with no text)."""
+    if instructions is not None and not isinstance(instructions, str):
+        raise chat.ChatError("instructions: a string")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise chat.ChatError("input: a string or a list of at least one item")
+    out, turn = ([{"role": "system", "content": instructions}] if instructions else []), None
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise chat.ChatError(f"{where}.role: one of user, system, developer, assistant")
+            out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            turn = out[-1] if role == "assistant" else None
+        elif kind == "function_call":
+            for k in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(k), str):
+                    raise chat.ChatError(f"{where}.{k}: a string")
+            chat.arguments(item["arguments"], f"{where}.arguments")
+            if turn is None:
+                out.append(turn := {"role": "assistant", "content": ""})
+            turn.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
+                "name": item["name"], "arguments": item["arguments"]}})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise chat.ChatError(f"{where}.call_id: a string")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": _text(item.get("output"), f"{where}.output")})
+            turn = None
+        else:
+            raise chat.ChatError(f"{where}.type: one of message, function_call, function_call_output (got "
+                                 f"{repr(kind)[:40]})")
+    return out
+
+
+def response(answer, body: dict, model: str) -> dict:
+    """A chat turn's `sessions.Answer` as a Responses `response`: its text as a message item (when
+    it has text, or no tool call), each tool call as a function_call item."""
+    msg, output = answer.message, []
+    if msg.get("content") or not msg.get("tool_calls"):
+        output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
+                       "content": [{"type": "output_text", "text": msg.get("content") or "", "annotations": []}]})
+    for call in msg.get("tool_calls", ()):
+        output.append({"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"], "status": "completed",
+                       "name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+    cut = answer.finish == "length"
+    used = answer.usage
+    return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "model": model,
+            "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
+            "output": output, "instructions": body.get("instructions"), "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": body.get("parallel_tool_calls",
+                                                                                              True),
+            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "metadata": body.get("metadata"),
+            "previous_response_id": None, "reasoning": None, "store": False, "truncation": "disabled",
+            "text": {"format": {"type": "text"}},
+            "usage": {"input_tokens": used["prompt_tokens"], "output_tokens": used["completion_tokens"],
+                      "total_tokens": used["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}}}
