@@ -34,7 +34,8 @@ setup(
         "tpu": ["jax[tpu]>=0.7"],
         # CPU torch, used only for parity tests against HF transformers.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "scipy>=1.10", "import-linter>=2.1",
-                 "torch==2.13.0", "peft>=0.13", "wandb>=0.22", "mlflow-skinny>=3.0"],
+                 "torch==2.13.0", "peft>=0.13", "wandb>=0.22", "mlflow-skinny>=3.0",
+                 "openai-agents>=0.24"],  # an Agents SDK agent trained through the gateway (tests/test_gateway.py)
         # logging.backends=wandb / mlflow (run/tracking.py, docs/tracking.md)
         "tracking": ["wandb>=0.22", "mlflow-skinny>=3.0"],
         # experiments/bench_peer.py's peer (Hugging Face TRL's GRPOTrainer); not needed by the tests.

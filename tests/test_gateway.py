@@ -222,6 +222,42 @@ def test_the_responses_api_plays_the_same_row_as_chat_completions(served):
     assert (a.loss_mask[0] > 0).sum() == 12  # three turns of 4 drawn ids
 
 
+def test_an_openai_agents_sdk_agent_trains_unchanged_over_responses_or_chat(served):
+    """An agent of the OpenAI Agents SDK (`openai-agents`, its default Responses model and its chat
+    completions model) with a function tool, run for 3 turns (the scripted policy calls its tool
+    every turn): one row each, nothing branched (each request repeated the conversation exactly),
+    3 turns and 3 tool calls, the two rows the same ids."""
+    import asyncio
+
+    import agents
+
+    gw, srv = served
+    agents.set_tracing_disabled(True)
+
+    @agents.function_tool
+    def calc(x: int) -> str:
+        """add"""
+        return "five"
+
+    async def play(session, model_class):
+        client = openai.AsyncOpenAI(base_url=srv.url(session), api_key="sesame", max_retries=0)
+        agent = agents.Agent(name="adder", tools=[calc], model=model_class(model="policy", openai_client=client))
+        with pytest.raises(agents.exceptions.MaxTurnsExceeded):
+            await agents.Runner.run(agent, "what is two plus three", max_turns=3)
+        await client.close()
+
+    for session, model_class in (("s-sdk-responses", agents.OpenAIResponsesModel),
+                                 ("s-sdk-chat", agents.OpenAIChatCompletionsModel)):
+        asyncio.run(play(session, model_class))
+        gw.reward(session, 1.0)
+    done = {c.session: c for c in _closed(gw, 2)}
+    for c in done.values():
+        assert (c.branched.tolist(), c.turns.tolist(), c.tool_calls.tolist()) == ([False], [3], [3])
+    a, b = (jax.tree.map(np.asarray, done[s].batch) for s in ("s-sdk-responses", "s-sdk-chat"))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+
+
 def test_turns_cut_by_max_tokens_or_a_stop_string_go_on_and_train_as_sampled(served):
     """Turns of the scripted 4 ids capped at 2 (the first, from its prompt) and 1 (after an
     observation), one stopped at a string inside its second id (the slots undo the 2 drawn past
