@@ -186,7 +186,7 @@ def test_the_responses_api_plays_the_same_row_as_chat_completions(served):
     gw, srv = served
     client = _client(srv, "s-responses")
     tools = [{"type": "function", **TOOLS[0]["function"], "strict": False}]
-    for bad, field in (({"stream": True}, "stream"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    for bad, field in (({"previous_response_id": "resp_1"}, "previous_response_id"),
                        ({"input": [{"type": "reasoning", "summary": []}]}, r"input\[0\].type"),
                        ({"tools": [{"type": "web_search"}]}, r"tools\[0\].type"),
                        ({"text": {"format": {"type": "json_object"}}}, "text.format"), ({"temperature": 0.5},
@@ -196,7 +196,16 @@ def test_the_responses_api_plays_the_same_row_as_chat_completions(served):
     items, msgs = [{"role": "user", "content": "what is two plus three"}], list(QUESTION)
     chat_client = _client(srv, "s-responses-chat")
     for turn in range(3):
-        out = client.responses.create(model="policy", input=items, tools=tools)
+        if turn == 1:  # streamed: OpenAI's events, the whole response in the last
+            events = list(client.responses.create(model="policy", input=items, tools=tools, stream=True))
+            assert [e.type for e in events] == [
+                "response.created", "response.in_progress", "response.output_item.added",
+                "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+            assert [e.sequence_number for e in events] == list(range(6))
+            assert events[4].item == events[5].response.output[0]
+            out = events[-1].response
+        else:
+            out = client.responses.create(model="policy", input=items, tools=tools)
         (call,) = out.output
         assert (out.status, call.type, call.name, call.arguments) == ("completed", "function_call", "calc", '{"x": 2}')
         assert out.usage.output_tokens == 4
@@ -246,16 +255,28 @@ def test_an_openai_agents_sdk_agent_trains_unchanged_over_responses_or_chat(serv
             await agents.Runner.run(agent, "what is two plus three", max_turns=3)
         await client.close()
 
-    for session, model_class in (("s-sdk-responses", agents.OpenAIResponsesModel),
-                                 ("s-sdk-chat", agents.OpenAIChatCompletionsModel)):
-        asyncio.run(play(session, model_class))
+    async def play_streamed(session):  # Runner.run_streamed: the Responses model's streams
+        client = openai.AsyncOpenAI(base_url=srv.url(session), api_key="sesame", max_retries=0)
+        agent = agents.Agent(name="adder", tools=[calc], model=agents.OpenAIResponsesModel(model="policy",
+                                                                                              openai_client=client))
+        run = agents.Runner.run_streamed(agent, "what is two plus three", max_turns=3)
+        with pytest.raises(agents.exceptions.MaxTurnsExceeded):
+            async for _ in run.stream_events():
+                pass
+        await client.close()
+
+    plays = {"s-sdk-responses": lambda s: play(s, agents.OpenAIResponsesModel),
+             "s-sdk-chat": lambda s: play(s, agents.OpenAIChatCompletionsModel), "s-sdk-streamed": play_streamed}
+    for session, how in plays.items():
+        asyncio.run(how(session))
         gw.reward(session, 1.0)
-    done = {c.session: c for c in _closed(gw, 2)}
+    done = {c.session: c for c in _closed(gw, 3)}
     for c in done.values():
-        assert (c.branched.tolist(), c.turns.tolist(), c.tool_calls.tolist()) == ([False], [3], [3])
-    a, b = (jax.tree.map(np.asarray, done[s].batch) for s in ("s-sdk-responses", "s-sdk-chat"))
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+        assert (c.branched.tolist(), c.turns.tolist(), c.tool_calls.tolist()) == ([False], [3], [3]), c.session
+    a, *others = (jax.tree.map(np.asarray, done[s].batch) for s in plays)
+    for b in others:
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
 
 
 def test_turns_cut_by_max_tokens_or_a_stop_string_go_on_and_train_as_sampled(served):

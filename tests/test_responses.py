@@ -58,13 +58,46 @@ def test_an_answer_is_a_response_of_message_and_function_call_items():
     assert chat.normal(again) == chat.normal({"role": "assistant", "content": "adding", "tool_calls": [call]})
 
 
+def test_a_stream_is_openais_events_and_ends_with_the_whole_response():
+    """The events of a turn streamed as "Hel", "lo " then ended as "Hello there" with a tool call,
+    each validated by the `openai` package's own models (strictly, not as its client constructs
+    them): the deltas and the rest make the final text; every item added is done; the response
+    completed is the one a request without `stream` gets, its ids those the events named."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    usage = {"prompt_tokens": 10, "completion_tokens": 9, "total_tokens": 19}
+    call = {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": '{"x": 2}'}}
+    answer = Answer({"role": "assistant", "content": "Hello there", "tool_calls": [call]}, "tool_calls", usage)
+    stream = responses.Stream({"tools": [TOOL]}, "policy")
+    raw = stream.start() + stream.text("Hel") + stream.text("lo ") + stream.end(answer, "Hello ")
+    parse = TypeAdapter(ResponseStreamEvent).validate_python
+    events = [parse(json.loads(e.split("data: ", 1)[1])) for e in raw]
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    assert all(e.split("\n", 1)[0] == f"event: {p.type}" for e, p in zip(raw, events))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello there"
+    final = events[-1].response
+    assert [e.item for e in events if e.type == "response.output_item.done"] == final.output
+    assert final.id == events[0].response.id and final.output[0].id == events[2].item.id
+    alone = Response.model_validate(responses.response(answer, {"tools": [TOOL]}, "policy", stream.ids))
+    assert alone.model_dump(exclude={"created_at"}) == final.model_dump(exclude={"created_at"})
+    cut = responses.Stream({}, "policy").end(Answer({"role": "assistant", "content": "abc"}, "length", usage), "")
+    assert json.loads(cut[-1].split("data: ", 1)[1])["type"] == "response.incomplete"
+
+
 _JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 9) | st.text(max_size=4),
                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
                          st.sampled_from(["type", "role", "content", "text", "name", "call_id", "output", "x"]), inner,
                          max_size=3), max_leaves=6)
 _AT = (("input",), ("input", 0), ("input", 0, "content"), ("input", 1, "type"), ("input", 1, "arguments"),
        ("input", 2, "output"), ("input", 2, "call_id"), ("tools",), ("tools", 0), ("instructions",),
-       ("max_output_tokens",), ("text",), ("stream",), ("previous_response_id",), ("include",), ("reasoning",),
+       ("max_output_tokens",), ("text",), ("background",), ("previous_response_id",), ("include",), ("reasoning",),
        ("service_tier",))
 
 
@@ -88,7 +121,8 @@ def test_any_value_anywhere_converts_or_is_refused_by_its_responses_name(at, val
 
 
 @pytest.mark.parametrize("body,field", [({"input": []}, "input"), ({"input": [{"type": "reasoning"}]}, "input[0].type"),
-                                        ({"input": "q", "stream": True}, "stream"), ({"input": "q", "seed": 1}, "seed"),
+                                        ({"input": "q", "background": True}, "background"),
+                                        ({"input": "q", "seed": 1}, "seed"),
                                         ({"input": "q", "text": {"format": {"type": "json_schema"}}}, "text.format"),
                                         ({"input": "q", "max_output_tokens": 0}, "max_output_tokens"),
                                         ({"input": [{"type": "function_call", "call_id": "a", "name": "f",

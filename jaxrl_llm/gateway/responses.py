@@ -9,13 +9,18 @@ driven through this endpoint holds exactly the row the same conversation through
 would. The answer becomes a `response` (`response`): the turn's text as a `message` item, each
 tool call as a `function_call` item whose `call_id` the next request's output answers.
 
-Not served: streaming, `previous_response_id` (the gateway keeps no responses: send the whole
-input, as the Agents SDK does unless told otherwise), reasoning items and built-in tools; each
-is refused by name.
+A stream (`stream=true`) sends OpenAI's events (`Stream`): the response created, the turn's
+text as `response.output_text.delta` while the slots decode it, each item done, and the response
+completed (or incomplete, for a turn cut at its token limit) whole.
+
+Not served: `previous_response_id` (the gateway keeps no responses: send the whole input, as the
+Agents SDK does unless told otherwise), reasoning items and built-in tools; each is refused by
+name.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -23,9 +28,10 @@ from typing import Any
 from jaxrl_llm.gateway import chat
 
 # Responses fields the chat check takes as they are, and those only allowed at a neutral value
-PASSED = ("model", "temperature", "top_p", "tool_choice", "parallel_tool_calls", "store", "metadata", "user")
-NEUTRAL = {"stream": (None, False), "previous_response_id": (None,), "reasoning": (None,), "include": (None, []),
-           "truncation": (None, "disabled"), "background": (None, False)}
+PASSED = ("model", "temperature", "top_p", "tool_choice", "parallel_tool_calls", "store", "metadata", "user",
+          "stream")
+NEUTRAL = {"previous_response_id": (None,), "reasoning": (None,), "include": (None, []),
+           "truncation": (None, "disabled"), "background": (None, False), "stream_options": (None, {})}
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -37,7 +43,7 @@ def to_chat(body: Any) -> dict:
     for k, v in body.items():
         if k in NEUTRAL and v not in NEUTRAL[k]:
             raise chat.ChatError(f"{k}: not served by this gateway's /v1/responses (only {NEUTRAL[k][-1]!r}); send "
-                                 "the whole input each time, without streaming")
+                                 "the whole input each time")
         if k not in NEUTRAL and k not in PASSED and k not in ("input", "instructions", "tools", "max_output_tokens",
                                                               "text"):
             raise chat.ChatError(f"{k}: not supported by this gateway")
@@ -120,19 +126,25 @@ def messages(instructions: Any, items: Any) -> list:
     return out
 
 
-def response(answer, body: dict, model: str) -> dict:
+def _message(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+
+def response(answer, body: dict, model: str, ids: tuple = ()) -> dict:
     """A chat turn's `sessions.Answer` as a Responses `response`: its text as a message item (when
-    it has text, or no tool call), each tool call as a function_call item."""
+    it has text, or no tool call), each tool call as a function_call item. `ids`: the response's
+    and its message item's, when a stream named them already."""
+    rid, mid = ids or (f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}")
     msg, output = answer.message, []
     if msg.get("content") or not msg.get("tool_calls"):
-        output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
-                       "content": [{"type": "output_text", "text": msg.get("content") or "", "annotations": []}]})
+        output.append(_message(mid, msg.get("content") or ""))
     for call in msg.get("tool_calls", ()):
         output.append({"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"], "status": "completed",
                        "name": call["function"]["name"], "arguments": call["function"]["arguments"]})
     cut = answer.finish == "length"
     used = answer.usage
-    return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "model": model,
+    return {"id": rid, "object": "response", "created_at": int(time.time()), "model": model,
             "status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
             "output": output, "instructions": body.get("instructions"), "tools": body.get("tools") or [],
@@ -142,5 +154,61 @@ def response(answer, body: dict, model: str) -> dict:
             "previous_response_id": None, "reasoning": None, "store": False, "truncation": "disabled",
             "text": {"format": {"type": "text"}},
             "usage": {"input_tokens": used["prompt_tokens"], "output_tokens": used["completion_tokens"],
-                      "total_tokens": used["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                      "total_tokens": used["total_tokens"],
+                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                       "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+class Stream:
+    """A Responses stream's server-sent events, numbered in order (`sequence_number`)."""
+
+    def __init__(self, body: dict, model: str):
+        self.body, self.model, self.n, self.opened = body, model, 0, False
+        self.ids = (f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}")
+
+    def _event(self, kind: str, **fields) -> str:
+        self.n += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.n - 1, **fields})}\n\n"
+
+    def start(self) -> list:
+        shell = {"id": self.ids[0], "object": "response", "created_at": int(time.time()), "model": self.model,
+                 "status": "in_progress", "output": [], "tools": self.body.get("tools") or [], "error": None,
+                 "incomplete_details": None, "tool_choice": "auto", "parallel_tool_calls": True}
+        return [self._event("response.created", response=shell), self._event("response.in_progress", response=shell)]
+
+    def text(self, delta: str) -> list:
+        """The turn's next text; the first opens its message item."""
+        out = []
+        if not self.opened:
+            self.opened = True
+            opened = _message(self.ids[1], "", "in_progress")
+            out = [self._event("response.output_item.added", output_index=0, item=opened),
+                   self._event("response.content_part.added", item_id=self.ids[1], output_index=0, content_index=0,
+                               part={"type": "output_text", "text": "", "annotations": []})]
+        return out + [self._event("response.output_text.delta", item_id=self.ids[1], output_index=0, content_index=0,
+                                  delta=delta, logprobs=[])]
+
+    def end(self, answer, sent: str) -> list:
+        """The rest of the turn once it ended: the text not yet sent, each item done, and the whole
+        response (`response.completed`, or `response.incomplete` for a turn cut at its limit)."""
+        final, out = response(answer, self.body, self.model, self.ids), []
+        for i, item in enumerate(final["output"]):
+            if item["type"] == "message":
+                text = item["content"][0]["text"]
+                rest = text[len(sent):] if text.startswith(sent) else ""
+                out += self.text(rest) if rest or not self.opened else []
+                out += [self._event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
+                                    text=text, logprobs=[]),
+                        self._event("response.content_part.done", item_id=item["id"], output_index=i,
+                                    content_index=0, part=item["content"][0])]
+            else:
+                out += [self._event("response.output_item.added", output_index=i, item={**item, "arguments": "",
+                                                                                         "status": "in_progress"}),
+                        self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                                    name=item["name"], arguments=item["arguments"])]
+            out.append(self._event("response.output_item.done", output_index=i, item=item))
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        return out + [self._event(kind, response=final)]
+
+    def error(self, message: str) -> str:
+        return self._event("error", code=None, message=message, param=None)

@@ -8,7 +8,7 @@ the run's token, sent as the bearer key (`api_key=` of the stock client).
 
   POST /v1/chat/completions          one assistant turn (`stream=true`: server-sent events, the text
                                      as the slots decode it, segment by segment; tool calls once parsed)
-  POST /v1/responses                 one assistant turn, OpenAI's Responses API (`responses.py`; no streaming)
+  POST /v1/responses                 one assistant turn, OpenAI's Responses API (`responses.py`; streams too)
   POST /v1/completions               one text turn (the session's text so far, then new text; streams too)
   GET  /v1/models                    the one model served
   POST /rl/sessions/{id}/reward      {"reward": r} (null: the task's check): the session closes, is trained
@@ -154,6 +154,9 @@ async def _answer(gateway, request: Request, session: Optional[str], kind: str):
         return _error(409 if "in flight" in str(e) else 400, str(e), _param(str(e)))
     head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": gateway.model}
+    if body.get("stream") and kind == "responses":
+        return StreamingResponse(_streamed_response(gateway, gateway.watch(session), future, body, start),
+                                 media_type="text/event-stream")
     if body.get("stream"):
         usage = isinstance(body.get("stream_options"), dict) and bool(body["stream_options"].get("include_usage"))
         stop = chat.stop_strings(body.get("stop"))
@@ -254,6 +257,32 @@ async def _streamed(gateway, row: int, future, head: dict, kind: str, start: flo
             chunk = "chat.completion.chunk" if kind == "chat" else "text_completion"
             yield f"data: {json.dumps({**final, 'object': chunk, 'choices': [], 'usage': counted})}\n\n"
         yield "data: [DONE]\n\n"
+    finally:
+        gateway.unwatch(row)
+
+
+async def _streamed_response(gateway, row: int, future, body: dict, start: float):
+    """A Responses turn as server-sent events (`responses.Stream`): its text as the slots decode
+    it (from its first visible character on), then each item and the whole response."""
+    events, sent = responses.Stream(body, gateway.model), ""
+    try:
+        for e in events.start():
+            yield e
+        while not future.done():
+            text = _visible(gateway.so_far(row), "chat")
+            if len(text) > len(sent) and text.startswith(sent) and text.strip():
+                for e in events.text(text[len(sent):]):
+                    yield e
+                sent = text
+            await asyncio.sleep(0.01)
+        try:
+            got = future.result()
+        except chat.ChatError as e:
+            yield events.error(str(e))
+            return
+        gateway.answered(1e3 * (time.perf_counter() - start))
+        for e in events.end(got, sent):
+            yield e
     finally:
         gateway.unwatch(row)
 
