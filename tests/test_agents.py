@@ -14,14 +14,17 @@ from tests.test_experiment import shrink
 from tests.test_math_dataset import tokenizer_dir  # noqa: F401  (a fixture: a tiny chat model and its tokenizer)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "sdk"])
 def test_a_run_trains_the_calculator_agents_sessions(mode, tmp_path):
     """Sync: each draw's sessions, then a step, the agents on a thread of the run's process.
     Async with two sampler threads: two draws' sessions share one gateway's slots at once, each
-    thread getting its own sessions back, the agents in one worker process."""
+    thread getting its own sessions back, the agents in one worker process. SDK: sync, the agent
+    written with the OpenAI Agents SDK (`examples/calculator_agent_sdk.py`, the Responses API)."""
     c = shrink(get_config(), steps=2, eval_every=2)
     c.sampler.slots, c.task.max_turns, c.gateway.concurrency = 3, 3, 4
-    c.gateway.agent_processes = 0 if mode == "sync" else 1
+    c.gateway.agent_processes = 1 if mode == "async" else 0
+    if mode == "sdk":
+        mode, c.task.agent = "sync", "examples.calculator_agent_sdk:agent"
     c.runtime.mode, c.runtime.num_samplers = mode, 2 if mode == "async" else 1
     summary = experiment.run(c, str(tmp_path), log=lambda *_: None)
     assert summary["version"] == 2 and summary["reward_failures"] == 0
@@ -30,6 +33,8 @@ def test_a_run_trains_the_calculator_agents_sessions(mode, tmp_path):
     drawn = 2 * 2 * 4  # steps x prompts x G: in sync mode exactly these, async may have drawn ahead
     assert last["episode/count"] == drawn if mode == "sync" else last["episode/count"] >= drawn
     assert last["gateway/sessions_closed"] >= last["episode/count"] and last["gateway/sessions_timed_out"] == 0
+    # every request repeated its session's conversation exactly, and no agent failed
+    assert all(r["gateway/sessions_branched"] == r["gateway/agent_errors"] == 0 for r in steps)
     # latency percentiles cover the requests answered since the last step (async may have none by then)
     assert any(r.get("gateway/request_p50_ms", 0) > 0 for r in steps) and all(np.isfinite(r["loss"]) for r in steps)
 
