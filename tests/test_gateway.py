@@ -353,6 +353,14 @@ def test_requests_outside_the_runs_distribution_or_token_are_refused_by_name(ser
         client.chat.completions.create(model="policy", messages=QUESTION, logit_bias={"3": 1.0})
     with pytest.raises(openai.BadRequestError, match="n: one choice"):
         client.chat.completions.create(model="policy", messages=QUESTION, n=2)
+    # the session named by a header instead of the base URL, on each kind of turn's route
+    unnamed = openai.OpenAI(base_url=srv.url(), api_key="sesame", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="session"):
+        unnamed.responses.create(model="policy", input="what is two plus three")
+    headed = unnamed.with_options(default_headers={"X-Session-Id": "s-header"})
+    assert headed.responses.create(model="policy", input="what is two plus three").output[0].type == "function_call"
+    _reward(srv, "s-header", 0.0)
+    assert [c.session for c in _closed(gw)] == ["s-header"]
     with pytest.raises(openai.AuthenticationError):
         _client(srv, "s-refused", key="wrong").chat.completions.create(model="policy", messages=QUESTION)
     for wrong in (_client(srv, "s-refused", key="wrong").models.list, lambda: _reward(srv, "s-three", 1.0, key="x")):

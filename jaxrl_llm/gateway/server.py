@@ -63,33 +63,20 @@ def app(gateway, token: Optional[str] = None, prompts=None):
             return _error(413, f"request body over {MAX_BODY} bytes")
         return None
 
-    async def completions(request: Request, session: Optional[str], kind: str = "chat"):
-        return refused(request) or await _answer(gateway, request, session or request.headers.get(SESSION_HEADER),
-                                                 kind)
+    def turns(kind: str):
+        """The two routes of a kind of turn: the session in the header, or in the base URL."""
+        async def plain(request: Request):
+            return refused(request) or await _answer(gateway, request, request.headers.get(SESSION_HEADER), kind)
 
-    @api.post("/v1/chat/completions")
-    async def plain(request: Request):
-        return await completions(request, None)
+        async def named(session: str, request: Request):
+            return refused(request) or await _answer(gateway, request, session, kind)
 
-    @api.post("/s/{session}/v1/chat/completions")
-    async def named(session: str, request: Request):
-        return await completions(request, session)
+        return plain, named
 
-    @api.post("/v1/responses")
-    async def plain_responses(request: Request):
-        return await completions(request, None, "responses")
-
-    @api.post("/s/{session}/v1/responses")
-    async def named_responses(session: str, request: Request):
-        return await completions(request, session, "responses")
-
-    @api.post("/v1/completions")
-    async def plain_text(request: Request):
-        return await completions(request, None, "text")
-
-    @api.post("/s/{session}/v1/completions")
-    async def named_text(session: str, request: Request):
-        return await completions(request, session, "text")
+    for path, kind in (("chat/completions", "chat"), ("responses", "responses"), ("completions", "text")):
+        plain, named = turns(kind)
+        api.post(f"/v1/{path}")(plain)
+        api.post(f"/s/{{session}}/v1/{path}")(named)
 
     async def models(request: Request):
         return refused(request) or {"object": "list", "data": [{"id": gateway.model, "object": "model",
