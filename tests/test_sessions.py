@@ -118,6 +118,23 @@ def test_messages_are_checked_by_field():
             t.request("g", bad)
 
 
+def test_tools_are_checked_by_position_before_any_template_sees_them():
+    deep = {}
+    for _ in range(995):  # past Python's recursion limit: looked at no deeper than the limit
+        deep = {"a": deep}
+    fn = {"name": "calc", "parameters": {"type": "object"}}
+    for bad, field in (("calc", "tools"), ([{"type": "function"}], r"tools\[0\]"),
+                       ([{"type": "web_search"}], r"tools\[0\]"),
+                       ([{"type": "function", "function": {**fn, "name": "a b"}}], r"tools\[0\].function.name"),
+                       ([{"type": "function", "function": {**fn, "description": 3}}], r"tools\[0\].function.desc"),
+                       ([{"type": "function", "function": {**fn, "parameters": deep}}], r"tools\[0\].function.param"),
+                       ([{"type": "function", "function": fn}] * 129, "tools")):
+        with pytest.raises(chat.ChatError, match=field):
+            chat.check_tools(bad)
+    assert chat.check_tools([{"type": "function", "function": fn}]) == [{"type": "function", "function": fn}]
+    assert chat.check_tools([]) is None and chat.check_tools(None) is None
+
+
 def test_tool_calls_parse_from_the_models_own_format():
     msg, calls = chat.parse_turn('I will add. <tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>'
                                  '<tool_call>{"name": 3}</tool_call>', "t0")

@@ -51,9 +51,10 @@ MAX_TOOLS, MAX_TOOL_DEPTH = 128, 32  # tools a request may declare (OpenAI's lim
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 
 
-def _depth(x: Any) -> int:
+def _deeper(x: Any, limit: int) -> bool:
+    """Whether JSON `x` nests deeper than `limit` (looking no deeper than that)."""
     items = x.values() if isinstance(x, dict) else x if isinstance(x, list) else ()
-    return 1 + max(map(_depth, items), default=0)
+    return limit < 1 or any(_deeper(v, limit - 1) for v in items if isinstance(v, (dict, list)))
 
 
 def check_tools(tools: Any) -> Optional[list]:
@@ -72,7 +73,7 @@ def check_tools(tools: Any) -> Optional[list]:
             raise ChatError(f"tools[{i}].function.name: 1 to 64 of A-Z a-z 0-9 _ -")
         if not isinstance(fn.get("description", ""), str):
             raise ChatError(f"tools[{i}].function.description: a string")
-        if not isinstance(fn.get("parameters", {}), dict) or _depth(fn.get("parameters", {})) > MAX_TOOL_DEPTH:
+        if not isinstance(fn.get("parameters", {}), dict) or _deeper(fn.get("parameters", {}), MAX_TOOL_DEPTH):
             raise ChatError(f"tools[{i}].function.parameters: a JSON schema object, nested at most {MAX_TOOL_DEPTH} "
                             "deep")
     return tools
