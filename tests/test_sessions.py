@@ -113,7 +113,10 @@ def test_messages_are_checked_by_field():
                         "messages[0].tool_calls[0].function.arguments"), ([], "messages"),
                        ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f",
                                                                                           "arguments": "[" * 10**5}}]}],
-                        "messages[0].tool_calls[0].function.arguments")):
+                        "messages[0].tool_calls[0].function.arguments"),
+                       ([{"role": "assistant", "content": "", "tool_calls": [{"function": {
+                           "name": "f", "arguments": '{"a":' * 40 + "1" + "}" * 40}}]}],
+                        "messages[0].tool_calls[0].function.arguments: nested")):
         with pytest.raises(chat.ChatError, match=field.replace("[", r"\[").replace("]", r"\]")):
             t.request("g", bad)
 

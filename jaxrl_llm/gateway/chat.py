@@ -80,12 +80,16 @@ def check_tools(tools: Any) -> Optional[list]:
 
 
 def arguments(raw: Any, where: str):
-    """A tool call's `arguments` (JSON text, or already parsed), parsed."""
+    """A tool call's `arguments` (JSON text, or already parsed), parsed; nested at most
+    MAX_TOOL_DEPTH deep (deeper ones would reach Python's recursion limit where they are compared
+    or rendered)."""
     if isinstance(raw, str):
         try:
-            return json.loads(raw)
+            raw = json.loads(raw)
         except (ValueError, RecursionError):  # not JSON, or nested deeper than Python's parser goes
             raise ChatError(f"{where}: not JSON") from None
+    if _deeper(raw, MAX_TOOL_DEPTH):
+        raise ChatError(f"{where}: nested deeper than {MAX_TOOL_DEPTH}")
     return raw
 
 
