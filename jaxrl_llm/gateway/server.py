@@ -193,6 +193,18 @@ def _visible(text: str, kind: str, stop=()) -> str:
     return text[:len(text) - held].rstrip("\ufffd")
 
 
+async def _growing(gateway, row: int, future, kind: str, stop: tuple = (), blank: bool = True):
+    """What of the turn's text `_visible` lets through, each piece once as it grows (the slots'
+    segments), until its answer is ready; `blank=False`: nothing while it is only whitespace."""
+    sent = ""
+    while not future.done():
+        text = _visible(gateway.so_far(row), kind, stop)
+        if len(text) > len(sent) and text.startswith(sent) and (blank or text.strip()):
+            yield text[len(sent):]
+            sent = text
+        await asyncio.sleep(0.01)
+
+
 def _event(head: dict, kind: str, delta, reason=None, logprobs=None) -> str:
     """One server-sent event: a chat.completion.chunk (`delta` a dict) or a text_completion
     (`delta` the text). `head` carries `usage: null` when the stream ends with its usage, as
@@ -219,12 +231,9 @@ async def _streamed(gateway, row: int, future, head: dict, kind: str, start: flo
     try:
         if kind == "chat":
             yield _event(head, kind, {"role": "assistant", "content": ""})
-        while not future.done():
-            text = _visible(gateway.so_far(row), kind, stop)
-            if len(text) > len(sent) and text.startswith(sent):
-                yield _event(head, kind, {"content": text[len(sent):]} if kind == "chat" else text[len(sent):])
-                sent = text
-            await asyncio.sleep(0.01)
+        async for piece in _growing(gateway, row, future, kind, stop):
+            yield _event(head, kind, {"content": piece} if kind == "chat" else piece)
+            sent += piece
         try:
             message, finish, counted, logprobs = future.result()
         except chat.ChatError as e:
@@ -255,13 +264,10 @@ async def _streamed_response(gateway, row: int, future, body: dict, start: float
     try:
         for e in events.start():
             yield e
-        while not future.done():
-            text = _visible(gateway.so_far(row), "chat")
-            if len(text) > len(sent) and text.startswith(sent) and text.strip():
-                for e in events.text(text[len(sent):]):
-                    yield e
-                sent = text
-            await asyncio.sleep(0.01)
+        async for piece in _growing(gateway, row, future, "chat", blank=False):
+            for e in events.text(piece):
+                yield e
+            sent += piece
         try:
             got = future.result()
         except chat.ChatError as e:

@@ -32,7 +32,7 @@ TAKEN = ("model", "messages", "prompt", "tools", "tool_choice", "stream", "strea
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # stop strings a request may give (OpenAI's limit), characters each
 SCORES = ("logp_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK")  # a row's outputs a turn's `logprobs` come from
 IGNORED = ("user", "metadata", "store")
-BOOLS = ("stream", "parallel_tool_calls", "logprobs")
+BOOLS = ("stream", "parallel_tool_calls")  # `logprobs`: `_check_logprobs` (an integer on /v1/completions)
 ZERO = ("presence_penalty", "frequency_penalty")  # accepted at their neutral value only
 
 
