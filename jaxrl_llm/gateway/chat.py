@@ -31,20 +31,21 @@ class UnknownSession(ChatError):
     """A request naming a session the run did not hand out (or one already handed over)."""
 
 
+def text_of(content: Any, where: str, kinds: Sequence[str] = ("text",)) -> str:
+    """A message's content as text: a string, or a list of text parts (of `kinds`) joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatError(f"{where}: a string or a list of text parts")
+    for i, p in enumerate(content):
+        if not isinstance(p, dict) or p.get("type") not in kinds or not isinstance(p.get("text"), str):
+            raise ChatError(f"{where}[{i}]: only text parts are supported ({', '.join(kinds)})")
+    return "".join(p["text"] for p in content)
+
+
 def _content(msg: dict, where: str) -> str:
     c = msg.get("content")
-    if c is None:
-        return ""
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list):  # content parts: text only
-        parts = []
-        for i, p in enumerate(c):
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise ChatError(f"{where}.content[{i}]: only text parts are supported")
-            parts.append(p["text"])
-        return "".join(parts)
-    raise ChatError(f"{where}.content: a string or a list of text parts")
+    return "" if c is None else text_of(c, f"{where}.content")
 
 
 MAX_TOOLS, MAX_TOOL_DEPTH = 128, 32  # tools a request may declare (OpenAI's limit), nesting of each

@@ -75,17 +75,6 @@ def tools(value: Any) -> list:
     return out
 
 
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise chat.ChatError(f"{where}: a string or a list of text parts")
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise chat.ChatError(f"{where}[{j}]: only text parts (input_text, output_text)")
-    return "".join(p["text"] for p in content)
-
-
 def messages(instructions: Any, items: Any) -> list:
     """`instructions` and the `input` items as chat messages; a turn's function calls join the
     assistant message before them (or open one with no text)."""
@@ -103,7 +92,7 @@ def messages(instructions: Any, items: Any) -> list:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise chat.ChatError(f"{where}.role: one of user, system, developer, assistant")
-            out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            out.append({"role": role, "content": chat.text_of(item.get("content"), f"{where}.content", TEXT_PARTS)})
             turn = out[-1] if role == "assistant" else None
         elif kind == "function_call":
             for k in ("call_id", "name", "arguments"):
@@ -118,7 +107,7 @@ def messages(instructions: Any, items: Any) -> list:
             if not isinstance(item.get("call_id"), str):
                 raise chat.ChatError(f"{where}.call_id: a string")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": _text(item.get("output"), f"{where}.output")})
+                        "content": chat.text_of(item.get("output"), f"{where}.output", TEXT_PARTS)})
             turn = None
         else:
             raise chat.ChatError(f"{where}.type: one of message, function_call, function_call_output (got "
