@@ -57,9 +57,12 @@ CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layer
 
 
 @functools.cache
-def params():
+def params(calls_again: bool = False):
+    """`calls_again`: a call is followed by another (</tool_call> -> <tool_call>), never by the
+    turn's end, so a turn calls until its limit."""
     p = decoder.init_params(CFG, jax.random.key(0))
     script = dict(zip(ids("\n", "<tool_call>", CALL, "</tool_call>"), ids("<tool_call>", CALL, "</tool_call>",
+                                                                          "<tool_call>" if calls_again else
                                                                           "<|im_end|>")))
     head = np.asarray(p["lm_head"]).copy()
     for t, nxt in script.items():  # the final norm maps one-hot e_t to sqrt(D) e_t: logit 16
@@ -309,6 +312,48 @@ def test_turns_cut_by_max_tokens_or_a_stop_string_go_on_and_train_as_sampled(ser
     drawn, gen = b.loss_mask[0] > 0, np.flatnonzero(real[32:]) + 32  # the positions after the prompt
     assert drawn[gen].tolist() == kinds and (b.versions[0][gen[~np.asarray(kinds)]] == -1).all()
     stats = forward.batch_stats(forward.Forward(CFG, PolicyDist(1.0), 16, None), params(),
+                                jax.tree.map(jnp.asarray, done.batch), None, gather=False)
+    np.testing.assert_allclose(np.asarray(stats["logp"])[0][drawn], b.behav_logp[0][drawn], rtol=0.2, atol=0)
+
+
+def test_parallel_tool_calls_false_ends_the_turn_at_its_first_call_as_drawn():
+    """A policy that calls again after every call: a turn capped at 7 ids answers both calls it
+    completed (`length`); with `parallel_tool_calls=false` (chat, or the Responses API) the slots
+    end each turn at the id completing its first call (undoing the one drawn past it in the
+    segment): one call, `tool_calls`. The row holds each turn's 3 drawn ids, its closing token
+    forced (loss 0) before the tool result; the learner reproduces every behaviour log-prob."""
+    fmt = chat.ChatFormat(tokenizer(), ids("<|im_end|>")[0])
+    gw = service.Gateway(sampler(), fmt, params(calls_again=True), version=3, slots=4, max_turns=4, timeout_s=30,
+                         max_obs=16)
+    srv = server_lib.Server(gw, token="sesame")
+    try:
+        out = _client(srv, "s-many").chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS,
+                                                             max_tokens=7).choices[0]
+        assert out.finish_reason == "length" and len(out.message.tool_calls) == 2
+        client, msgs = _client(srv, "s-one"), list(QUESTION)
+        for turn in range(2):
+            out = client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS, parallel_tool_calls=False)
+            (call,) = out.choices[0].message.tool_calls
+            assert (out.choices[0].finish_reason, out.usage.completion_tokens) == ("tool_calls", 3)
+            msgs += [out.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "five"}]
+        tools = [{"type": "function", **TOOLS[0]["function"]}]
+        said = _client(srv, "s-one-responses").responses.create(model="policy", input="what is two plus three",
+                                                                 tools=tools, parallel_tool_calls=False)
+        assert [i.type for i in said.output] == ["function_call"] and said.parallel_tool_calls is False
+        _reward(srv, "s-one", 1.0)
+        (done,) = _closed(gw)
+    finally:
+        srv.close()
+        gw.close()
+    b = jax.tree.map(np.asarray, done.batch)
+    call, close = ids("<tool_call>", CALL, "</tool_call>"), ids("<|im_end|>")
+    ext = fmt.extension([chat.normal(m) for m in msgs[:2]], [chat.normal(msgs[2])])
+    real, drawn = b.input_mask[0] > 0, b.loss_mask[0] > 0
+    assert b.tokens[0][real].tolist() == fmt.prompt([chat.normal(m) for m in QUESTION]) + call + close + ext + call
+    gen = np.flatnonzero(real[32:]) + 32
+    assert drawn[gen].tolist() == [True] * 3 + [False] * (1 + len(ext)) + [True] * 3
+    stats = forward.batch_stats(forward.Forward(CFG, PolicyDist(1.0), 16, None), params(calls_again=True),
                                 jax.tree.map(jnp.asarray, done.batch), None, gather=False)
     np.testing.assert_allclose(np.asarray(stats["logp"])[0][drawn], b.behav_logp[0][drawn], rtol=0.2, atol=0)
 

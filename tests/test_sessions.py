@@ -1,8 +1,11 @@
 """`gateway/sessions.py`: the session protocol with an injected clock and a stub format (no
 slots, no HTTP): extension, branch, the model's side ending a row, rewards and timeouts."""
 
+import json
+
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from jaxrl_llm.gateway import chat, sessions
 
@@ -240,15 +243,85 @@ def test_a_turn_cut_at_max_tokens_answers_length_and_the_session_goes_on_after_i
 
 
 def test_a_turn_stopped_by_a_stop_string_answers_up_to_it_and_goes_on_after_its_closing_token():
-    """The slots cut the turn at the id completing "k!" (`chat.stop_cut`, the earliest completion
+    """The slots cut the turn at the id completing "k!" (`chat.turn_cut`, the earliest completion
     of any of the strings): the answer is its text before the string, finish `stop`; the row keeps
     what was drawn, and the next request's observation closes the turn first."""
-    assert chat.stop_cut(Format(), [ord(c) for c in "ok!yes"], ("k!", "zz")) == 3
-    assert chat.stop_cut(Format(), [ord(c) for c in "abcd"], ("bc", "c")) == 3 and chat.first_stop("abcd", ("c",)) == 2
-    assert chat.stop_cut(Format(), [ord(c) for c in "ok"], ("k!",)) is None
+    assert chat.turn_cut(Format(), [ord(c) for c in "ok!yes"], ("k!", "zz")) == 3
+    assert chat.turn_cut(Format(), [ord(c) for c in "abcd"], ("bc", "c")) == 3 and chat.first_stop("abcd", ("c",)) == 2
+    assert chat.turn_cut(Format(), [ord(c) for c in "ok"], ("k!",)) is None
     t, _ = _table()
     answer, row = t.request("st", [USER], ask=sessions.Ask(stop=("k!",)))
     reply = t.respond(row.id, [ord("o"), ord("k"), ord("!")], [False] * 3)
     assert answer.result()[:2] == ({"role": "assistant", "content": "o"}, "stop") and row.cut
     nxt, same = t.request("st", [USER, {"role": "assistant", "content": "o"}, USER])
     assert same is None and reply.result().obs_ids == (99, -1, 4, ord("h"), ord("i"))
+
+
+def test_a_turn_allowed_one_tool_call_answers_that_call_and_goes_on_after_its_closing_token():
+    """`parallel_tool_calls=false` (`Ask.one_call`): the slots cut the turn at the id completing its
+    first whole call (a block that is no call does not count; a stop string before it cuts first).
+    The answer holds that call alone, finish `tool_calls`, and the next request's observation
+    closes the turn first. A turn that drew a second call before it could be cut (its closing
+    token in the same segment) answers its first call only; the row keeps what was drawn."""
+    call = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    text = "a<tool_call>no</tool_call>" + call + call.replace('"f"', '"g"')
+    drawn, first = [ord(c) for c in text], len("a<tool_call>no</tool_call>" + call)
+    assert chat.turn_cut(Format(), drawn, one_call=True) == first and chat.turn_cut(Format(), drawn) is None
+    assert chat.turn_cut(Format(), drawn, ("no",), one_call=True) == len("a<tool_call>no")
+    assert chat.first_call_end(text) == first and chat.first_call_end(text[:first - 1]) is None
+    class Calls(Format):
+        stop_id = 1  # not a character of a call ("c" is 99)
+
+    t = sessions.Sessions(Calls(), 4, 10.0, clock=Clock())
+    answer, row = t.request("one", [USER], ask=sessions.Ask(one_call=True))
+    reply = t.respond(row.id, drawn[:first], [False] * first)
+    msg, finish = answer.result()[:2]
+    assert finish == "tool_calls" and row.cut and msg["content"] == "a<tool_call>no</tool_call>"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [("f", '{"x": 1}')]
+    nxt, same = t.request("one", [USER, msg, {"role": "tool", "content": "1", "tool_call_id": "c"}])
+    assert same is None and reply.result().obs_ids == (1, -1, 4, ord("1"))
+    whole, row = t.request("both", [USER], ask=sessions.Ask(one_call=True))
+    t.respond(row.id, drawn + [1], [False] * (len(drawn) + 1))
+    assert [c["function"]["name"] for c in whole.result()[0]["tool_calls"]] == ["f"] and not row.cut
+    assert whole.result()[1] == "tool_calls" and whole.result()[2]["completion_tokens"] == len(drawn) + 1
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3), max_leaves=8)
+
+
+def _block(args: str) -> str:
+    return '<tool_call>{"name": "f", "arguments": %s}</tool_call>' % args
+
+
+_PIECES = st.one_of(st.text(max_size=6), st.sampled_from(["<tool_call>", "</tool_call>", "{", '"name"']),
+                    _JSON.map(lambda v: _block(json.dumps(v))),
+                    st.integers(0, 1500).map(lambda d: _block("[" * d + "]" * d)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_PIECES, max_size=5).map("".join))
+def test_any_model_turn_is_a_message_its_session_takes_back(text):
+    """Whatever a model's turn says (calls with any JSON, nested past what a request may hold or
+    past Python's parser, broken blocks), it parses into an assistant message that `normal` takes
+    with the same calls: the session records it in the slots' thread, where an error would stop
+    every session. A call nested deeper than a request's arguments may be (33 and up) stays text."""
+    msg, calls = chat.parse_turn(text, "t")
+    assert chat.normal(msg).get("tool_calls", []) == calls
+    assert all(not chat._deeper(c["arguments"], chat.MAX_TOOL_DEPTH) for c in calls)
+
+
+def test_a_call_nested_past_a_requests_limit_is_answered_as_text_and_the_session_goes_on():
+    """A turn whose call nests 33 deep (before: `ChatError` out of `respond`, which stops the
+    gateway's slots) answers as text; one 32 deep is a call."""
+    class Calls(Format):
+        stop_id = 1
+
+    t = sessions.Sessions(Calls(), 4, 10.0, clock=Clock())
+    for depth, called in ((33, False), (32, True)):
+        text = _block("[" * depth + "]" * depth)
+        answer, row = t.request(f"deep{depth}", [USER], ask=sessions.Ask(stop=("zzz",)))
+        t.respond(row.id, [ord(c) for c in text] + [1], [False] * (len(text) + 1))
+        msg, finish = answer.result()[:2]
+        assert ("tool_calls" in msg, finish) == (called, "tool_calls" if called else "stop")

@@ -128,17 +128,31 @@ def _template_message(m: dict) -> dict:
     return {"role": "assistant", "content": m["content"], "tool_calls": calls}
 
 
+def _call(block: str) -> Optional[dict]:
+    """A `<tool_call>` block's JSON as a call ({"name": str, "arguments": ...} nested no deeper than
+    a request's may be, so that the session takes it back), or None."""
+    try:
+        obj = json.loads(block)
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than Python's parser goes
+        return None
+    named = isinstance(obj, dict) and isinstance(obj.get("name"), str)
+    return obj if named and not _deeper(obj.get("arguments"), MAX_TOOL_DEPTH) else None
+
+
+def first_call_end(text: str) -> Optional[int]:
+    """Where the turn's first tool call (a `<tool_call>` block `parse_turn` takes) ends in `text`
+    (None: no call is complete yet)."""
+    return next((m.end() for m in CALL.finditer(text) if _call(m.group(1)) is not None), None)
+
+
 def parse_turn(text: str, turn_id: str) -> tuple[dict, list]:
     """A model turn's text (its closing token dropped) -> (assistant message in the OpenAI shape,
     its tool calls as `normal` records them). A block that is not a JSON call stays as text."""
     calls, api = [], []
     kept = text
     for i, m in enumerate(CALL.finditer(text)):
-        try:
-            obj = json.loads(m.group(1))
-        except ValueError:
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        obj = _call(m.group(1))
+        if obj is None:
             continue
         args = obj.get("arguments", {})
         calls.append({"name": obj["name"], "arguments": args})
@@ -236,13 +250,20 @@ def first_stop(text: str, stop: Sequence[str]) -> Optional[int]:
     return min(found) if found else None
 
 
-def stop_cut(format, ids, stop: Sequence[str]) -> Optional[int]:
-    """How many of a turn's `ids` to keep when its text holds one of `stop`: up to the id that
-    completes the first (its draws past it are undone); None when none is in it."""
+def ends_turn(text: str, stop: Sequence[str] = (), one_call: bool = False) -> bool:
+    """Whether a turn's text holds one of `stop`, or (`one_call`) a whole tool call."""
+    if stop and first_stop(text, stop) is not None:
+        return True
+    return one_call and first_call_end(text) is not None
+
+
+def turn_cut(format, ids, stop: Sequence[str] = (), one_call: bool = False) -> Optional[int]:
+    """How many of a turn's `ids` to keep when its text `ends_turn`: up to the id that completes
+    the first stop string or call (its draws past it are undone); None when there is none."""
     ids = [int(i) for i in ids]
-    if not stop or first_stop(format.decode(ids), stop) is None:
+    if not ends_turn(format.decode(ids), stop, one_call):
         return None
-    return next(k for k in range(1, len(ids) + 1) if first_stop(format.decode(ids[:k]), stop) is not None)
+    return next(k for k in range(1, len(ids) + 1) if ends_turn(format.decode(ids[:k]), stop, one_call))
 
 
 def first_difference(a: Sequence[dict], b: Sequence[dict]) -> Optional[int]:

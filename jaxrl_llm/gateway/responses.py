@@ -162,7 +162,8 @@ class Stream:
     def start(self) -> list:
         shell = {"id": self.ids[0], "object": "response", "created_at": int(time.time()), "model": self.model,
                  "status": "in_progress", "output": [], "tools": self.body.get("tools") or [], "error": None,
-                 "incomplete_details": None, "tool_choice": "auto", "parallel_tool_calls": True}
+                 "incomplete_details": None, "tool_choice": self.body.get("tool_choice") or "auto",
+                 "parallel_tool_calls": self.body.get("parallel_tool_calls", True)}
         return [self._event("response.created", response=shell), self._event("response.in_progress", response=shell)]
 
     def text(self, delta: str) -> list:

@@ -48,16 +48,19 @@ class Closed:
     tool_calls: np.ndarray
 
 
-def _ask(body: dict) -> sessions_lib.Ask:
-    """What a (checked) request asks of its turn: log-probs, and a shorter turn."""
+def _ask(body: dict, format) -> sessions_lib.Ask:
+    """What a (checked) request asks of its turn: log-probs, and a shorter turn. A format that is
+    not a chat template's (the embedded calculator's) closes every turn at its one call anyway."""
     caps = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
+    one_call = body.get("parallel_tool_calls") is False and bool(body.get("tools"))
     return sessions_lib.Ask(logprobs=(body.get("top_logprobs") or 0) if body.get("logprobs") else None,
-                            max_tokens=min(caps) if caps else None, stop=chat.stop_strings(body.get("stop")))
+                            max_tokens=min(caps) if caps else None, stop=chat.stop_strings(body.get("stop")),
+                            one_call=one_call and isinstance(format, chat.ChatFormat))
 
 
 class _Stops:
-    """The slots' `Turns.stops`: the rows whose waiting request gave stop strings, and where each
-    one's turn so far first holds one (`chat.stop_cut`)."""
+    """The slots' `Turns.stops`: the rows whose waiting request gave stop strings or allowed one
+    tool call, and where each one's turn so far first holds one (`chat.turn_cut`)."""
 
     def __init__(self, gateway: "Gateway"):
         self.gateway = gateway
@@ -65,14 +68,15 @@ class _Stops:
     def wanted(self) -> set:
         g = self.gateway
         with g._lock:
-            return {r.id for r in g.sessions.rows.values() if r.state == "generating" and r.ask.stop}
+            return {r.id for r in g.sessions.rows.values()
+                    if r.state == "generating" and (r.ask.stop or r.ask.one_call)}
 
     def __call__(self, row: int, ids):
         g = self.gateway
         with g._lock:
             r = g.sessions.rows.get(row)
-            stop = r.ask.stop if r is not None and r.state == "generating" else ()
-        return chat.stop_cut(g.format, ids, stop) if stop else None
+            ask = r.ask if r is not None and r.state == "generating" else sessions_lib.Ask()
+        return chat.turn_cut(g.format, ids, ask.stop, ask.one_call) if ask.stop or ask.one_call else None
 
 
 class Gateway:
@@ -123,10 +127,10 @@ class Gateway:
         with self._lock:
             try:
                 if kind == "prompt":
-                    answer, row = self.sessions.complete(session, body.get("prompt"), _ask(body))
+                    answer, row = self.sessions.complete(session, body.get("prompt"), _ask(body, self.format))
                 else:
                     answer, row = self.sessions.request(session, body.get("messages"), chat.check_tools(
-                        body.get("tools")), _ask(body))
+                        body.get("tools")), _ask(body, self.format))
             except chat.ChatError:
                 self.sessions.counts["refused"] += 1
                 raise

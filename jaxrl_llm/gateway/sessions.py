@@ -47,6 +47,7 @@ class Ask:
     logprobs: Optional[int] = None  # the answer carries the turn's log-probs, with this many top ids (None: not)
     max_tokens: Optional[int] = None  # the turn stops after drawing this many (None: the session's budget)
     stop: tuple = ()  # the turn stops at the id that completes one of these strings
+    one_call: bool = False  # `parallel_tool_calls=false`: the turn stops at the id that completes its first call
 
 
 COUNTERS = ("opened", "closed", "timed_out", "abandoned", "branched", "refused", "turns", "tool_calls")
@@ -220,17 +221,21 @@ class Sessions:
         return gone
 
     def _stopped(self, row: Row, tokens, obs) -> bool:
-        """Whether the row's turn holds one of its request's stop strings."""
+        """Whether the row's turn holds one of its request's stop strings, or the one tool call it
+        allowed (`Ask.one_call`)."""
         ids = [t for t in tokens[turn_start(obs):] if t != self.format.stop_id]
-        return bool(row.ask.stop) and chat.first_stop(self.format.decode(ids), row.ask.stop) is not None
+        return chat.ends_turn(self.format.decode(ids), row.ask.stop, row.ask.one_call)
 
     def _turn(self, row: Row, tokens, obs):
         """The turn that ended the row's tokens: its message (chat) or its text (completions),
-        up to the first of its request's stop strings (which the row keeps: it was drawn)."""
+        up to the first of its request's stop strings, and with `one_call` up to the end of its
+        first tool call (the row keeps what follows: it was drawn)."""
         start = turn_start(obs)
-        if row.ask.stop and not isinstance(row.messages, str):
+        if (row.ask.stop or row.ask.one_call) and not isinstance(row.messages, str):
             text = self.format.decode([t for t in tokens[start:] if t != self.format.stop_id])
-            msg, calls = chat.parse_turn(text[:chat.first_stop(text, row.ask.stop)], f"{row.id}_{row.turns}")
+            text = text[:chat.first_stop(text, row.ask.stop)] if row.ask.stop else text
+            text = text[:chat.first_call_end(text)] if row.ask.one_call else text
+            msg, calls = chat.parse_turn(text, f"{row.id}_{row.turns}")
             return self._said(row, msg, calls)
         if isinstance(row.messages, str):
             ids = [t for t in tokens[start:] if t != self.format.stop_id]
