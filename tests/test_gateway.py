@@ -358,6 +358,32 @@ def test_parallel_tool_calls_false_ends_the_turn_at_its_first_call_as_drawn():
     np.testing.assert_allclose(np.asarray(stats["logp"])[0][drawn], b.behav_logp[0][drawn], rtol=0.2, atol=0)
 
 
+def test_a_turn_the_gateway_cannot_answer_ends_its_session_not_the_slots(served, monkeypatch):
+    """A turn whose answer raises in the slots' thread (here a parse made to fail once) gets an
+    HTTP 500 naming its session; the slots go on: the gateway reports no error, the next request
+    of that session starts a branch, and another session is answered as usual."""
+    gw, srv = served
+    parse, failed = gw.format.reply, []
+
+    def reply(ids, turn_id):
+        if not failed:
+            failed.append(turn_id)
+            raise RuntimeError("a parse this gateway got wrong")
+        return parse(ids, turn_id)
+
+    monkeypatch.setattr(gw.format, "reply", reply)
+    with pytest.raises(openai.InternalServerError, match="'s-fail'.*a parse this gateway got wrong"):
+        _client(srv, "s-fail").chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS)
+    gw.check()
+    branched = gw.counts()["branched"]
+    for name in ("s-fail", "s-fine"):
+        out = _client(srv, name).chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS)
+        assert out.choices[0].finish_reason == "tool_calls"
+        _reward(srv, name, 1.0)
+    assert gw.counts()["branched"] == branched + 1 and len(failed) == 1
+    assert sorted(c.session for c in _closed(gw, 2)) == ["s-fail", "s-fine"]
+
+
 def test_a_turn_asked_for_logprobs_carries_those_its_row_is_trained_with(served):
     """`logprobs=True, top_logprobs=2` through the stock client, answered whole or streamed: each
     drawn id of the turn, in order, with the behaviour log-prob and top-K the learner's row holds

@@ -31,6 +31,10 @@ class UnknownSession(ChatError):
     """A request naming a session the run did not hand out (or one already handed over)."""
 
 
+class TurnFailed(ChatError):
+    """A model turn this gateway could not answer (its own fault, not the request's)."""
+
+
 def text_of(content: Any, where: str, kinds: Sequence[str] = ("text",)) -> str:
     """A message's content as text: a string, or a list of text parts (of `kinds`) joined."""
     if isinstance(content, str):

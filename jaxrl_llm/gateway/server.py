@@ -38,8 +38,8 @@ KEEP_ALIVE_S = 75  # seconds an idle connection stays open: longer than clients 
 
 
 def _error(status: int, message: str, param: Optional[str] = None):
-    kind = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error"}.get(status,
-                                                                                          "invalid_request_error")
+    kind = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error", 500: "server_error"}.get(
+        status, "invalid_request_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
 
 
@@ -152,7 +152,7 @@ async def _answer(gateway, request: Request, session: Optional[str], kind: str):
     try:
         got = await asyncio.wrap_future(future)
     except chat.ChatError as e:
-        return _error(409, str(e))
+        return _error(500 if isinstance(e, chat.TurnFailed) else 409, str(e))
     gateway.answered(1e3 * (time.perf_counter() - start))
     if kind == "responses":
         return JSONResponse(responses.response(got, body, gateway.model))

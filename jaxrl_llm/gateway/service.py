@@ -326,7 +326,10 @@ class Gateway:
 
     def _respond(self, row: int, tokens, obs, **scores) -> Future:
         with self._lock:
-            return self.sessions.respond(row, tokens, obs, tuple(scores[f] for f in SCORES))
+            try:
+                return self.sessions.respond(row, tokens, obs, tuple(scores[f] for f in SCORES))
+            except Exception as e:  # one row's turn ends that row, not every session in the slots
+                return self.sessions.fail(row, e)
 
     def _run(self, params, version, seed) -> None:
         try:
@@ -339,8 +342,11 @@ class Gateway:
                     for i, row in enumerate(ids.tolist()):
                         out = {f: x[i] for f, x in got.items()}
                         real = out["valid_BxN"]
-                        self.sessions.finished(row, out["tokens_BxN"][real], out["obs_BxN"][real], bool(out["eos_B"]),
-                                               tuple(out[f][real] for f in SCORES))
+                        try:
+                            self.sessions.finished(row, out["tokens_BxN"][real], out["obs_BxN"][real],
+                                                   bool(out["eos_B"]), tuple(out[f][real] for f in SCORES))
+                        except Exception as e:  # as in `_respond`
+                            self.sessions.fail(row, e)
                         self._outputs[row] = out
                     self._settle()
         except Exception as e:  # surfaced to every waiting request; the server reports it

@@ -181,6 +181,21 @@ class Sessions:
             self._answer(row, self._turn(row, tokens[:cut], obs[:cut]), "stop" if eos else "length", tokens, obs,
                          scores)
 
+    def fail(self, row_id: int, error: Exception) -> Future:
+        """The row's turn could not be answered (`respond` or `finished` raised: this gateway's
+        fault, not its agent's): the row ends, its waiting request gets the error, and the
+        session goes on only as a branch, or is dropped. Returns the row's (final) reply."""
+        row, reply = self.rows[row_id], Future()
+        row.reply, row.ended = reply, True
+        reply.set_result(Reply(done=True))
+        if row.state == "generating":
+            row.state, row.seen = "waiting", self.clock()
+        if row.answer is not None and not row.answer.done():
+            row.answer.set_exception(chat.TurnFailed(f"session {row.session!r}: its turn could not be answered "
+                                                     f"({type(error).__name__}: {str(error)[:200]}); the session "
+                                                     "can only branch or end"))
+        return reply
+
     def reward(self, session: str, value: Optional[float]) -> list:
         """The session's reward (None: the task scores its transcript): its rows close. Returns
         the ids of its rows."""
