@@ -234,11 +234,43 @@ def test_the_responses_api_plays_the_same_row_as_chat_completions(served):
     assert (a.loss_mask[0] > 0).sum() == 12  # three turns of 4 drawn ids
 
 
+def test_previous_response_id_continues_a_sessions_own_responses(served):
+    """A request naming the session's latest response with only the new input (and its own
+    instructions, which OpenAI does not carry over) extends the row; naming an older response
+    is an edited history, so a branch; a response of another session, or none, is refused by
+    name."""
+    gw, srv = served
+    client, tools = _client(srv, "s-chained"), [{"type": "function", **TOOLS[0]["function"]}]
+    first = client.responses.create(model="policy", instructions="hi", input="what is two plus three", tools=tools)
+    branched = gw.counts()["branched"]
+
+    def after(response, **kw):
+        (call,) = response.output
+        return client.responses.create(model="policy", instructions="hi", tools=tools, previous_response_id=response.id,
+                                       input=[{"type": "function_call_output", "call_id": call.call_id,
+                                               "output": "five"}], **kw)
+
+    second = after(first)
+    third = list(after(second, stream=True))[-1].response
+    assert [r.output[0].type for r in (second, third)] == ["function_call"] * 2
+    assert third.previous_response_id == second.id and gw.counts()["branched"] == branched
+    after(first)  # from an older response: the conversation edited
+    assert gw.counts()["branched"] == branched + 1
+    other = _client(srv, "s-chained-other")
+    for named in (first.id, "resp_none"):
+        with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+            other.responses.create(model="policy", input="five", previous_response_id=named)
+    _reward(srv, "s-chained", 1.0)
+    (done,) = _closed(gw)
+    assert done.branched.tolist() == [False, True] and done.turns.tolist() == [3, 1]  # the branch: its answer
+
+
 def test_an_openai_agents_sdk_agent_trains_unchanged_over_responses_or_chat(served):
-    """An agent of the OpenAI Agents SDK (`openai-agents`, its default Responses model and its chat
-    completions model) with a function tool, run for 3 turns (the scripted policy calls its tool
-    every turn): one row each, nothing branched (each request repeated the conversation exactly),
-    3 turns and 3 tool calls, the two rows the same ids."""
+    """An agent of the OpenAI Agents SDK (`openai-agents`, its default Responses model, streamed or
+    not, chaining its requests by `previous_response_id` or not, and its chat completions model)
+    with a function tool, run for 3 turns (the scripted policy calls its tool every turn): one row
+    each, nothing branched (each request continued the conversation exactly), 3 turns and 3 tool
+    calls, every row the same ids."""
     import asyncio
 
     import agents
@@ -251,11 +283,11 @@ def test_an_openai_agents_sdk_agent_trains_unchanged_over_responses_or_chat(serv
         """add"""
         return "five"
 
-    async def play(session, model_class):
+    async def play(session, model_class, **run):
         client = openai.AsyncOpenAI(base_url=srv.url(session), api_key="sesame", max_retries=0)
         agent = agents.Agent(name="adder", tools=[calc], model=model_class(model="policy", openai_client=client))
         with pytest.raises(agents.exceptions.MaxTurnsExceeded):
-            await agents.Runner.run(agent, "what is two plus three", max_turns=3)
+            await agents.Runner.run(agent, "what is two plus three", max_turns=3, **run)
         await client.close()
 
     async def play_streamed(session):  # Runner.run_streamed: the Responses model's streams
@@ -269,11 +301,12 @@ def test_an_openai_agents_sdk_agent_trains_unchanged_over_responses_or_chat(serv
         await client.close()
 
     plays = {"s-sdk-responses": lambda s: play(s, agents.OpenAIResponsesModel),
-             "s-sdk-chat": lambda s: play(s, agents.OpenAIChatCompletionsModel), "s-sdk-streamed": play_streamed}
+             "s-sdk-chat": lambda s: play(s, agents.OpenAIChatCompletionsModel), "s-sdk-streamed": play_streamed,
+             "s-sdk-chained": lambda s: play(s, agents.OpenAIResponsesModel, auto_previous_response_id=True)}
     for session, how in plays.items():
         asyncio.run(how(session))
         gw.reward(session, 1.0)
-    done = {c.session: c for c in _closed(gw, 3)}
+    done = {c.session: c for c in _closed(gw, len(plays))}
     for c in done.values():
         assert (c.branched.tolist(), c.turns.tolist(), c.tool_calls.tolist()) == ([False], [3], [3]), c.session
     a, *others = (jax.tree.map(np.asarray, done[s].batch) for s in plays)

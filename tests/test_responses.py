@@ -130,3 +130,23 @@ def test_any_value_anywhere_converts_or_is_refused_by_its_responses_name(at, val
 def test_what_cannot_be_served_is_refused_by_name(body, field):
     with pytest.raises(chat.ChatError, match=field.replace("[", r"\[").replace("]", r"\]")):
         responses.to_chat(body)
+
+
+def test_previous_response_id_puts_the_new_input_after_the_conversation_that_response_ended():
+    """`history` keeps a response's conversation without its instructions (OpenAI carries none
+    over); `to_chat` puts the new request's instructions first, then that conversation, then the
+    new input; a name with no conversation (another session's, an unknown one) is refused by it."""
+    first = {"instructions": "be brief", "input": "q", "tools": [dict(TOOL)]}
+    asked = responses.to_chat(first)
+    said = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}]}
+    before = responses.history(first, asked, said)
+    assert before == [{"role": "user", "content": "q"}, said]
+    nxt = {"instructions": "be kind", "previous_response_id": "resp_1",
+           "input": [{"type": "function_call_output", "call_id": "c1", "output": "5"}]}
+    assert responses.to_chat(nxt, before)["messages"] == [{"role": "system", "content": "be kind"}, *before,
+                                                           {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+    assert responses.history({}, responses.to_chat({"input": "q"}), said) == before
+    for bad in ("resp_1", 7):
+        with pytest.raises(chat.ChatError, match="^previous_response_id"):
+            responses.to_chat({**nxt, "previous_response_id": bad})

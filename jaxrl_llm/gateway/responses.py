@@ -13,9 +13,12 @@ A stream (`stream=true`) sends OpenAI's events (`Stream`): the response created,
 text as `response.output_text.delta` while the slots decode it, each item done, and the response
 completed (or incomplete, for a turn cut at its token limit) whole.
 
-Not served: `previous_response_id` (the gateway keeps no responses: send the whole input, as the
-Agents SDK does unless told otherwise), reasoning items and built-in tools; each is refused by
-name.
+`previous_response_id` continues from one of the session's own responses: the conversation
+that response ended (`history`, its instructions left out, as OpenAI carries none over), then
+the new input, under the new request's instructions. The session's rule is then the chat rule:
+from its latest response it goes on; from an older one it branches.
+
+Not served: reasoning items, built-in tools and structured outputs; each is refused by name.
 """
 
 from __future__ import annotations
@@ -23,35 +26,39 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Optional, Sequence
 
 from jaxrl_llm.gateway import chat
 
 # Responses fields the chat check takes as they are, and those only allowed at a neutral value
 PASSED = ("model", "temperature", "top_p", "tool_choice", "parallel_tool_calls", "store", "metadata", "user",
           "stream")
-NEUTRAL = {"previous_response_id": (None,), "reasoning": (None,), "include": (None, []),
+NEUTRAL = {"reasoning": (None,), "include": (None, []),
            "truncation": (None, "disabled"), "background": (None, False), "stream_options": (None, {})}
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def to_chat(body: Any) -> dict:
+def to_chat(body: Any, previous: Optional[list] = None) -> dict:
     """A Responses request -> the chat completions body of the same turn; anything this gateway
-    cannot serve refused by its Responses name."""
+    cannot serve refused by its Responses name. `previous`: the `history` of the response that
+    `previous_response_id` names (None when the request names none, or one this session lacks)."""
     if not isinstance(body, dict):
         raise chat.ChatError("body: a JSON object")
     for k, v in body.items():
         if k in NEUTRAL and v not in NEUTRAL[k]:
-            raise chat.ChatError(f"{k}: not served by this gateway's /v1/responses (only {NEUTRAL[k][-1]!r}); send "
-                                 "the whole input each time")
+            raise chat.ChatError(f"{k}: not served by this gateway's /v1/responses (only {NEUTRAL[k][-1]!r})")
         if k not in NEUTRAL and k not in PASSED and k not in ("input", "instructions", "tools", "max_output_tokens",
-                                                              "text"):
+                                                              "text", "previous_response_id"):
             raise chat.ChatError(f"{k}: not supported by this gateway")
+    named = body.get("previous_response_id")
+    if named is not None and (not isinstance(named, str) or previous is None):
+        raise chat.ChatError("previous_response_id: not a response of this session (the gateway keeps a session's "
+                             "responses until it ends)")
     fmt = body.get("text")
     if fmt is not None and fmt not in ({}, {"format": {"type": "text"}}):
         raise chat.ChatError("text.format: only text (structured outputs constrain what is sampled)")
     out = {k: body[k] for k in PASSED if k in body}
-    out["messages"] = messages(body.get("instructions"), body.get("input"))
+    out["messages"] = messages(body.get("instructions"), body.get("input"), previous or [])
     if body.get("tools") is not None:
         out["tools"] = tools(body["tools"])
     cap = body.get("max_output_tokens")
@@ -75,16 +82,17 @@ def tools(value: Any) -> list:
     return out
 
 
-def messages(instructions: Any, items: Any) -> list:
-    """`instructions` and the `input` items as chat messages; a turn's function calls join the
-    assistant message before them (or open one with no text)."""
+def messages(instructions: Any, items: Any, previous: Sequence[dict] = ()) -> list:
+    """`instructions`, the `previous` conversation and the `input` items as chat messages; a
+    turn's function calls join the assistant message before them (or open one with no text)."""
     if instructions is not None and not isinstance(instructions, str):
         raise chat.ChatError("instructions: a string")
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise chat.ChatError("input: a string or a list of at least one item")
-    out, turn = ([{"role": "system", "content": instructions}] if instructions else []), None
+    out = ([{"role": "system", "content": instructions}] if instructions else []) + list(previous)
+    turn = None
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
@@ -115,6 +123,12 @@ def messages(instructions: Any, items: Any) -> list:
     return out
 
 
+def history(body: dict, chat_body: dict, message: dict) -> list:
+    """The conversation a response ended, as `previous_response_id` continues it: the chat
+    messages of its request (`to_chat`'s), its instructions left out, then its answer."""
+    return chat_body["messages"][1 if body.get("instructions") else 0:] + [message]
+
+
 def _message(item_id: str, text: str, status: str = "completed") -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
@@ -140,7 +154,8 @@ def response(answer, body: dict, model: str, ids: tuple = ()) -> dict:
             "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": body.get("parallel_tool_calls",
                                                                                               True),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"), "metadata": body.get("metadata"),
-            "previous_response_id": None, "reasoning": None, "store": False, "truncation": "disabled",
+            "previous_response_id": body.get("previous_response_id"), "reasoning": None, "store": False,
+            "truncation": "disabled",
             "text": {"format": {"type": "text"}},
             "usage": {"input_tokens": used["prompt_tokens"], "output_tokens": used["completion_tokens"],
                       "total_tokens": used["total_tokens"],

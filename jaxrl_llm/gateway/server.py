@@ -132,7 +132,8 @@ async def _answer(gateway, request: Request, session: Optional[str], kind: str):
     try:
         body = await _body(request)
         if kind == "responses":
-            future = gateway.chat(session, responses.to_chat(body))
+            asked = responses.to_chat(body, gateway.recall(session, body.get("previous_response_id")))
+            future = gateway.chat(session, asked)
         else:
             future = (gateway.chat if kind == "chat" else gateway.complete)(session, body)
     except chat.UnknownSession as e:
@@ -142,7 +143,8 @@ async def _answer(gateway, request: Request, session: Optional[str], kind: str):
     head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": gateway.model}
     if body.get("stream") and kind == "responses":
-        return StreamingResponse(_streamed_response(gateway, gateway.watch(session), future, body, start),
+        return StreamingResponse(_streamed_response(gateway, session, gateway.watch(session), future, body, asked,
+                                                    start),
                                  media_type="text/event-stream")
     if body.get("stream"):
         usage = isinstance(body.get("stream_options"), dict) and bool(body["stream_options"].get("include_usage"))
@@ -155,7 +157,9 @@ async def _answer(gateway, request: Request, session: Optional[str], kind: str):
         return _error(500 if isinstance(e, chat.TurnFailed) else 409, str(e))
     gateway.answered(1e3 * (time.perf_counter() - start))
     if kind == "responses":
-        return JSONResponse(responses.response(got, body, gateway.model))
+        out = responses.response(got, body, gateway.model)
+        gateway.remember(session, out["id"], responses.history(body, asked, got.message))
+        return JSONResponse(out)
     if kind == "text":
         choice = {"index": 0, "text": got.message, "finish_reason": got.finish, "logprobs": None}
         return JSONResponse({**head, "object": "text_completion", "choices": [choice], "usage": got.usage})
@@ -257,9 +261,10 @@ async def _streamed(gateway, row: int, future, head: dict, kind: str, start: flo
         gateway.unwatch(row)
 
 
-async def _streamed_response(gateway, row: int, future, body: dict, start: float):
+async def _streamed_response(gateway, session: str, row: int, future, body: dict, asked: dict, start: float):
     """A Responses turn as server-sent events (`responses.Stream`): its text as the slots decode
-    it (from its first visible character on), then each item and the whole response."""
+    it (from its first visible character on), then each item and the whole response. `asked`:
+    the request as chat (`responses.to_chat`)."""
     events, sent = responses.Stream(body, gateway.model), ""
     try:
         for e in events.start():
@@ -274,6 +279,7 @@ async def _streamed_response(gateway, row: int, future, body: dict, start: float
             yield events.error(str(e))
             return
         gateway.answered(1e3 * (time.perf_counter() - start))
+        gateway.remember(session, events.ids[0], responses.history(body, asked, got.message))
         for e in events.end(got, sent):
             yield e
     finally:

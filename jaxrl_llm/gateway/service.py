@@ -34,6 +34,7 @@ SCORES = ("logp_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK")  # a row's outputs a 
 IGNORED = ("user", "metadata", "store")
 BOOLS = ("stream", "parallel_tool_calls")  # `logprobs`: `_check_logprobs` (an integer on /v1/completions)
 ZERO = ("presence_penalty", "frequency_penalty")  # accepted at their neutral value only
+MAX_RESPONSES = 64  # a session's Responses conversations kept for `previous_response_id` (the newest)
 
 
 @dataclasses.dataclass
@@ -106,6 +107,7 @@ class Gateway:
         self._latencies: list = []
         self._prompts: dict = {}  # row -> (its prompt ids, mask) as fed, until handed over
         self._streamed: dict = {}  # row -> [its turns before the streamed one, that turn's ids so far]
+        self._responses: dict = {}  # session -> {response id: the conversation it ended}, until handed over
         self._engine = sampler.slots(slots)
         self._thread = threading.Thread(target=self._run, args=(params, version, seed), daemon=True,
                                         name="gateway-slots")
@@ -147,6 +149,21 @@ class Gateway:
         """`named`: sessions no longer waited for; those not opened yet are refused from now on."""
         with self._lock:
             self.sessions.forget(names)
+
+    def remember(self, session: str, response: str, conversation: list) -> None:
+        """The conversation a Responses answer of `session` ended (`responses.history`), for a
+        later request's `previous_response_id`; a session keeps its newest MAX_RESPONSES."""
+        with self._lock:
+            if session in self.sessions.latest:  # not once handed over
+                kept = self._responses.setdefault(session, {})
+                kept[response] = conversation
+                while len(kept) > MAX_RESPONSES:
+                    del kept[next(iter(kept))]
+
+    def recall(self, session: str, response) -> Optional[list]:
+        """The conversation `response` of `session` ended (None: none, or not one of its own)."""
+        with self._lock:
+            return self._responses.get(session, {}).get(response) if isinstance(response, str) else None
 
     def watch(self, session: str) -> int:
         """A client streams the turn `session` just asked for: from the next segment on, the turn's
@@ -368,6 +385,7 @@ class Gateway:
             for r in rows:
                 del s.rows[r.id]
             del s.latest[name], s.rewards[name]
+            self._responses.pop(name, None)
             if reward is not None and math.isnan(reward):
                 self._closed.append(name)
                 continue
