@@ -417,6 +417,36 @@ def test_a_turn_the_gateway_cannot_answer_ends_its_session_not_the_slots(served,
     assert sorted(c.session for c in _closed(gw, 2)) == ["s-fail", "s-fine"]
 
 
+def test_tool_choice_none_answers_the_turn_as_its_text_and_the_session_goes_on(served):
+    """`tool_choice="none"` (vLLM's way, without constraining the draw): the turn's text is the
+    answer, its call not parsed (`stop`), streamed or not; the agent sends it back and the
+    session extends its row. `required` or a named function would constrain what is drawn:
+    refused by name."""
+    gw, srv = served
+    client, msgs, branched = _client(srv, "s-choice-none"), list(QUESTION), gw.counts()["branched"]
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS,
+                                                         tool_choice="none", stream=True))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+            finish, calls = chunks[-1].choices[0].finish_reason, [c.choices[0].delta.tool_calls for c in chunks]
+        else:
+            out = client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS, tool_choice="none")
+            text, finish, calls = out.choices[0].message.content, out.choices[0].finish_reason, [
+                out.choices[0].message.tool_calls]
+        assert (finish, calls.count(None), text) == ("stop", len(calls), gw.format.decode(ids("<tool_call>", CALL,
+                                                                                             "</tool_call>")))
+        msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "five"}]
+    assert client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS).choices[0].message.tool_calls
+    for choice in ("required", {"type": "function", "function": {"name": "calc"}}):
+        with pytest.raises(openai.BadRequestError, match="tool_choice"):
+            _client(srv, "s-choice-required").chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS,
+                                                                    tool_choice=choice)
+    _reward(srv, "s-choice-none", 1.0)
+    (done,) = _closed(gw)
+    assert (done.branched.tolist(), done.turns.tolist(), gw.counts()["branched"]) == ([False], [3], branched)
+
+
 def test_a_turn_asked_for_logprobs_carries_those_its_row_is_trained_with(served):
     """`logprobs=True, top_logprobs=2` through the stock client, answered whole or streamed: each
     drawn id of the turn, in order, with the behaviour log-prob and top-K the learner's row holds

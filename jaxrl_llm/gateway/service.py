@@ -50,13 +50,14 @@ class Closed:
 
 
 def _ask(body: dict, format) -> sessions_lib.Ask:
-    """What a (checked) request asks of its turn: log-probs, and a shorter turn. A format that is
-    not a chat template's (the embedded calculator's) closes every turn at its one call anyway."""
+    """What a (checked) request asks of its turn: log-probs, a shorter turn, its calls. A format
+    that is not a chat template's (the embedded calculator's) closes every turn at its one call."""
     caps = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
-    one_call = body.get("parallel_tool_calls") is False and bool(body.get("tools"))
+    calls = body.get("tool_choice") != "none"
+    one_call = calls and body.get("parallel_tool_calls") is False and bool(body.get("tools"))
     return sessions_lib.Ask(logprobs=(body.get("top_logprobs") or 0) if body.get("logprobs") else None,
                             max_tokens=min(caps) if caps else None, stop=chat.stop_strings(body.get("stop")),
-                            one_call=one_call and isinstance(format, chat.ChatFormat))
+                            one_call=one_call and isinstance(format, chat.ChatFormat), calls=calls)
 
 
 class _Stops:
@@ -288,8 +289,9 @@ class Gateway:
             raise chat.ChatError("model: a string")
         if body.get("n") not in (None, 1):
             raise chat.ChatError("n: one choice per request (open more sessions for more samples)")
-        if body.get("tool_choice") not in (None, "auto"):
-            raise chat.ChatError("tool_choice: only 'auto' (the model decides, as it was sampled)")
+        if body.get("tool_choice") not in (None, "auto", "none"):
+            raise chat.ChatError("tool_choice: 'auto' or 'none' (the model decides, as it was sampled: 'required' or a "
+                                 "named function would constrain what is drawn)")
         self._check_logprobs(body, kind)
         self._check_stop(body)
         for k in ("max_tokens", "max_completion_tokens"):

@@ -48,6 +48,7 @@ class Ask:
     max_tokens: Optional[int] = None  # the turn stops after drawing this many (None: the session's budget)
     stop: tuple = ()  # the turn stops at the id that completes one of these strings
     one_call: bool = False  # `parallel_tool_calls=false`: the turn stops at the id that completes its first call
+    calls: bool = True  # False (`tool_choice="none"`): the turn's text is its answer, no call parsed from it
 
 
 COUNTERS = ("opened", "closed", "timed_out", "abandoned", "branched", "refused", "turns", "tool_calls")
@@ -244,14 +245,16 @@ class Sessions:
     def _turn(self, row: Row, tokens, obs):
         """The turn that ended the row's tokens: its message (chat) or its text (completions),
         up to the first of its request's stop strings, and with `one_call` up to the end of its
-        first tool call (the row keeps what follows: it was drawn)."""
+        first tool call (the row keeps what follows: it was drawn); with `calls` off its text as
+        it is, no call parsed."""
         start = turn_start(obs)
-        if (row.ask.stop or row.ask.one_call) and not isinstance(row.messages, str):
+        if (row.ask.stop or row.ask.one_call or not row.ask.calls) and not isinstance(row.messages, str):
             text = self.format.decode([t for t in tokens[start:] if t != self.format.stop_id])
             text = text[:chat.first_stop(text, row.ask.stop)] if row.ask.stop else text
             text = text[:chat.first_call_end(text)] if row.ask.one_call else text
-            msg, calls = chat.parse_turn(text, f"{row.id}_{row.turns}")
-            return self._said(row, msg, calls)
+            if not row.ask.calls:
+                return self._said(row, {"role": "assistant", "content": text}, [])
+            return self._said(row, *chat.parse_turn(text, f"{row.id}_{row.turns}"))
         if isinstance(row.messages, str):
             ids = [t for t in tokens[start:] if t != self.format.stop_id]
             said = self.format.decode(ids)
