@@ -447,6 +447,37 @@ def test_tool_choice_none_answers_the_turn_as_its_text_and_the_session_goes_on(s
     assert (done.branched.tolist(), done.turns.tolist(), gw.counts()["branched"]) == ([False], [3], branched)
 
 
+def test_return_token_ids_gives_the_ids_each_turn_read_and_drew_as_vllm_does(served):
+    """vLLM's `return_token_ids`, which RL agent frameworks (verifiers, for prime-rl) read instead
+    of tokenising again: `prompt_token_ids` the ids the turn read (the row so far), `token_ids`
+    those it drew (its closing token too), as many as the usage counts; each turn's read ids go on
+    from the last turn's read and drawn ids, and the trained row is the last turn's. A text
+    completion carries both in its choice. With `stream=true`: refused by name."""
+    gw, srv = served
+    client, msgs, seen, asked = _client(srv, "s-ids"), list(QUESTION), [], {"return_token_ids": True}
+    for turn in range(2):
+        out = client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS, extra_body=asked)
+        read, drew = out.prompt_token_ids, out.choices[0].token_ids
+        assert (len(read), len(drew)) == (out.usage.prompt_tokens, out.usage.completion_tokens)
+        seen.append(read + drew)
+        msgs += [out.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": out.choices[0].message.tool_calls[0].id, "content": "five"}]
+    assert seen[0] == gw.format.prompt([chat.normal(m) for m in QUESTION]) + ids("<tool_call>", CALL, "</tool_call>",
+                                                                                  "<|im_end|>")
+    assert seen[1][:len(seen[0])] == seen[0] and len(seen[1]) > len(seen[0])
+    text = _client(srv, "s-ids-text").completions.create(model="policy", prompt="what is two plus three",
+                                                         extra_body=asked)
+    assert text.choices[0].prompt_token_ids == gw.format.encode("what is two plus three")
+    assert len(text.choices[0].token_ids) == text.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError, match="return_token_ids"):
+        client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS, stream=True, extra_body=asked)
+    for name in ("s-ids", "s-ids-text"):
+        _reward(srv, name, 1.0)
+    rows = {c.session: jax.tree.map(np.asarray, c.batch) for c in _closed(gw, 2)}
+    b = rows["s-ids"]
+    assert b.tokens[0][b.input_mask[0] > 0].tolist()[:len(seen[1])] == seen[1]  # a third turn may have begun
+
+
 def test_a_turn_asked_for_logprobs_carries_those_its_row_is_trained_with(served):
     """`logprobs=True, top_logprobs=2` through the stock client, answered whole or streamed: each
     drawn id of the turn, in order, with the behaviour log-prob and top-K the learner's row holds
@@ -530,7 +561,8 @@ _FIELDS = (("temperature",), ("top_k",), ("n",), ("stream",), ("stream_options",
            ("logprobs",), ("top_logprobs",), ("tool_choice",), ("model",), ("parallel_tool_calls",), ("tools",),
            ("tools", 0), ("tools", 0, "function"), ("tools", 0, "function", "name"),
            ("tools", 0, "function", "parameters"), ("messages",), ("messages", 0), ("messages", 0, "role"),
-           ("messages", 0, "content"), ("messages", 0, "tool_call_id"), ("messages", 0, "tool_calls"))
+           ("messages", 0, "content"), ("messages", 0, "tool_call_id"), ("messages", 0, "tool_calls"),
+           ("return_token_ids",))
 
 
 _LATER = (("messages", 1, "content"), ("messages", 1, "tool_calls", 0, "function", "arguments"),

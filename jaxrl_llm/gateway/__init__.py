@@ -3,6 +3,7 @@ client are trained on exactly the tokens the sampler drew for them (`docs/agents
 
   chat      messages <-> token ids through the chat template; tool-call parsing
   responses OpenAI's Responses API (items) as chat turns, and answers as responses
+  fields    what a request may ask of a turn, checked field by field, no I/O
   sessions  the session protocol (extend, branch, reward, timeout), no I/O
   service   sessions' rows in the continuous-batching slots; closed sessions as batch rows
   server    the HTTP face (FastAPI / uvicorn)

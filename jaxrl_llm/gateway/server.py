@@ -1,7 +1,7 @@
 """The gateway's HTTP face: OpenAI-compatible chat completions in front of `service.Gateway`.
 
 FastAPI on uvicorn: the stack `openai`-style servers in Python use (vLLM, SGLang, AReaL's proxy),
-with pydantic-free handlers here because every field is checked by `service.Gateway._check`
+with pydantic-free handlers here because every field is checked by `fields.check`
 and refused by name. A session is named by the base URL (`/s/<session>/v1`, what a stock client
 takes as `base_url`) or by the `X-Session-Id` header. Loopback by default; any other host needs
 the run's token, sent as the bearer key (`api_key=` of the stock client).
@@ -160,10 +160,13 @@ async def _answer(gateway, request: Request, session: Optional[str], kind: str):
         out = responses.response(got, body, gateway.model)
         gateway.remember(session, out["id"], responses.history(body, asked, got.message))
         return JSONResponse(out)
+    ids = {} if got.ids is None else {"prompt_token_ids": got.ids[0], "token_ids": got.ids[1]}  # as vLLM's
     if kind == "text":
-        choice = {"index": 0, "text": got.message, "finish_reason": got.finish, "logprobs": None}
+        choice = {"index": 0, "text": got.message, "finish_reason": got.finish, "logprobs": None, **ids}
         return JSONResponse({**head, "object": "text_completion", "choices": [choice], "usage": got.usage})
     choice = {"index": 0, "message": got.message, "finish_reason": got.finish, "logprobs": got.logprobs}
+    if ids:  # chat: the prompt's at the top, the turn's in its choice
+        head, choice = {**head, "prompt_token_ids": ids["prompt_token_ids"]}, {**choice, "token_ids": ids["token_ids"]}
     return JSONResponse({**head, "object": "chat.completion", "usage": got.usage, "choices": [choice]})
 
 
@@ -239,7 +242,7 @@ async def _streamed(gateway, row: int, future, head: dict, kind: str, start: flo
             yield _event(head, kind, {"content": piece} if kind == "chat" else piece)
             sent += piece
         try:
-            message, finish, counted, logprobs = future.result()
+            message, finish, counted, logprobs = future.result()[:4]
         except chat.ChatError as e:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error'}})}\n\n"
             yield "data: [DONE]\n\n"

@@ -19,21 +19,12 @@ import jax
 import numpy as np
 
 from jaxrl_llm.batch import TrajectoryBatch
-from jaxrl_llm.gateway import chat, sessions as sessions_lib
+from jaxrl_llm.gateway import chat, fields, sessions as sessions_lib
 from jaxrl_llm.rollout.sampler import left_pad, to_batch
 from jaxrl_llm.rollout.turns import Turns
 from jaxrl_llm.tasks.envs import turn_start
 
-# Request fields: what the run's sampling distribution fixes (checked for equality), what is
-# taken, and what is ignored; any other field is refused by name.
-FIXED = ("temperature", "top_p", "top_k")
-TAKEN = ("model", "messages", "prompt", "tools", "tool_choice", "stream", "stream_options", "max_tokens",
-         "max_completion_tokens", "n", "parallel_tool_calls", "logprobs", "top_logprobs", "stop")
-MAX_STOPS, MAX_STOP_CHARS = 4, 256  # stop strings a request may give (OpenAI's limit), characters each
 SCORES = ("logp_BxN", "topk_ids_BxNxK", "topk_logp_BxNxK")  # a row's outputs a turn's `logprobs` come from
-IGNORED = ("user", "metadata", "store")
-BOOLS = ("stream", "parallel_tool_calls")  # `logprobs`: `_check_logprobs` (an integer on /v1/completions)
-ZERO = ("presence_penalty", "frequency_penalty")  # accepted at their neutral value only
 MAX_RESPONSES = 64  # a session's Responses conversations kept for `previous_response_id` (the newest)
 
 
@@ -47,17 +38,6 @@ class Closed:
     branched: np.ndarray  # bool per row
     turns: np.ndarray
     tool_calls: np.ndarray
-
-
-def _ask(body: dict, format) -> sessions_lib.Ask:
-    """What a (checked) request asks of its turn: log-probs, a shorter turn, its calls. A format
-    that is not a chat template's (the embedded calculator's) closes every turn at its one call."""
-    caps = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
-    calls = body.get("tool_choice") != "none"
-    one_call = calls and body.get("parallel_tool_calls") is False and bool(body.get("tools"))
-    return sessions_lib.Ask(logprobs=(body.get("top_logprobs") or 0) if body.get("logprobs") else None,
-                            max_tokens=min(caps) if caps else None, stop=chat.stop_strings(body.get("stop")),
-                            one_call=one_call and isinstance(format, chat.ChatFormat), calls=calls)
 
 
 class _Stops:
@@ -126,14 +106,14 @@ class Gateway:
 
     def _open(self, session: str, body: dict, kind: str) -> Future:
         self.check()
-        self._check(body, kind)
+        fields.check(body, kind, self.sampler.cfg, self.format)
         with self._lock:
             try:
                 if kind == "prompt":
-                    answer, row = self.sessions.complete(session, body.get("prompt"), _ask(body, self.format))
+                    answer, row = self.sessions.complete(session, body.get("prompt"), fields.ask(body, self.format))
                 else:
                     answer, row = self.sessions.request(session, body.get("messages"), chat.check_tools(
-                        body.get("tools")), _ask(body, self.format))
+                        body.get("tools")), fields.ask(body, self.format))
             except chat.ChatError:
                 self.sessions.counts["refused"] += 1
                 raise
@@ -259,71 +239,6 @@ class Gateway:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=60)
-
-    def _check(self, body: dict, kind: str = "messages") -> None:
-        if not isinstance(body, dict):
-            raise chat.ChatError("body: a JSON object")
-        other = "prompt" if kind == "messages" else "messages"
-        if other in body or (kind == "prompt" and ("tools" in body or "tool_choice" in body)):
-            raise chat.ChatError(f"{other if other in body else 'tools'}: not a field of this endpoint")
-        for k, v in body.items():
-            if k in FIXED:
-                run = getattr(self.sampler.cfg, k)
-                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                    raise chat.ChatError(f"{k}: a number (this run samples with {k}={run})")
-                if v is not None and not math.isclose(float(v), float(run), rel_tol=0, abs_tol=1e-9):
-                    raise chat.ChatError(f"{k}: this run samples with {k}={run}; its tokens are trained as drawn")
-            elif k in ZERO:
-                if v not in (None, 0, 0.0):
-                    raise chat.ChatError(f"{k}: only 0 (the run's sampling distribution)")
-            elif k not in TAKEN and k not in IGNORED:
-                raise chat.ChatError(f"{k}: not supported by this gateway")
-            elif k in BOOLS and v not in (None, True, False):
-                raise chat.ChatError(f"{k}: true or false")
-        options = body.get("stream_options")
-        if options is not None and (not isinstance(options, dict) or any(
-                k not in ("include_usage", "include_obfuscation") or v not in (None, True, False)
-                for k, v in options.items())):
-            raise chat.ChatError("stream_options: an object of include_usage (true or false)")
-        if not isinstance(body.get("model", ""), str):
-            raise chat.ChatError("model: a string")
-        if body.get("n") not in (None, 1):
-            raise chat.ChatError("n: one choice per request (open more sessions for more samples)")
-        if body.get("tool_choice") not in (None, "auto", "none"):
-            raise chat.ChatError("tool_choice: 'auto' or 'none' (the model decides, as it was sampled: 'required' or a "
-                                 "named function would constrain what is drawn)")
-        self._check_logprobs(body, kind)
-        self._check_stop(body)
-        for k in ("max_tokens", "max_completion_tokens"):
-            v = body.get(k)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise chat.ChatError(f"{k}: a positive integer (the turn's tokens at most; the session's own budget is "
-                                     f"sampler.max_new_tokens={self.sampler.cfg.max_new_tokens})")
-
-    def _check_stop(self, body: dict) -> None:
-        stop = body.get("stop")
-        if stop is None:
-            return
-        stops = chat.stop_strings(stop) if isinstance(stop, (str, list)) else ()  # anything else: refused
-        if not 1 <= len(stops) <= MAX_STOPS or not all(
-                isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
-            raise chat.ChatError(f"stop: a string or a list of 1 to {MAX_STOPS}, each of 1 to {MAX_STOP_CHARS} "
-                                 "characters")
-        if not isinstance(self.format, chat.ChatFormat):
-            raise chat.ChatError("stop: not with this task's format (the embedded calculator's ids)")
-
-    def _check_logprobs(self, body: dict, kind: str) -> None:
-        asked, top = body.get("logprobs"), body.get("top_logprobs")
-        if kind == "prompt" and asked not in (None, 0):
-            raise chat.ChatError("logprobs: chat completions only (/v1/chat/completions)")
-        if asked not in (None, True, False):
-            raise chat.ChatError("logprobs: true or false")
-        k = self.sampler.cfg.capture_topk
-        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= k):
-            raise chat.ChatError(f"top_logprobs: an integer from 0 to {k} (the top-K the run's samplers record, "
-                                 "sampler.capture_topk)")
-        if top and not asked:
-            raise chat.ChatError("top_logprobs: needs logprobs=true")
 
     # -- the slots (one thread) -----------------------------------------------------------------
 

@@ -38,6 +38,7 @@ class Answer(NamedTuple):
     finish: str  # finish reason: stop | tool_calls | length
     usage: dict  # prompt / completion / total tokens, in the row's ids
     logprobs: Optional[dict] = None  # choices[].logprobs when the request asked for them
+    ids: Optional[tuple] = None  # (the ids the turn read, the ids it drew) when asked (`Ask.token_ids`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Ask:
     stop: tuple = ()  # the turn stops at the id that completes one of these strings
     one_call: bool = False  # `parallel_tool_calls=false`: the turn stops at the id that completes its first call
     calls: bool = True  # False (`tool_choice="none"`): the turn's text is its answer, no call parsed from it
+    token_ids: bool = False  # the answer carries the ids the turn read and drew (vLLM's `return_token_ids`)
 
 
 COUNTERS = ("opened", "closed", "timed_out", "abandoned", "branched", "refused", "turns", "tool_calls")
@@ -277,7 +279,9 @@ class Sessions:
             start, lp = turn_start(obs), None
             if row.ask.logprobs is not None and scores is not None:
                 lp = chat.logprobs(self.format, tokens[start:], *(x[start:] for x in scores), row.ask.logprobs)
-            row.answer.set_result(Answer(msg, finish, _usage(row, tokens, obs), lp))
+            ids = [int(t) for t in tokens]
+            read = (list(row.prompt) + ids[:start], ids[start:]) if row.ask.token_ids else None
+            row.answer.set_result(Answer(msg, finish, _usage(row, tokens, obs), lp, read))
 
     def _close(self, row: Row) -> None:
         if row.state == "closed":
