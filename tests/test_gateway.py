@@ -405,10 +405,12 @@ def test_a_turn_the_gateway_cannot_answer_ends_its_session_not_the_slots(served,
         return parse(ids, turn_id)
 
     monkeypatch.setattr(gw.format, "reply", reply)
+    failures = gw.counts()["failed"]
     with pytest.raises(openai.InternalServerError, match="'s-fail'.*a parse this gateway got wrong"):
         _client(srv, "s-fail").chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS)
     gw.check()
     branched = gw.counts()["branched"]
+    assert gw.counts()["failed"] == failures + 1  # `gateway/turns_failed`
     for name in ("s-fail", "s-fine"):
         out = _client(srv, name).chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS)
         assert out.choices[0].finish_reason == "tool_calls"

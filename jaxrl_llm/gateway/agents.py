@@ -257,9 +257,9 @@ class AgentTask:
         task's own counts, then its slots' tokens and capacity."""
         c = self.gateway.counts() if self.gateway is not None else {}
         slots = self.gateway.slot_use() if self.gateway is not None else (0, 0)
+        gateway = ("opened", "closed", "timed_out", "abandoned", "branched", "refused", "failed")
         mine = ("agent_errors", "branch_rows", "scored_after_failure", "check_failures", "dropped")
-        return np.asarray([c.get(k, 0) for k in ("opened", "closed", "timed_out", "abandoned", "branched", "refused")]
-                          + [self.counts[k] for k in mine] + list(slots), np.float64)
+        return np.asarray([c.get(k, 0) for k in gateway] + [self.counts[k] for k in mine] + list(slots), np.float64)
 
     def latencies(self) -> np.ndarray:
         """Milliseconds of the gateway's requests answered since the last call."""

@@ -53,7 +53,7 @@ class Ask:
     token_ids: bool = False  # the answer carries the ids the turn read and drew (vLLM's `return_token_ids`)
 
 
-COUNTERS = ("opened", "closed", "timed_out", "abandoned", "branched", "refused", "turns", "tool_calls")
+COUNTERS = ("opened", "closed", "timed_out", "abandoned", "branched", "refused", "failed", "turns", "tool_calls")
 
 
 @dataclasses.dataclass
@@ -190,6 +190,7 @@ class Sessions:
         session goes on only as a branch, or is dropped. Returns the row's (final) reply."""
         row, reply = self.rows[row_id], Future()
         row.reply, row.ended = reply, True
+        self.counts["failed"] += 1
         reply.set_result(Reply(done=True))
         if row.state == "generating":
             row.state, row.seen = "waiting", self.clock()

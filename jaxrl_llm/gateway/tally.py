@@ -13,7 +13,7 @@ import numpy as np
 # run's agent task settled (`agents.AgentTask`), and the decode slots' tokens against their
 # capacity (slots x decode steps), each a total so far.
 COUNTS = ("sessions_opened", "sessions_closed", "sessions_timed_out", "sessions_abandoned", "sessions_branched",
-          "refused", "agent_errors", "branch_rows_dropped", "scored_after_failure", "task_check_failures",
+          "refused", "turns_failed", "agent_errors", "branch_rows_dropped", "scored_after_failure", "task_check_failures",
           "sessions_dropped", "slot_tokens", "slot_capacity")
 MAX_LATENCIES = 1024  # a node reports at most this many of a heartbeat's request latencies (the newest)
 MAX_MS = 1e7  # ... each in [0, MAX_MS] milliseconds
