@@ -325,3 +325,19 @@ def test_a_call_nested_past_a_requests_limit_is_answered_as_text_and_the_session
         t.respond(row.id, [ord(c) for c in text] + [1], [False] * (len(text) + 1))
         msg, finish = answer.result()[:2]
         assert ("tool_calls" in msg, finish) == (called, "tool_calls" if called else "stop")
+
+
+def test_a_failed_turn_ends_its_row_only_and_the_session_goes_on_as_a_branch():
+    """`fail` (the slots could not answer a row's turn): the waiting request gets `TurnFailed`
+    naming the session, the row's reply ends it, the count grows; the session's next request
+    starts a branch, and another session is untouched."""
+    t, _ = _table()
+    answer, row = t.request("f", [USER])
+    other, row2 = t.request("g", [USER])
+    assert t.fail(row.id, ValueError("parse")).result().done and row.ended and t.counts["failed"] == 1
+    with pytest.raises(chat.TurnFailed, match="'f'.*ValueError: parse"):
+        answer.result()
+    again, branch = t.request("f", [USER])
+    assert branch.branched and t.counts["branched"] == 1 and not other.done()
+    t.respond(row2.id, [ord("o"), 99], [False, False])
+    assert other.result()[:2] == ({"role": "assistant", "content": "o"}, "stop")
