@@ -33,7 +33,7 @@ QUESTION = [{"role": "user", "content": "what is two plus three"}]
 
 
 @functools.cache
-def tokenizer():
+def tokenizer(template=None):
     import transformers
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
@@ -44,7 +44,7 @@ def tokenizer():
     tok.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in SPECIAL])
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
                                                 pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = template or CHAT_TEMPLATE
     return fast
 
 
@@ -478,6 +478,37 @@ def test_return_token_ids_gives_the_ids_each_turn_read_and_drew_as_vllm_does(ser
     rows = {c.session: jax.tree.map(np.asarray, c.batch) for c in _closed(gw, 2)}
     b = rows["s-ids"]
     assert b.tokens[0][b.input_mask[0] > 0].tolist()[:len(seen[1])] == seen[1]  # a third turn may have begun
+
+
+# Qwen3's rule: an assistant turn before the last user message is rendered without its reasoning
+DROPS_REASONING = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}{% set c = m['content'] %}{% if m['role'] == 'assistant' and "
+    "loop.index0 < ns.last and '</think>' in c %}{% set c = c.split('</think>')[-1].lstrip() %}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ c }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}")
+
+
+def test_a_template_that_drops_earlier_reasoning_still_extends_the_row_token_for_token():
+    """Qwen3's template renders a turn's reasoning only until a user message follows it, so the
+    conversation rendered again no longer starts with the row (before, such a request was refused):
+    the new ids are what the template writes after the model's turn (the user message, the next
+    header), the same as where nothing is rewritten; the row keeps the reasoning the model drew
+    and read. Tool results alone keep it, and extend exactly as before."""
+    fmt = chat.ChatFormat(tokenizer(DROPS_REASONING), ids("<|im_end|>")[0])
+    plain = chat.ChatFormat(tokenizer(), ids("<|im_end|>")[0])
+    before = [{"role": "user", "content": "what is two plus three"},
+              {"role": "assistant", "content": "<think> hi </think> five"}]
+    user, tool = {"role": "user", "content": "what is five plus two"}, {"role": "tool", "content": "five"}
+    full = fmt._render(before + [user], None, True)
+    assert "hi" not in full and not full.startswith(fmt._render(before, None, False))  # rewritten
+    after = ids("\n", "<|im_start|>", "user", "\n", "what", "is", "five", "plus", "two", "<|im_end|>", "\n",
+                "<|im_start|>", "assistant", "\n")
+    assert fmt.extension(before, [user]) == plain.extension(before, [user]) == after
+    assert fmt.rewrites and not plain.rewrites
+    assert fmt.extension(before, [tool]) == plain.extension(before, [tool])
+    cut = len(plain._render(before, None, False).rstrip("\n"))  # just after the turn's closing token
+    assert plain._after_turn(before, [tool], None, "\n") == plain._render(before + [tool], None, True)[cut:]
 
 
 def test_a_turn_asked_for_logprobs_carries_those_its_row_is_trained_with(served):

@@ -15,6 +15,7 @@ inside the assistant's turn, parsed into OpenAI `tool_calls` (`parse_turn`).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from typing import Any, Optional, Sequence
@@ -194,6 +195,7 @@ class ChatFormat:
             raise ValueError("the gateway needs a tokenizer with a chat template")
         self.tokenizer, self.stop_id = tokenizer, int(stop_id)
         self.stop_text = tokenizer.decode([self.stop_id])
+        self.rewrites = False  # the template was seen rendering earlier turns anew (`_after_turn`)
 
     def _render(self, msgs: Sequence[dict], tools, generation: bool) -> str:
         kw = {"tools": tools} if tools else {}
@@ -209,17 +211,42 @@ class ChatFormat:
 
     def extension(self, before: Sequence[dict], new: Sequence[dict], tools=None) -> list:
         """The ids that follow a model turn (`before` ends with it) when `new` messages come:
-        the whole conversation rendered, from just after the turn's closing token on."""
+        the whole conversation rendered, from just after the turn's closing token on. A template
+        that renders earlier turns anew once new messages follow (Qwen3's drops the reasoning of
+        the turns before the last user message) gives what it writes after the turn instead
+        (`_after_turn`): the row keeps every turn as the model drew and read it."""
         said = self._render(before, tools, False)
         cut = said.rfind(self.stop_text)
         if cut < 0:
             raise ChatError(f"the chat template does not close an assistant turn with {self.stop_text!r}")
         cut += len(self.stop_text)
         full = self._render(list(before) + list(new), tools, True)
-        if not full.startswith(said[:cut]):
+        if full.startswith(said[:cut]):
+            return self.encode(full[cut:])
+        return self.encode(self._after_turn(before, new, tools, said[cut:]))
+
+    def _after_turn(self, before: Sequence[dict], new: Sequence[dict], tools, tail: str) -> str:
+        """What the template writes after the model's last turn (`before[-1]`) and its closing
+        token when `new` follow, found after a sentinel standing for that turn's text; `tail`:
+        what it writes after a last turn's closing token (a newline), which must follow."""
+        last = before[-1]
+        if any(self.stop_text in json.dumps(c) for c in last.get("tool_calls", ())):
+            raise ChatError(f"the model's last turn calls a tool with {self.stop_text!r} in it, and the chat template "
+                            "renders earlier turns anew: this session cannot be extended token for token")
+        marked = self._render(list(before[:-1]) + [{**last, "content": _SENTINEL}] + list(new), tools, True)
+        at = marked.find(_SENTINEL)
+        end = marked.find(self.stop_text, at + len(_SENTINEL)) if at >= 0 else -1
+        rest = marked[end + len(self.stop_text):]
+        if end < 0 or not rest.startswith(tail):
             raise ChatError("the chat template renders the earlier conversation differently once new messages "
-                            "follow; this session cannot be extended token for token")
-        return self.encode(full[cut:])
+                            "follow, and not the model's last turn as it was: this session cannot be extended token "
+                            "for token")
+        if not self.rewrites:
+            self.rewrites = True
+            logging.getLogger(__name__).warning(
+                "the chat template renders earlier turns anew once new messages follow (as Qwen3's drops earlier "
+                "reasoning); the gateway's rows keep every turn as the model drew and read it")
+        return rest
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
