@@ -398,8 +398,8 @@ def test_a_turn_the_gateway_cannot_answer_ends_its_session_not_the_slots(served,
     gw, srv = served
     parse, failed = gw.format.reply, []
 
-    def reply(ids, turn_id):
-        if not failed:
+    def reply(ids, turn_id):  # `turn_id`: "<row>_<turn>"
+        if not failed and gw.sessions.rows[int(turn_id.split("_")[0])].session == "s-fail":
             failed.append(turn_id)
             raise RuntimeError("a parse this gateway got wrong")
         return parse(ids, turn_id)
