@@ -134,6 +134,13 @@ def _message(item_id: str, text: str, status: str = "completed") -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
 
 
+def _head(body: dict, model: str, rid: str, status: str) -> dict:
+    """The fields a response states before its output: what it is and what its request set."""
+    return {"id": rid, "object": "response", "created_at": int(time.time()), "model": model, "status": status,
+            "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
+            "parallel_tool_calls": body.get("parallel_tool_calls", True)}
+
+
 def response(answer, body: dict, model: str, ids: tuple = ()) -> dict:
     """A chat turn's `sessions.Answer` as a Responses `response`: its text as a message item (when
     it has text, or no tool call), each tool call as a function_call item. `ids`: the response's
@@ -147,13 +154,10 @@ def response(answer, body: dict, model: str, ids: tuple = ()) -> dict:
                        "name": call["function"]["name"], "arguments": call["function"]["arguments"]})
     cut = answer.finish == "length"
     used = answer.usage
-    return {"id": rid, "object": "response", "created_at": int(time.time()), "model": model,
-            "status": "incomplete" if cut else "completed",
+    return {**_head(body, model, rid, "incomplete" if cut else "completed"),
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
-            "output": output, "instructions": body.get("instructions"), "tools": body.get("tools") or [],
-            "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": body.get("parallel_tool_calls",
-                                                                                              True),
-            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "metadata": body.get("metadata"),
+            "output": output, "instructions": body.get("instructions"), "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"), "metadata": body.get("metadata"),
             "previous_response_id": body.get("previous_response_id"), "reasoning": None, "store": False,
             "truncation": "disabled",
             "text": {"format": {"type": "text"}},
@@ -175,10 +179,8 @@ class Stream:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.n - 1, **fields})}\n\n"
 
     def start(self) -> list:
-        shell = {"id": self.ids[0], "object": "response", "created_at": int(time.time()), "model": self.model,
-                 "status": "in_progress", "output": [], "tools": self.body.get("tools") or [], "error": None,
-                 "incomplete_details": None, "tool_choice": self.body.get("tool_choice") or "auto",
-                 "parallel_tool_calls": self.body.get("parallel_tool_calls", True)}
+        shell = {**_head(self.body, self.model, self.ids[0], "in_progress"), "output": [], "error": None,
+                 "incomplete_details": None}
         return [self._event("response.created", response=shell), self._event("response.in_progress", response=shell)]
 
     def text(self, delta: str) -> list:

@@ -51,14 +51,14 @@ class _Stops:
         g = self.gateway
         with g._lock:
             return {r.id for r in g.sessions.rows.values()
-                    if r.state == "generating" and (r.ask.stop or r.ask.one_call)}
+                    if r.state == "generating" and r.ask.cuts}
 
     def __call__(self, row: int, ids):
         g = self.gateway
         with g._lock:
             r = g.sessions.rows.get(row)
             ask = r.ask if r is not None and r.state == "generating" else sessions_lib.Ask()
-        return chat.turn_cut(g.format, ids, ask.stop, ask.one_call) if ask.stop or ask.one_call else None
+        return chat.turn_cut(g.format, ids, ask.stop, ask.one_call) if ask.cuts else None
 
 
 class Gateway:

@@ -52,6 +52,11 @@ class Ask:
     calls: bool = True  # False (`tool_choice="none"`): the turn's text is its answer, no call parsed from it
     token_ids: bool = False  # the answer carries the ids the turn read and drew (vLLM's `return_token_ids`)
 
+    @property
+    def cuts(self) -> bool:
+        """Whether the slots may end the turn early (`rollout.turns.Turns.stops`)."""
+        return bool(self.stop) or self.one_call
+
 
 COUNTERS = ("opened", "closed", "timed_out", "abandoned", "branched", "refused", "failed", "turns", "tool_calls")
 
@@ -251,7 +256,7 @@ class Sessions:
         first tool call (the row keeps what follows: it was drawn); with `calls` off its text as
         it is, no call parsed."""
         start = turn_start(obs)
-        if (row.ask.stop or row.ask.one_call or not row.ask.calls) and not isinstance(row.messages, str):
+        if (row.ask.cuts or not row.ask.calls) and not isinstance(row.messages, str):
             text = self.format.decode([t for t in tokens[start:] if t != self.format.stop_id])
             text = text[:chat.first_stop(text, row.ask.stop)] if row.ask.stop else text
             text = text[:chat.first_call_end(text)] if row.ask.one_call else text
