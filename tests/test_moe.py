@@ -1,6 +1,7 @@
 """`models/moe.py`: Qwen3-MoE and Qwen2-MoE layers against transformers (logits, greedy generation,
-export round trip), both dispatches alike in values and gradients, the load-balancing loss
-against transformers', and the parameter counts (total vs active)."""
+export round trip), both dispatches alike in values and gradients, the router's gradient under
+replay against a NumPy layer, the load-balancing loss against transformers', and the parameter
+counts (total vs active)."""
 
 import types
 
@@ -388,6 +389,56 @@ def test_a_run_replays_the_samplers_routing(pair, tmp_path):
     c.model.moe.routing = "replay"
     with pytest.raises(ValueError, match=r"routing=replay needs a mixture of experts \(here: the model is dense\)"):
         plan.resolve(c)
+
+
+@pytest.mark.parametrize("normalise", [True, False])
+def test_replayed_experts_pass_the_gradient_to_the_router_as_a_numpy_layer_does(normalise):
+    """Under replay (R3) the recorded experts are used, not the router's top k, and the gate
+    weights come from the learner's router logits at those experts: the layer's gradient in the
+    router equals central differences of a float64 NumPy layer with the same experts fixed."""
+    from jaxrl_llm.models.config import ModelConfig
+
+    n, d, f, e, k = 6, 8, 5, 4, 2
+    cfg = ModelConfig(vocab_size=8, hidden_size=d, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                      head_dim=8, model_type="qwen3_moe", num_experts=e, num_experts_per_tok=k,
+                      moe_intermediate_size=f, norm_topk_prob=normalise, moe_routing="replay")
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(n, d))
+    w = {"router": rng.normal(size=(d, e)), "gate": rng.normal(size=(e, d, f)) * 0.4,
+         "up": rng.normal(size=(e, d, f)) * 0.4, "down": rng.normal(size=(e, f, d)) * 0.4}
+    ids = np.argsort(x @ w["router"], -1)[:, :k]  # the router's bottom k: never its own choice
+
+    def numpy_loss(router):
+        logits = x @ router
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        g = np.take_along_axis(p, ids, -1)
+        g = g / g.sum(-1, keepdims=True) if normalise else g
+        y = np.zeros_like(x)
+        for t in range(n):
+            for j, ex in enumerate(ids[t]):
+                a = x[t] @ w["gate"][ex]
+                y[t] += g[t, j] * ((a / (1 + np.exp(-a)) * (x[t] @ w["up"][ex])) @ w["down"][ex])
+        return np.sum(np.sin(y))
+
+    h, fd = 1e-6, np.zeros((d, e))
+    for i, j in np.ndindex(d, e):
+        bump = np.zeros((d, e))
+        bump[i, j] = h
+        fd[i, j] = (numpy_loss(w["router"] + bump) - numpy_loss(w["router"] - bump)) / (2 * h)
+    params = {key: jnp.asarray(v, jnp.float32) for key, v in w.items()}
+    xs, given = jnp.asarray(x[None], jnp.float32), jnp.asarray(ids[None], jnp.int16)
+    for dispatch in ("dense", "blocked"):
+        layer = moe.MoE(cfg.replace(moe_dispatch=dispatch))
+        loss = lambda p, c=None: jnp.sum(jnp.sin((layer if c is None else moe.MoE(c)).apply(  # noqa: E731
+            {"params": p}, xs, given)[0]))
+        grad = jax.grad(loss)(params)["router"]
+        np.testing.assert_allclose(grad, fd, rtol=2e-3, atol=2e-5 * np.abs(fd).max(), err_msg=dispatch)
+        assert float(loss(params)) == pytest.approx(numpy_loss(w["router"]), rel=1e-5, abs=1e-5)
+        # recomputing (the router's own top k) is another layer: what replay must not fall back to
+        assert abs(float(loss(params, cfg.replace(moe_routing="recompute", moe_dispatch=dispatch)))
+                   - numpy_loss(w["router"])) > 1e-2
+    assert np.abs(fd).max() > 1e-2
 
 
 def test_expert_load_by_hand():
