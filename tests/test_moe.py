@@ -3,6 +3,7 @@ export round trip), both dispatches alike in values and gradients, the router's 
 replay against a NumPy layer, the load-balancing loss against transformers', and the parameter
 counts (total vs active)."""
 
+import re
 import types
 
 import jax
@@ -95,6 +96,30 @@ def test_export_round_trip_loads_in_transformers(pair, tmp_path):
     params2, cfg2 = models.load_params(str(tmp_path))
     assert cfg2 == cfg
     jax.tree_util.tree_map(np.testing.assert_array_equal, params2, params)
+
+
+def test_a_checkpoint_with_its_experts_fused_loads_as_the_hub_layout_does(pair, tmp_path):
+    """transformers v5 writes a mixture's experts fused (`experts.gate_up_proj`, `down_proj`:
+    `save_original_format=False`, offloaded models): the same params as the hub's per-expert
+    layout; a fused tensor of another shape is named before anything is loaded."""
+    from safetensors.numpy import load_file, save_file
+
+    _, model, _, params, cfg = pair
+    fused = F.save(model, str(tmp_path), save_original_format=False)
+    tensors = load_file(f"{fused}/model.safetensors")
+    gate_up = sorted(n for n in tensors if n.endswith("mlp.experts.gate_up_proj"))
+    assert gate_up and not any(".experts.0." in n for n in tensors)
+    models.check_weights(fused, cfg)
+    got, _ = models.load_params(fused)
+    jax.tree.map(np.testing.assert_array_equal, got, params)
+    tensors[gate_up[0]] = tensors[gate_up[0]][:, 1:]  # an odd number of rows: no gate / up halves
+    save_file(tensors, f"{fused}/model.safetensors", metadata={"format": "pt"})
+    shape = [cfg.num_experts, 2 * cfg.moe_intermediate_size - 1, cfg.hidden_size]
+    with pytest.raises(ValueError, match=re.escape(f"{gate_up[0]} in {fused}/model.safetensors has shape {shape}, ")):
+        models.check_weights(fused, cfg)
+    missing = f"lacks {2 * cfg.num_experts} tensor(s), e.g. model.layers.0.mlp.experts.0.gate_proj"
+    with pytest.raises(ValueError, match=re.escape(missing)):
+        models.load_params(fused)  # (loaded without the check: that layer's experts are missing)
 
 
 def test_dispatches_agree_in_values_and_gradients_and_the_router_learns():

@@ -102,6 +102,31 @@ def _moe_names(cfg: ModelConfig, lay: str, pre: str) -> list:
     return out
 
 
+def _fused_shape(name: str, cfg: ModelConfig):
+    """The shape of a mixture's fused experts tensor named `name` (`_parts`), or None: no such name."""
+    pre, _, proj = name.rpartition(".")
+    e, f, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    return {"gate_up_proj": [e, 2 * f, d], "down_proj": [e, d, f]}.get(proj) \
+        if e and pre.endswith(".mlp.experts") else None
+
+
+def _parts(name: str, shape, cfg: ModelConfig) -> list:
+    """A tensor as the per-expert tensors it holds: [(name, take)], `take` its slice of the tensor
+    read (None: the whole). transformers v5 keeps a mixture's experts fused in memory
+    (`experts.gate_up_proj` [E, 2F, D], gate rows first; `experts.down_proj` [E, D, F]) and writes
+    them so with `save_pretrained(save_original_format=False)` and from offloaded models; expert
+    e's `gate_proj`, `up_proj` and `down_proj` as the hub names them are [out, in] slices of those.
+    A fused tensor of another shape stays whole (`check_weights` names it)."""
+    want = _fused_shape(name, cfg)
+    if want is None or list(shape) != want:
+        return [(name, None)]
+    pre, f = name.rpartition(".")[0], cfg.moe_intermediate_size
+    if name.endswith("down_proj"):
+        return [(f"{pre}.{i}.down_proj.weight", lambda a, i=i: a[i]) for i in range(cfg.num_experts)]
+    return [(f"{pre}.{i}.{p}_proj.weight", lambda a, i=i, rows=rows: a[i, rows]) for i in range(cfg.num_experts)
+            for p, rows in (("gate", slice(0, f)), ("up", slice(f, 2 * f)))]
+
+
 def _header(file: str) -> dict:
     """A safetensors file's header, checked against the file's size (nothing else is read)."""
     size = os.path.getsize(file)
@@ -128,8 +153,14 @@ def check_weights(path: str, cfg: ModelConfig) -> None:
     for file in _weight_files(path):
         for name, t in _header(file).items():
             if name != "__metadata__":
-                found[name] = (tuple(t["shape"]), file)
+                whole = np.broadcast_to(np.int8(0), t["shape"])  # a view of the shape: no bytes read
+                for part, take in _parts(name, t["shape"], cfg):
+                    found[part] = ((take(whole) if take else whole).shape, file)
     problems = []
+    for name, (shape, file) in found.items():
+        want = _fused_shape(name, cfg)
+        if want and list(shape) != want:
+            problems.append(f"{name} in {file} has shape {list(shape)}, this model needs {want}")
     for ours, name, _, _ in _hf_names(cfg.without_lora()):
         if name not in found:
             continue  # load_params names every missing tensor
@@ -173,11 +204,18 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, place: Optional[Ca
     params: dict = {}
     unused, experts = [], {}  # stacked path -> {expert: its slice}, stacked once all are read
     for file in _weight_files(path):
+        shapes = {n: t["shape"] for n, t in _header(file).items() if n != "__metadata__"}
         with safe_open(file, framework="flax") as f:
-            for name in f.keys():
-                if name in wanted:
+            for whole in f.keys():
+                tensor = None  # read once, whole or fused (`_parts`)
+                for name, take in _parts(whole, shapes[whole], cfg):
+                    if name not in wanted:
+                        if not _derived(name, cfg):
+                            unused.append(name)
+                        continue
+                    tensor = np.asarray(f.get_tensor(whole), np.float32) if tensor is None else tensor
                     ours, conv = wanted.pop(name)
-                    value = conv(np.asarray(f.get_tensor(name), np.float32))
+                    value = conv(tensor if take is None else take(tensor))
                     if isinstance(ours[-1], int):
                         got = experts.setdefault(ours[:-1], {})
                         got[ours[-1]] = value
@@ -186,8 +224,6 @@ def load_params(path: str, cfg: Optional[ModelConfig] = None, place: Optional[Ca
                             _set(params, ours[:-1], place(ours[:-1], stacked))
                     else:
                         _set(params, ours, place(ours, value))
-                elif not _derived(name, cfg):
-                    unused.append(name)
     if cfg.tie_word_embeddings:
         wanted.pop("lm_head.weight", None)
     if wanted:
