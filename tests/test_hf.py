@@ -157,6 +157,41 @@ def test_unsupported_options_are_refused_by_name(change, message):
         ModelConfig.from_hf(hf)
 
 
+def test_config_json_fields_are_refused_by_name_unless_of_their_type_and_range(tmp_path):
+    """A config.json is a file users point at: each field read is checked for its JSON type and
+    range (a string "false" would be a true flag; a float width or a step of 0 would fail far from
+    the file), a null takes the default, and `load_config` names the file."""
+    import json
+    import re
+
+    hf = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4,
+                                     num_experts_per_tok=2, moe_intermediate_size=8).to_dict()
+    good = ModelConfig.from_hf(hf)
+    cases = [("vocab_size", 0), ("vocab_size", "64"), ("hidden_size", 16.0), ("num_hidden_layers", True),
+             ("num_key_value_heads", 0), ("head_dim", -8), ("max_position_embeddings", -5), ("intermediate_size", [32]),
+             ("rms_norm_eps", "1e-6"), ("rms_norm_eps", 0), ("tie_word_embeddings", "false"), ("attention_bias", 1),
+             ("eos_token_id", "x"), ("eos_token_id", []), ("bos_token_id", -1), ("norm_topk_prob", "false"),
+             ("decoder_sparse_step", 0), ("num_experts_per_tok", 2.5), ("moe_intermediate_size", 0),
+             ("mlp_only_layers", 5), ("mlp_only_layers", ["a"]), ("router_aux_loss_coef", float("nan")),
+             ("router_aux_loss_coef", -0.1)]
+    for key, value in cases:
+        with pytest.raises(ValueError, match="^" + re.escape(f"{key}={value!r} must be ")):
+            ModelConfig.from_hf({**hf, key: value})
+    with pytest.raises(ValueError, match="^vocab_size is missing$"):
+        ModelConfig.from_hf({k: v for k, v in hf.items() if k != "vocab_size"})
+    nulls = ModelConfig.from_hf({**hf, "head_dim": None, "num_key_value_heads": None, "decoder_sparse_step": None,
+                                 "mlp_only_layers": None, "eos_token_id": [5, 6]})
+    assert (nulls.head_dim, nulls.num_kv_heads, nulls.decoder_sparse_step, nulls.mlp_only_layers) == (8, 2, 1, ())
+    assert nulls.eos_token_id == 5 and good.norm_topk_prob is False and good.tie_word_embeddings is False
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "norm_topk_prob": "true"}))
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}/config.json: norm_topk_prob='true' must be")):
+        models.load_config(str(tmp_path))
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}/config.json: Expecting property name")):
+        models.load_config(str(tmp_path))
+
+
 def test_tokenizer_loads_from_the_model_directory(tmp_path):
     from tokenizers import Tokenizer, models as tm, pre_tokenizers
 

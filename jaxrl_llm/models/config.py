@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from jaxrl_llm.models.hf_fields import Fields
+
 SUPPORTED = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe")
 MOE = ("qwen2_moe", "qwen3_moe")
 DISPATCH = ("auto", "dense", "grouped", "blocked")  # `moe.py`
@@ -206,41 +208,41 @@ class ModelConfig:
             )
         rope_type, rope_params, theta = _rope_from_hf(hf)
         _refuse_unsupported(hf)
-        heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        eos = hf.get("eos_token_id")
+        f = Fields({**hf, "rope_theta": theta})  # (theta from whichever rope section holds it)
+        heads = f.int("num_attention_heads")
         kw = dict(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            vocab_size=f.int("vocab_size"),
+            hidden_size=f.int("hidden_size"),
+            intermediate_size=f.int("intermediate_size"),
+            num_layers=f.int("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
+            num_kv_heads=f.int("num_key_value_heads", heads),
+            head_dim=f.int("head_dim", 0) or f.int("hidden_size") // heads,
             model_type=arch,
-            rope_theta=float(theta),
+            rope_theta=f.number("rope_theta", 10000.0),
             rope_type=rope_type,
             rope_params=rope_params,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=(True if arch == "qwen2" else bool(hf.get("qkv_bias", True)) if arch == "qwen2_moe"
-                      else bool(hf.get("attention_bias", False))),
-            o_bias=arch not in ("qwen2", "qwen2_moe") and bool(hf.get("attention_bias", False)),
-            mlp_bias=arch == "llama" and bool(hf.get("mlp_bias", False)),
+            rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+            tie_word_embeddings=f.flag("tie_word_embeddings", False),
+            qkv_bias=(True if arch == "qwen2" else f.flag("qkv_bias", True) if arch == "qwen2_moe"
+                      else f.flag("attention_bias", False)),
+            o_bias=arch not in ("qwen2", "qwen2_moe") and f.flag("attention_bias", False),
+            mlp_bias=arch == "llama" and f.flag("mlp_bias", False),
             qk_norm=arch in ("qwen3", "qwen3_moe"),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            max_position_embeddings=f.int("max_position_embeddings", 32768),
+            bos_token_id=f.token("bos_token_id"),
+            eos_token_id=f.token("eos_token_id"),
         )
         if arch in MOE:
-            kw.update(num_experts=hf.get("num_experts") or hf["num_local_experts"],  # v5 writes the latter
-                      num_experts_per_tok=hf["num_experts_per_tok"], moe_intermediate_size=hf["moe_intermediate_size"],
-                      norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                      decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
-                      mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-                      shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
+            kw.update(num_experts=f.int("num_experts", 0) or f.int("num_local_experts"),  # v5 writes the latter
+                      num_experts_per_tok=f.int("num_experts_per_tok"),
+                      moe_intermediate_size=f.int("moe_intermediate_size"),
+                      norm_topk_prob=f.flag("norm_topk_prob", False),
+                      decoder_sparse_step=f.int("decoder_sparse_step", 1),
+                      mlp_only_layers=f.ints("mlp_only_layers"),
+                      shared_expert_intermediate_size=f.int("shared_expert_intermediate_size", 0, least=0)
                       if arch == "qwen2_moe" else 0,
-                      router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0))
+                      router_aux_loss_coef=f.number("router_aux_loss_coef", 0.0, positive=False))
         kw.update(overrides)
         return cls(**kw)
 

@@ -26,8 +26,11 @@ def load_config(path: str, **overrides) -> ModelConfig:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"no config.json in {path!r} (expected a local Hugging Face model directory)")
-    with open(cfg_file) as f:
-        return ModelConfig.from_hf(json.load(f), **overrides)
+    try:
+        with open(cfg_file) as f:
+            return ModelConfig.from_hf(json.load(f), **overrides)
+    except ValueError as e:  # (bad JSON too) one line naming the file
+        raise ValueError(f"{cfg_file}: {e}") from None
 
 
 def _weight_files(path: str) -> list[str]:
