@@ -192,6 +192,40 @@ def test_config_json_fields_are_refused_by_name_unless_of_their_type_and_range(t
         models.load_config(str(tmp_path))
 
 
+def test_a_malformed_safetensors_header_is_refused_naming_the_file_and_tensor(tmp_path):
+    """The header is read before any weight (`check_weights`): each entry must be a dtype, a shape
+    of integers >= 0 and the byte offsets that hold it, else the file and tensor are named (they
+    raised TypeError or AttributeError, or asked numpy for a 10^24-element view)."""
+    import json
+    import re
+    import struct
+
+    cfg = ModelConfig.from_hf(transformers.Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                       num_hidden_layers=1, num_attention_heads=2,
+                                                       num_key_value_heads=1).to_dict())
+    name = "model.embed_tokens.weight"
+    entries = [{"dtype": "F32", "shape": ["x"], "data_offsets": [0, 4]}, {"dtype": "F32", "shape": [-1, 16]},
+               {"dtype": "F32", "shape": [1], "data_offsets": ["a", 4]}, "nope", [0, 4],
+               {"dtype": "F32", "shape": [10**12, 10**12], "data_offsets": [0, 4]},
+               {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]},
+               {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]},
+               {"dtype": "F8_E4M3", "shape": [10**12, 10**12], "data_offsets": [0, 4]}]
+    file = tmp_path / "model.safetensors"
+    for entry in entries:
+        head = json.dumps({name: entry}).encode()
+        file.write_bytes(struct.pack("<Q", len(head)) + head + bytes(4))
+        with pytest.raises(ValueError, match=re.escape(f"{file}: tensor '{name}' has a malformed header entry")):
+            models.check_weights(str(tmp_path), cfg)
+    head = b"[]"
+    file.write_bytes(struct.pack("<Q", len(head)) + head)
+    with pytest.raises(ValueError, match=re.escape(f"{file} is not a safetensors file (its header is not a JSON")):
+        models.check_weights(str(tmp_path), cfg)
+    head = json.dumps({name: {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    file.write_bytes(struct.pack("<Q", len(head)) + head + bytes(4))  # well formed: the model's sizes are next
+    with pytest.raises(ValueError, match=re.escape(f"{name} in {file} has shape [1], this model needs 1024 values")):
+        models.check_weights(str(tmp_path), cfg)
+
+
 def test_tokenizer_loads_from_the_model_directory(tmp_path):
     from tokenizers import Tokenizer, models as tm, pre_tokenizers
 

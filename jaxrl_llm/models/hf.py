@@ -130,6 +130,24 @@ def _parts(name: str, shape, cfg: ModelConfig) -> list:
             for p, rows in (("gate", slice(0, f)), ("up", slice(f, 2 * f)))]
 
 
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _entry_ok(t) -> bool:
+    """A safetensors header entry: a dtype, a shape of integers >= 0, and byte offsets [begin,
+    end] that hold the shape (exactly for the dtypes a model's weights use; another dtype, at
+    least a bit an element, is left to safetensors, which refuses a wrong size when read)."""
+    nat = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+    if not (isinstance(t, dict) and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
+            and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2):
+        return False
+    (begin, end), shape = t["data_offsets"], t["shape"]
+    if not (all(map(nat, shape)) and nat(begin) and nat(end) and begin <= end):
+        return False
+    elements = int(np.prod(shape, dtype=object))
+    return end - begin == elements * _ITEMSIZE[t["dtype"]] if t["dtype"] in _ITEMSIZE else elements <= 8 * (end - begin)
+
+
 def _header(file: str) -> dict:
     """A safetensors file's header, checked against the file's size (nothing else is read)."""
     size = os.path.getsize(file)
@@ -142,7 +160,13 @@ def _header(file: str) -> dict:
             header = json.loads(f.read(n))
         except ValueError:
             raise ValueError(f"{file} is not a safetensors file (its header is not JSON)") from None
-    end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    if not isinstance(header, dict):
+        raise ValueError(f"{file} is not a safetensors file (its header is not a JSON object)")
+    for name, t in header.items():
+        if name != "__metadata__" and not _entry_ok(t):
+            raise ValueError(f"{file}: tensor {name!r} has a malformed header entry {str(t)[:200]} (a dtype, a "
+                             "shape of integers >= 0 and data_offsets [begin, end] of its bytes are needed)")
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
         raise ValueError(f"{file} is truncated: its header declares {8 + n + end} bytes, the file holds {size}")
     return header
