@@ -104,7 +104,11 @@ def test_a_checkpoint_with_its_experts_fused_loads_as_the_hub_layout_does(pair, 
     layout; a fused tensor of another shape is named before anything is loaded."""
     from safetensors.numpy import load_file, save_file
 
-    _, model, _, params, cfg = pair
+    _, model, hub, params, cfg = pair
+    more = cfg.replace(num_experts=cfg.num_experts + 2)  # counted before the model's shapes are traced
+    with pytest.raises(ValueError, match=re.escape(f"it gives num_experts={more.num_experts}, they hold "
+                                                   f"{cfg.num_experts} (indices 0..{cfg.num_experts - 1})")):
+        models.check_weights(hub, more)
     fused = F.save(model, str(tmp_path), save_original_format=False)
     tensors = load_file(f"{fused}/model.safetensors")
     gate_up = sorted(n for n in tensors if n.endswith("mlp.experts.gate_up_proj"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Callable, Optional
 
 import jax
@@ -175,7 +176,6 @@ def _header(file: str) -> dict:
 def check_weights(path: str, cfg: ModelConfig) -> None:
     """Before anything is loaded: every weight file complete, and each tensor `cfg` needs present
     with the size `cfg` gives it (a checkpoint of another model is refused by tensor name)."""
-    like = jax.eval_shape(lambda: decoder.init_params(cfg.without_lora(), jax.random.key(0)))
     found = {}
     for file in _weight_files(path):
         for name, t in _header(file).items():
@@ -183,6 +183,8 @@ def check_weights(path: str, cfg: ModelConfig) -> None:
                 whole = np.broadcast_to(np.int8(0), t["shape"])  # a view of the shape: no bytes read
                 for part, take in _parts(name, t["shape"], cfg):
                     found[part] = ((take(whole) if take else whole).shape, file)
+    _check_counts(path, found, cfg)
+    like = jax.eval_shape(lambda: decoder.init_params(cfg.without_lora(), jax.random.key(0)))
     problems = []
     for name, (shape, file) in found.items():
         want = _fused_shape(name, cfg)
@@ -199,6 +201,21 @@ def check_weights(path: str, cfg: ModelConfig) -> None:
     if problems:
         raise ValueError(f"the weights in {path} are not those of its config.json's model: "
                          + "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
+
+
+def _check_counts(path: str, names, cfg: ModelConfig) -> None:
+    """config.json's layer and expert counts against the indices the weights' names hold, before
+    anything walks them (the model's shapes, its tensor names): a count no checkpoint backs (a
+    config.json claiming 10^9 layers) is refused here rather than traced."""
+    def held(pattern):
+        return {int(m[1]) for m in map(re.compile(pattern).search, names) if m}
+
+    for key, count, indices in (("num_hidden_layers", cfg.num_layers, held(r"^model\.layers\.(\d+)\.")),
+                                ("num_experts", cfg.num_experts, held(r"\.mlp\.experts\.(\d+)\."))):
+        if len(indices) != count or (indices and (min(indices), max(indices)) != (0, count - 1)):  # range(count)
+            span = f"indices {min(indices)}..{max(indices)}" if indices else "none"
+            raise ValueError(f"the weights in {path} are not those of its config.json's model: it gives "
+                             f"{key}={count}, they hold {len(indices)} ({span})")
 
 
 def _get(tree: dict, path: tuple):
