@@ -209,15 +209,15 @@ class ModelConfig:
         rope_type, rope_params, theta = _rope_from_hf(hf)
         _refuse_unsupported(hf)
         f = Fields({**hf, "rope_theta": theta})  # (theta from whichever rope section holds it)
-        heads = f.int("num_attention_heads")
+        heads = f.integer("num_attention_heads")
         kw = dict(
-            vocab_size=f.int("vocab_size"),
-            hidden_size=f.int("hidden_size"),
-            intermediate_size=f.int("intermediate_size"),
-            num_layers=f.int("num_hidden_layers"),
+            vocab_size=f.integer("vocab_size"),
+            hidden_size=f.integer("hidden_size"),
+            intermediate_size=f.integer("intermediate_size"),
+            num_layers=f.integer("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=f.int("num_key_value_heads", heads),
-            head_dim=f.int("head_dim", 0) or f.int("hidden_size") // heads,
+            num_kv_heads=f.integer("num_key_value_heads", heads),
+            head_dim=f.integer("head_dim", 0) or f.integer("hidden_size") // heads,
             model_type=arch,
             rope_theta=f.number("rope_theta", 10000.0),
             rope_type=rope_type,
@@ -229,18 +229,18 @@ class ModelConfig:
             o_bias=arch not in ("qwen2", "qwen2_moe") and f.flag("attention_bias", False),
             mlp_bias=arch == "llama" and f.flag("mlp_bias", False),
             qk_norm=arch in ("qwen3", "qwen3_moe"),
-            max_position_embeddings=f.int("max_position_embeddings", 32768),
+            max_position_embeddings=f.integer("max_position_embeddings", 32768),
             bos_token_id=f.token("bos_token_id"),
             eos_token_id=f.token("eos_token_id"),
         )
         if arch in MOE:
-            kw.update(num_experts=f.int("num_experts", 0) or f.int("num_local_experts"),  # v5 writes the latter
-                      num_experts_per_tok=f.int("num_experts_per_tok"),
-                      moe_intermediate_size=f.int("moe_intermediate_size"),
+            kw.update(num_experts=f.integer("num_experts", 0) or f.integer("num_local_experts"),  # v5 writes the latter
+                      num_experts_per_tok=f.integer("num_experts_per_tok"),
+                      moe_intermediate_size=f.integer("moe_intermediate_size"),
                       norm_topk_prob=f.flag("norm_topk_prob", False),
-                      decoder_sparse_step=f.int("decoder_sparse_step", 1),
-                      mlp_only_layers=f.ints("mlp_only_layers"),
-                      shared_expert_intermediate_size=f.int("shared_expert_intermediate_size", 0, least=0)
+                      decoder_sparse_step=f.integer("decoder_sparse_step", 1),
+                      mlp_only_layers=f.integers("mlp_only_layers"),
+                      shared_expert_intermediate_size=f.integer("shared_expert_intermediate_size", 0, least=0)
                       if arch == "qwen2_moe" else 0,
                       router_aux_loss_coef=f.number("router_aux_loss_coef", 0.0, positive=False))
         kw.update(overrides)

@@ -28,7 +28,7 @@ class Fields:
     def _bad(self, key: str, value, what: str) -> ValueError:
         return ValueError(f"{key}={value!r} must be {what}")
 
-    def int(self, key: str, default=_REQUIRED, least: int = 1):
+    def integer(self, key: str, default=_REQUIRED, least: int = 1):
         """An integer of at least `least` (a JSON boolean is not one)."""
         value, absent = self._get(key, default)
         if not absent and (isinstance(value, bool) or not isinstance(value, int) or value < least):
@@ -52,7 +52,7 @@ class Fields:
             raise self._bad(key, value, "a finite number " + ("> 0" if positive else ">= 0"))
         return float(value)
 
-    def ints(self, key: str, least: int = 0) -> tuple:
+    def integers(self, key: str, least: int = 0) -> tuple:
         """A list of integers of at least `least`."""
         value, absent = self._get(key, [])
         if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or v < least
