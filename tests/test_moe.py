@@ -101,7 +101,8 @@ def test_export_round_trip_loads_in_transformers(pair, tmp_path):
 def test_a_checkpoint_with_its_experts_fused_loads_as_the_hub_layout_does(pair, tmp_path):
     """transformers v5 writes a mixture's experts fused (`experts.gate_up_proj`, `down_proj`:
     `save_original_format=False`, offloaded models): the same params as the hub's per-expert
-    layout; a fused tensor of another shape is named before anything is loaded."""
+    layout; a fused tensor of another shape is named before anything is loaded, and so is an
+    expert count the weights do not hold."""
     from safetensors.numpy import load_file, save_file
 
     _, model, hub, params, cfg = pair
