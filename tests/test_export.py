@@ -48,3 +48,16 @@ def test_a_full_weight_run_exports_an_hf_checkpoint_with_its_weights_logits_and_
     os.remove(os.path.join(run, "policy.json"))
     with pytest.raises(ValueError, match=rf"{run} has no policy.json"):
         export.export(run, str(tmp_path / "c"))
+
+
+def test_a_generation_config_that_is_no_json_object_is_refused_naming_it(tmp_path):
+    """The tokenizer directory's generation_config.json is read before anything is exported."""
+    assert export.generation_config(str(tmp_path)) == {} and export.generation_config("") == {}
+    path = tmp_path / "generation_config.json"
+    for text, message in (("[1, 2]", "a generation config is a JSON object, this file holds list"),
+                          ("{", "not JSON (Expecting property name")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"^{path}: " + message.replace("(", "\\(")):
+            export.generation_config(str(tmp_path))
+    path.write_text('{"eos_token_id": 3, "top_p": 0.9}')
+    assert export.generation_config(str(tmp_path)) == {"eos_token_id": 3, "top_p": 0.9}

@@ -65,19 +65,33 @@ def _dtype(cfg: ModelConfig, dtype: str) -> ModelConfig:
     return cfg.replace(param_dtype=dtype) if dtype else cfg
 
 
+def generation_config(src: str) -> dict:
+    """The generation config beside the run's tokenizer (`src`; {} without one), read before
+    anything is written: a file users point at, so one that is not a JSON object is refused
+    naming it."""
+    path = os.path.join(src, "generation_config.json") if src else ""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            gen = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(gen, dict):
+        raise ValueError(f"{path}: a generation config is a JSON object, this file holds {type(gen).__name__}")
+    return gen
+
+
 def _export_full(workdir: str, out: str, version, dtype: str) -> int:
     rec = policy.record(workdir)
     cfg = _dtype(ModelConfig.from_dict(rec["model"]), dtype)
+    gen = generation_config(rec["tokenizer"])
     params, version = policy.checkpoint_params(workdir, version)
     models.save_params(out, params, cfg)
     _tokenizer_files(rec["tokenizer"], out)
-    gen_path, gen = os.path.join(out, "generation_config.json"), {}
-    if os.path.isfile(gen_path):  # the tokenizer directory's, copied above
-        with open(gen_path) as f:
-            gen = json.load(f)
     if gen.get("eos_token_id") is None:  # the end the run sampled to, for generate() and servers
         gen["eos_token_id"] = cfg.eos_token_id
-    with open(gen_path, "w") as f:
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
     return version
 
