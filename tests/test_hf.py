@@ -176,7 +176,7 @@ def test_config_json_fields_are_refused_by_name_unless_of_their_type_and_range(t
              ("mlp_only_layers", 5), ("mlp_only_layers", ["a"]), ("router_aux_loss_coef", float("nan")),
              ("router_aux_loss_coef", -0.1)]
     for key, value in cases:
-        with pytest.raises(ValueError, match="^" + re.escape(f"{key}={value!r} must be ")):
+        with pytest.raises(ValueError, match="^" + re.escape(f"{key}={value!r}: expected ")):
             ModelConfig.from_hf({**hf, key: value})
     with pytest.raises(ValueError, match="^vocab_size is missing$"):
         ModelConfig.from_hf({k: v for k, v in hf.items() if k != "vocab_size"})
@@ -185,7 +185,7 @@ def test_config_json_fields_are_refused_by_name_unless_of_their_type_and_range(t
     assert (nulls.head_dim, nulls.num_kv_heads, nulls.decoder_sparse_step, nulls.mlp_only_layers) == (8, 2, 1, ())
     assert nulls.eos_token_id == 5 and good.norm_topk_prob is False and good.tie_word_embeddings is False
     (tmp_path / "config.json").write_text(json.dumps({**hf, "norm_topk_prob": "true"}))
-    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}/config.json: norm_topk_prob='true' must be")):
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}/config.json: norm_topk_prob='true': expected True")):
         models.load_config(str(tmp_path))
     (tmp_path / "config.json").write_text("{")
     with pytest.raises(ValueError, match=re.escape(f"{tmp_path}/config.json: Expecting property name")):

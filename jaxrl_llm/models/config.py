@@ -4,9 +4,10 @@ experts (frozen: usable as a jit static)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
-from jaxrl_llm.models.hf_fields import Fields
+from jaxrl_llm import validation as V
 
 SUPPORTED = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe")
 MOE = ("qwen2_moe", "qwen3_moe")
@@ -208,41 +209,41 @@ class ModelConfig:
             )
         rope_type, rope_params, theta = _rope_from_hf(hf)
         _refuse_unsupported(hf)
-        f = Fields({**hf, "rope_theta": theta})  # (theta from whichever rope section holds it)
-        heads = f.integer("num_attention_heads")
+        f = functools.partial(_read, {**hf, "rope_theta": theta})  # (theta from whichever rope section holds it)
+        heads, size = f("num_attention_heads", V.integer(1)), f("hidden_size", V.integer(1))
         kw = dict(
-            vocab_size=f.integer("vocab_size"),
-            hidden_size=f.integer("hidden_size"),
-            intermediate_size=f.integer("intermediate_size"),
-            num_layers=f.integer("num_hidden_layers"),
+            vocab_size=f("vocab_size", V.integer(1)),
+            hidden_size=size,
+            intermediate_size=f("intermediate_size", V.integer(1)),
+            num_layers=f("num_hidden_layers", V.integer(1)),
             num_heads=heads,
-            num_kv_heads=f.integer("num_key_value_heads", heads),
-            head_dim=f.integer("head_dim", 0) or f.integer("hidden_size") // heads,
+            num_kv_heads=f("num_key_value_heads", V.integer(1), heads),
+            head_dim=f("head_dim", V.integer(1), size // heads),
             model_type=arch,
-            rope_theta=f.number("rope_theta", 10000.0),
+            rope_theta=float(f("rope_theta", V.positive(), 10000.0)),
             rope_type=rope_type,
             rope_params=rope_params,
-            rms_norm_eps=f.number("rms_norm_eps", 1e-6),
-            tie_word_embeddings=f.flag("tie_word_embeddings", False),
-            qkv_bias=(True if arch == "qwen2" else f.flag("qkv_bias", True) if arch == "qwen2_moe"
-                      else f.flag("attention_bias", False)),
-            o_bias=arch not in ("qwen2", "qwen2_moe") and f.flag("attention_bias", False),
-            mlp_bias=arch == "llama" and f.flag("mlp_bias", False),
+            rms_norm_eps=float(f("rms_norm_eps", V.positive(), 1e-6)),
+            tie_word_embeddings=f("tie_word_embeddings", V.boolean(), False),
+            qkv_bias=(True if arch == "qwen2" else f("qkv_bias", V.boolean(), True) if arch == "qwen2_moe"
+                      else f("attention_bias", V.boolean(), False)),
+            o_bias=arch not in ("qwen2", "qwen2_moe") and f("attention_bias", V.boolean(), False),
+            mlp_bias=arch == "llama" and f("mlp_bias", V.boolean(), False),
             qk_norm=arch in ("qwen3", "qwen3_moe"),
-            max_position_embeddings=f.integer("max_position_embeddings", 32768),
-            bos_token_id=f.token("bos_token_id"),
-            eos_token_id=f.token("eos_token_id"),
+            max_position_embeddings=f("max_position_embeddings", V.integer(1), 32768),
+            bos_token_id=_first(f("bos_token_id", _TOKENS, None)),
+            eos_token_id=_first(f("eos_token_id", _TOKENS, None)),
         )
         if arch in MOE:
-            kw.update(num_experts=f.integer("num_experts", 0) or f.integer("num_local_experts"),  # v5 writes the latter
-                      num_experts_per_tok=f.integer("num_experts_per_tok"),
-                      moe_intermediate_size=f.integer("moe_intermediate_size"),
-                      norm_topk_prob=f.flag("norm_topk_prob", False),
-                      decoder_sparse_step=f.integer("decoder_sparse_step", 1),
-                      mlp_only_layers=f.integers("mlp_only_layers"),
-                      shared_expert_intermediate_size=f.integer("shared_expert_intermediate_size", 0, least=0)
+            kw.update(num_experts=f("num_experts", V.integer(1), 0) or f("num_local_experts", V.integer(1)),  # v5
+                      num_experts_per_tok=f("num_experts_per_tok", V.integer(1)),
+                      moe_intermediate_size=f("moe_intermediate_size", V.integer(1)),
+                      norm_topk_prob=f("norm_topk_prob", V.boolean(), False),
+                      decoder_sparse_step=f("decoder_sparse_step", V.integer(1), 1),
+                      mlp_only_layers=tuple(f("mlp_only_layers", _LAYERS, ())),
+                      shared_expert_intermediate_size=f("shared_expert_intermediate_size", V.integer(0), 0)
                       if arch == "qwen2_moe" else 0,
-                      router_aux_loss_coef=f.number("router_aux_loss_coef", 0.0, positive=False))
+                      router_aux_loss_coef=float(f("router_aux_loss_coef", V.non_negative(), 0.0)))
         kw.update(overrides)
         return cls(**kw)
 
@@ -289,6 +290,33 @@ class ModelConfig:
         if self.eos_token_id is not None:
             out["eos_token_id"] = self.eos_token_id
         return out
+
+
+# A checkpoint's config.json is a file users point at: each field `from_hf` reads is checked for
+# its JSON type and range (a string "false" is a true flag to Python, a float width reaches the
+# shapes, a sparse step of 0 divides by zero later), by the rules config sections use.
+_REQUIRED = object()
+_LAYERS = V.Rule("a list of integers >= 0", lambda x: isinstance(x, list) and all(map(V.integer(0).ok, x)))
+_TOKENS = V.Rule("a token id >= 0 or a non-empty list of them",
+                 lambda x: V.integer(0).ok(x) or (isinstance(x, list) and x and all(map(V.integer(0).ok, x))))
+
+
+def _read(hf: dict, key: str, rule: V.Rule, default=_REQUIRED):
+    """`hf[key]` if `rule` allows it (else refused naming the key); missing or null: `default`."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{key} is missing")
+        return default
+    problem = rule.problem(key, value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+def _first(ids):
+    """A token id, or the first of a list of them (`eos_token_id` may list several)."""
+    return ids[0] if isinstance(ids, list) else ids
 
 
 def _rope_from_hf(hf: dict):

@@ -16,6 +16,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxrl_llm import validation as V
 from jaxrl_llm.models import decoder
 from jaxrl_llm.models.config import ModelConfig
 
@@ -138,7 +139,7 @@ def _entry_ok(t) -> bool:
     """A safetensors header entry: a dtype, a shape of integers >= 0, and byte offsets [begin,
     end] that hold the shape (exactly for the dtypes a model's weights use; another dtype, at
     least a bit an element, is left to safetensors, which refuses a wrong size when read)."""
-    nat = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+    nat = V.integer(0).ok
     if not (isinstance(t, dict) and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
             and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2):
         return False
